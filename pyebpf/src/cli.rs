@@ -1,0 +1,101 @@
+//! Command-line interface definitions.
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "pyebpf",
+    version,
+    about = "System-wide sampling profiler for Python on Linux, built on eBPF",
+    long_about = "System-wide sampling profiler for Python on Linux, built on eBPF.\n\n\
+        Samples every CPU with a perf-event eBPF program and shows, for every process, where CPU time \
+        goes: Python functions and lines (CPython 3.13+) merged with the native and kernel frames \
+        around them. Needs root (or CAP_BPF + CAP_PERFMON + CAP_SYS_PTRACE)."
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Sample CPU stacks and write a profile (pprof or collapsed)
+    Record(RecordArgs),
+    /// Print the Python stack of every thread of a running CPython 3.13+ process
+    Dump(DumpArgs),
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OutputFormat {
+    /// gzip-compressed profile.proto, for `go tool pprof`, Grafana/Pyroscope, speedscope
+    Pprof,
+    /// One line per stack, `frame;frame;... count`, for flamegraph.pl and inferno
+    Collapsed,
+}
+
+#[derive(Args, Debug)]
+#[command(group(clap::ArgGroup::new("target").required(true).args(["all", "pid", "command"])))]
+pub struct RecordArgs {
+    /// Profile every process on the host
+    #[arg(short = 'a', long = "all")]
+    pub all: bool,
+
+    /// Profile this process (repeat for several)
+    #[arg(short = 'p', long = "pid", value_name = "PID")]
+    pub pid: Vec<u32>,
+
+    /// Sampling frequency per CPU, in Hz
+    #[arg(short = 'F', long = "frequency", value_name = "HZ", default_value_t = 99,
+          value_parser = clap::value_parser!(u64).range(1..=10_000))]
+    pub frequency: u64,
+
+    /// Stop after this many seconds (default: until Ctrl-C, or until COMMAND exits)
+    #[arg(short = 'd', long = "duration", value_name = "SECONDS")]
+    pub duration: Option<f64>,
+
+    /// Where to write the profile
+    #[arg(short = 'o', long = "output", value_name = "PATH", default_value = "profile.pb.gz")]
+    pub output: PathBuf,
+
+    /// Output format [default: from the output's extension: .pb.gz/.pprof -> pprof,
+    /// .folded/.txt -> collapsed; otherwise pprof]
+    #[arg(long = "format", value_enum)]
+    pub format: Option<OutputFormat>,
+
+    /// Capture kernel stacks too (frames end in `_[k]` in collapsed output)
+    #[arg(long = "kernel")]
+    pub kernel: bool,
+
+    /// Show Python frames only, without the native frames around them
+    #[arg(long = "no-native")]
+    pub no_native: bool,
+
+    /// Turn off the frame-chain caches (every Python frame is read from the process); for comparison
+    #[arg(long = "no-cache")]
+    pub no_cache: bool,
+
+    /// Print statistics at the end: samples, lost samples, Python frames read and cached, remote reads
+    #[arg(long = "stats")]
+    pub stats: bool,
+
+    /// Size of the kernel-to-user sample ring buffer, in KiB (a power of two, at least 4)
+    #[arg(long = "ring-buffer-kb", value_name = "KIB", default_value_t = 4096)]
+    pub ring_buffer_kb: u32,
+
+    /// Launch COMMAND and profile it and its children until it exits
+    #[arg(last = true, value_name = "COMMAND")]
+    pub command: Vec<String>,
+}
+
+#[derive(Args, Debug)]
+pub struct DumpArgs {
+    /// The process to read
+    #[arg(short = 'p', long = "pid", value_name = "PID")]
+    pub pid: u32,
+
+    /// Print JSON instead of tracebacks
+    #[arg(long = "json")]
+    pub json: bool,
+}

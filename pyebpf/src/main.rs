@@ -1,0 +1,14 @@
+use clap::Parser;
+use pyebpf::cli::{Cli, Command};
+
+fn main() {
+    let cli = Cli::parse();
+    let result: anyhow::Result<()> = match cli.command {
+        Command::Record(_args) => Err(anyhow::anyhow!("record is not built yet")),
+        Command::Dump(_args) => Err(anyhow::anyhow!("dump is not built yet")),
+    };
+    if let Err(err) = result {
+        eprintln!("pyebpf: {err:#}");
+        std::process::exit(1);
+    }
+}

@@ -1,0 +1,100 @@
+//! The profile model every stage shares: resolved frames, samples and their counts.
+//! Frames are stored innermost first, as the kernel and pprof order them.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// A loaded file in a process's address space (one executable mapping of `/proc/PID/maps`).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Module {
+    /// Path as the process sees it (`/usr/lib/libc.so.6`), or a pseudo name (`[vdso]`).
+    pub path: Arc<str>,
+    /// Start and end of the mapping in the process.
+    pub start: u64,
+    pub limit: u64,
+    /// File offset of `start`.
+    pub file_offset: u64,
+    /// GNU build ID as lowercase hex, where the ELF has one.
+    pub build_id: Option<Arc<str>>,
+}
+
+/// A user-space native frame.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct NativeFrame {
+    /// Address in the process (return addresses already adjusted to the call instruction).
+    pub addr: u64,
+    pub module: Option<Arc<Module>>,
+    /// Demangled function name, where known.
+    pub symbol: Option<Arc<str>>,
+    /// Source file and line from DWARF, where present.
+    pub file: Option<Arc<str>>,
+    pub line: Option<u32>,
+}
+
+/// A kernel frame.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct KernelFrame {
+    pub addr: u64,
+    pub symbol: Option<Arc<str>>,
+}
+
+/// A Python function activation.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct PythonFrame {
+    pub qualname: Arc<str>,
+    pub filename: Arc<str>,
+    /// `co_firstlineno`.
+    pub first_line: u32,
+    /// The line being executed; 0 where it could not be computed.
+    pub line: u32,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Frame {
+    Native(NativeFrame),
+    Kernel(KernelFrame),
+    Python(PythonFrame),
+}
+
+/// Everything that tells one sample's stack apart: the labels pprof keeps plus the frames.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct StackKey {
+    pub pid: u32,
+    pub tid: u32,
+    pub comm: Arc<str>,
+    /// Innermost first.
+    pub frames: Vec<Frame>,
+    /// The Python chain read in userspace no longer matched the kernel's capture; only the
+    /// leaf is exact.
+    pub chain_moved: bool,
+}
+
+/// Aggregated samples of one recording.
+#[derive(Debug, Default)]
+pub struct Profile {
+    pub counts: HashMap<StackKey, u64>,
+    /// Sampling frequency per CPU, in Hz.
+    pub frequency_hz: u64,
+    /// Wall-clock start (ns since the Unix epoch) and length of the recording.
+    pub start_unix_ns: i64,
+    pub duration_ns: i64,
+}
+
+impl Profile {
+    pub fn new(frequency_hz: u64) -> Self {
+        Profile { frequency_hz, ..Default::default() }
+    }
+
+    pub fn add(&mut self, key: StackKey, count: u64) {
+        *self.counts.entry(key).or_insert(0) += count;
+    }
+
+    /// Nanoseconds of CPU time one sample stands for.
+    pub fn period_ns(&self) -> u64 {
+        1_000_000_000 / self.frequency_hz.max(1)
+    }
+
+    pub fn total_samples(&self) -> u64 {
+        self.counts.values().sum()
+    }
+}

@@ -1,0 +1,1 @@
+fn main() { eprintln!("usage: cargo xtask <build|run|test>"); std::process::exit(2) }
