@@ -1,4 +1,5 @@
 //! pyebpf: a system-wide sampling profiler for Python on Linux.
 
 pub mod cli;
+pub mod merge;
 pub mod stack;
