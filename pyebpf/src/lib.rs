@@ -4,3 +4,4 @@ pub mod chain;
 pub mod cli;
 pub mod merge;
 pub mod stack;
+pub mod stats;

@@ -1,0 +1,88 @@
+//! Counters of one recording, printed by `record --stats`.
+
+use std::fmt;
+
+use crate::chain::{MarkerOutcome, Walk};
+
+#[derive(Debug, Default, Clone)]
+pub struct Stats {
+    pub samples: u64,
+    pub lost_samples: u64,
+    /// Samples that carried Python frames.
+    pub python_samples: u64,
+    /// Python samples whose chain no longer matched the kernel's capture.
+    pub chain_moved: u64,
+    /// Python samples whose chain could not be read (the sample kept its native frames).
+    pub chain_errors: u64,
+    pub frames_read: u64,
+    pub frames_reused: u64,
+    /// Remote reads (`process_vm_readv` calls) and bytes spent on Python samples.
+    pub remote_reads: u64,
+    pub remote_bytes: u64,
+    pub code_cache_hits: u64,
+    pub code_cache_misses: u64,
+    pub marker_hits: u64,
+    pub marker_partial_hits: u64,
+    pub marker_misses: u64,
+    /// Python processes attached to, and threads registered with the eBPF program.
+    pub python_processes: u64,
+}
+
+impl Stats {
+    pub fn count_walk(&mut self, walk: &Walk) {
+        self.frames_read += walk.frames_read;
+        self.frames_reused += walk.frames_reused;
+        self.chain_moved += u64::from(walk.moved);
+        match walk.marker {
+            Some(MarkerOutcome::Hit) => self.marker_hits += 1,
+            Some(MarkerOutcome::PartialHit) => self.marker_partial_hits += 1,
+            Some(MarkerOutcome::Miss) => self.marker_misses += 1,
+            None => {}
+        }
+    }
+
+    fn marker_lookups(&self) -> u64 {
+        self.marker_hits + self.marker_partial_hits + self.marker_misses
+    }
+}
+
+fn per(value: u64, count: u64) -> f64 {
+    if count == 0 {
+        0.0
+    } else {
+        value as f64 / count as f64
+    }
+}
+
+fn percent(part: u64, whole: u64) -> f64 {
+    100.0 * per(part, whole)
+}
+
+impl fmt::Display for Stats {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let py = self.python_samples;
+        writeln!(f, "samples:                    {}", self.samples)?;
+        writeln!(f, "lost samples:               {}", self.lost_samples)?;
+        writeln!(f, "python processes:           {}", self.python_processes)?;
+        writeln!(f, "python samples:             {py}")?;
+        writeln!(f, "  chain moved:              {} ({:.1}%)", self.chain_moved, percent(self.chain_moved, py))?;
+        writeln!(f, "  chain unreadable:         {}", self.chain_errors)?;
+        writeln!(f, "frames read from memory:    {} ({:.1} per python sample)", self.frames_read, per(self.frames_read, py))?;
+        writeln!(f, "frames served from caches:  {} ({:.1} per python sample)", self.frames_reused, per(self.frames_reused, py))?;
+        writeln!(f, "remote reads:               {} ({:.2} per python sample)", self.remote_reads, per(self.remote_reads, py))?;
+        writeln!(f, "remote bytes:               {} ({:.0} per python sample)", self.remote_bytes, per(self.remote_bytes, py))?;
+        let code_lookups = self.code_cache_hits + self.code_cache_misses;
+        writeln!(f, "code object cache hit rate: {:.1}% of {code_lookups}", percent(self.code_cache_hits, code_lookups))?;
+        let lookups = self.marker_lookups();
+        write!(
+            f,
+            "last_profiled_frame:        {} hits ({:.1}%), {} partial hits ({:.1}%), {} misses ({:.1}%)",
+            self.marker_hits,
+            percent(self.marker_hits, lookups),
+            self.marker_partial_hits,
+            percent(self.marker_partial_hits, lookups),
+            self.marker_misses,
+            percent(self.marker_misses, lookups),
+        )
+    }
+}
