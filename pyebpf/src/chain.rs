@@ -110,10 +110,10 @@ impl CachedChain {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum MarkerOutcome {
-    /// The marker was the leaf: only the leaf frame was read.
+pub enum CacheOutcome {
+    /// Marker: it was the leaf, only the leaf frame was read. Batch: one batch read the whole chain.
     Hit,
-    /// The marker was found below new frames.
+    /// Marker: found below new frames. Batch: the batch read part of the chain.
     PartialHit,
     Miss,
 }
@@ -126,7 +126,9 @@ pub struct Walk {
     pub moved: bool,
     pub frames_read: u64,
     pub frames_reused: u64,
-    pub marker: Option<MarkerOutcome>,
+    /// How each cache the mode allows fared; `None` where it was not consulted.
+    pub marker: Option<CacheOutcome>,
+    pub batch: Option<CacheOutcome>,
 }
 
 /// Follows the chain from the captured frame, using `cached` as `mode` allows.
@@ -137,7 +139,7 @@ pub fn walk_chain<R: LinkReader>(
     mode: CacheMode,
     max_depth: usize,
 ) -> Result<Walk, ChainError<R::Error>> {
-    let mut walk = Walk { links: Vec::new(), moved: false, frames_read: 0, frames_reused: 0, marker: None };
+    let mut walk = Walk { links: Vec::new(), moved: false, frames_read: 0, frames_reused: 0, marker: None, batch: None };
     let mut seen = HashSet::new();
     let cached = cached.filter(|_| mode != CacheMode::Off);
     let mut anchor = match (mode, cached, capture.marker) {
@@ -145,8 +147,9 @@ pub fn walk_chain<R: LinkReader>(
         _ => None,
     };
     if mode == CacheMode::Marker {
-        walk.marker = Some(MarkerOutcome::Miss);
+        walk.marker = Some(CacheOutcome::Miss);
     }
+    let mut batch_stopped_at = None;
     let mut batched = false;
     let mut addr = capture.frame;
     while addr != 0 {
@@ -161,9 +164,9 @@ pub fn walk_chain<R: LinkReader>(
                 if link.code == expected.code && link.previous == chain.previous_of(position) {
                     if reuse_tail(&mut walk, &mut seen, &chain.links[position + 1..], max_depth) {
                         walk.marker = Some(if walk.links.len() - walk.frames_reused as usize == 1 {
-                            MarkerOutcome::Hit
+                            CacheOutcome::Hit
                         } else {
-                            MarkerOutcome::PartialHit
+                            CacheOutcome::PartialHit
                         });
                         break;
                     }
@@ -188,6 +191,7 @@ pub fn walk_chain<R: LinkReader>(
                     walk.links.push(link);
                     addr = link.previous;
                 }
+                batch_stopped_at = Some(addr);
                 continue;
             }
         }
@@ -195,6 +199,13 @@ pub fn walk_chain<R: LinkReader>(
         seen.insert(addr);
         walk.links.push(link);
         addr = link.previous;
+    }
+    if cached.is_some() && walk.marker != Some(CacheOutcome::Hit) && walk.marker != Some(CacheOutcome::PartialHit) {
+        walk.batch = Some(match batch_stopped_at {
+            Some(0) => CacheOutcome::Hit,
+            Some(_) => CacheOutcome::PartialHit,
+            None => CacheOutcome::Miss,
+        });
     }
     apply_kernel_leaf(&mut walk, capture);
     Ok(walk)
@@ -341,6 +352,7 @@ mod tests {
         expected.insert(0, 99);
         assert_eq!(FakeThread::codes(&walk), expected);
         assert_eq!(t.calls, 2, "one read for the new leaf, one batch for the rest");
+        assert_eq!(walk.batch, Some(CacheOutcome::Hit));
     }
 
     #[test]
@@ -357,6 +369,7 @@ mod tests {
         t.push(0x5000, 88);
         let walk = sample(&mut t, &mut cache, CacheMode::AddressBatch);
         assert_eq!(FakeThread::codes(&walk), [88, 77, 2, 1]);
+        assert_eq!(walk.batch, Some(CacheOutcome::PartialHit));
     }
 
     #[test]
@@ -365,7 +378,7 @@ mod tests {
         let mut cache = None;
         sample(&mut t, &mut cache, CacheMode::Marker);
         let walk = sample(&mut t, &mut cache, CacheMode::Marker);
-        assert_eq!(walk.marker, Some(MarkerOutcome::Hit));
+        assert_eq!(walk.marker, Some(CacheOutcome::Hit));
         assert_eq!(FakeThread::codes(&walk), (1..=400).rev().collect::<Vec<_>>());
         assert_eq!((t.calls, walk.frames_reused), (1, 399));
     }
@@ -379,7 +392,7 @@ mod tests {
         t.pop();
         t.push(0x13000, 55);
         let walk = sample(&mut t, &mut cache, CacheMode::Marker);
-        assert_eq!(walk.marker, Some(MarkerOutcome::PartialHit));
+        assert_eq!(walk.marker, Some(CacheOutcome::PartialHit));
         let mut expected: Vec<u64> = (1..=18).rev().collect();
         expected.insert(0, 55);
         assert_eq!(FakeThread::codes(&walk), expected);
@@ -394,7 +407,7 @@ mod tests {
         // Another profiler points the marker at a cached address without the sequence moving.
         t.marker.frame = 0x5000;
         let walk = sample(&mut t, &mut cache, CacheMode::Marker);
-        assert_eq!(walk.marker, Some(MarkerOutcome::Miss));
+        assert_eq!(walk.marker, Some(CacheOutcome::Miss));
         assert_eq!(FakeThread::codes(&walk), (1..=10).rev().collect::<Vec<_>>());
     }
 

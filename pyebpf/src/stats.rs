@@ -2,7 +2,7 @@
 
 use std::fmt;
 
-use crate::chain::{MarkerOutcome, Walk};
+use crate::chain::{CacheOutcome, Walk};
 
 #[derive(Debug, Default, Clone)]
 pub struct Stats {
@@ -24,6 +24,10 @@ pub struct Stats {
     pub marker_hits: u64,
     pub marker_partial_hits: u64,
     pub marker_misses: u64,
+    /// The address-batch cache (3.13/3.14, and 3.15 where the marker missed).
+    pub batch_hits: u64,
+    pub batch_partial_hits: u64,
+    pub batch_misses: u64,
     /// Python processes attached to, and threads registered with the eBPF program.
     pub python_processes: u64,
 }
@@ -33,17 +37,29 @@ impl Stats {
         self.frames_read += walk.frames_read;
         self.frames_reused += walk.frames_reused;
         self.chain_moved += u64::from(walk.moved);
-        match walk.marker {
-            Some(MarkerOutcome::Hit) => self.marker_hits += 1,
-            Some(MarkerOutcome::PartialHit) => self.marker_partial_hits += 1,
-            Some(MarkerOutcome::Miss) => self.marker_misses += 1,
-            None => {}
-        }
+        count_outcome(walk.marker, [&mut self.marker_hits, &mut self.marker_partial_hits, &mut self.marker_misses]);
+        count_outcome(walk.batch, [&mut self.batch_hits, &mut self.batch_partial_hits, &mut self.batch_misses]);
     }
+}
 
-    fn marker_lookups(&self) -> u64 {
-        self.marker_hits + self.marker_partial_hits + self.marker_misses
+fn count_outcome(outcome: Option<CacheOutcome>, [hits, partial, misses]: [&mut u64; 3]) {
+    match outcome {
+        Some(CacheOutcome::Hit) => *hits += 1,
+        Some(CacheOutcome::PartialHit) => *partial += 1,
+        Some(CacheOutcome::Miss) => *misses += 1,
+        None => {}
     }
+}
+
+fn write_outcomes(f: &mut fmt::Formatter<'_>, label: &str, hits: u64, partial: u64, misses: u64) -> fmt::Result {
+    let lookups = hits + partial + misses;
+    write!(
+        f,
+        "{label:<28}{hits} hits ({:.1}%), {partial} partial hits ({:.1}%), {misses} misses ({:.1}%)",
+        percent(hits, lookups),
+        percent(partial, lookups),
+        percent(misses, lookups),
+    )
 }
 
 fn per(value: u64, count: u64) -> f64 {
@@ -73,16 +89,8 @@ impl fmt::Display for Stats {
         writeln!(f, "remote bytes:               {} ({:.0} per python sample)", self.remote_bytes, per(self.remote_bytes, py))?;
         let code_lookups = self.code_cache_hits + self.code_cache_misses;
         writeln!(f, "code object cache hit rate: {:.1}% of {code_lookups}", percent(self.code_cache_hits, code_lookups))?;
-        let lookups = self.marker_lookups();
-        write!(
-            f,
-            "last_profiled_frame:        {} hits ({:.1}%), {} partial hits ({:.1}%), {} misses ({:.1}%)",
-            self.marker_hits,
-            percent(self.marker_hits, lookups),
-            self.marker_partial_hits,
-            percent(self.marker_partial_hits, lookups),
-            self.marker_misses,
-            percent(self.marker_misses, lookups),
-        )
+        write_outcomes(f, "last_profiled_frame:", self.marker_hits, self.marker_partial_hits, self.marker_misses)?;
+        writeln!(f)?;
+        write_outcomes(f, "frame chain cache:", self.batch_hits, self.batch_partial_hits, self.batch_misses)
     }
 }
