@@ -3,6 +3,7 @@ use std::path::PathBuf;
 
 fn main() {
     embed_ebpf_object();
+    compile_profile_proto();
 }
 
 /// Copies the eBPF object built by `cargo xtask build` into OUT_DIR so the binary embeds it.
@@ -17,4 +18,15 @@ fn embed_ebpf_object() {
         }
         None => std::fs::write(&out, b"").expect("write OUT_DIR"),
     }
+}
+
+/// Generates the pprof message types from `proto/profile.proto` with the vendored protoc, so no
+/// system protoc is needed.
+fn compile_profile_proto() {
+    println!("cargo:rerun-if-changed=proto/profile.proto");
+    let protoc = protoc_bin_vendored::protoc_bin_path().expect("vendored protoc for this host");
+    prost_build::Config::new()
+        .protoc_executable(protoc)
+        .compile_protos(&["proto/profile.proto"], &["proto"])
+        .expect("compile proto/profile.proto");
 }

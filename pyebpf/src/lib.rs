@@ -3,5 +3,7 @@
 pub mod chain;
 pub mod cli;
 pub mod merge;
+pub mod output;
 pub mod stack;
 pub mod stats;
+pub mod symbolize;

@@ -1,0 +1,81 @@
+//! Collapsed stacks, the input of flamegraph.pl and inferno: one line per distinct stack,
+//! `ROOT;...;LEAF COUNT`, with the root frame `COMM (PID)`.
+
+use std::collections::BTreeMap;
+use std::io::{self, Write};
+
+use crate::stack::{Profile, StackKey};
+
+use super::frame_name;
+
+pub(super) fn write(profile: &Profile, out: &mut impl Write) -> io::Result<()> {
+    for (stack, count) in merged_lines(profile) {
+        writeln!(out, "{stack} {count}")?;
+    }
+    Ok(())
+}
+
+/// Rendered stacks with their counts; threads of one process that share a stack become one line.
+/// Sorted, so equal profiles give byte-equal files.
+fn merged_lines(profile: &Profile) -> BTreeMap<String, u64> {
+    let mut lines = BTreeMap::new();
+    for (key, count) in &profile.counts {
+        *lines.entry(render_stack(key)).or_insert(0) += count;
+    }
+    lines
+}
+
+fn render_stack(key: &StackKey) -> String {
+    let mut line = sanitize(&format!("{} ({})", key.comm, key.pid));
+    for frame in key.frames.iter().rev() {
+        line.push(';');
+        line.push_str(&sanitize(&frame_name(frame)));
+    }
+    line
+}
+
+/// Names may hold `;` (C++ templates, comms) or line breaks, which would split a frame or a line.
+fn sanitize(name: &str) -> String {
+    name.chars()
+        .map(|c| match c {
+            ';' => ':',
+            '\n' | '\r' => ' ',
+            c => c,
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::test_profile::{key, native, sample_profile};
+    use super::*;
+
+    fn render(profile: &Profile) -> String {
+        let mut out = Vec::new();
+        write(profile, &mut out).unwrap();
+        String::from_utf8(out).unwrap()
+    }
+
+    #[test]
+    fn one_sorted_line_per_stack_root_first_threads_merged() {
+        let expected = "\
+app (100);_start;main (/srv/work.py:33);Worker.compute (/srv/work.py:14);libfoo.so+0x1234;do_syscall_64_[k] 10
+busy:loop (200);main;leaf_fn 5
+";
+        assert_eq!(render(&sample_profile()), expected);
+    }
+
+    #[test]
+    fn every_line_parses_whatever_the_names_hold() {
+        let exe = super::super::test_profile::module("/bin/x", 0x1000);
+        let mut profile = Profile::new(99);
+        profile.add(key(1, 1, "we\nird", vec![native(&exe, 0x1000, Some("f<a;b>\r\ng"))]), 2);
+        let text = render(&profile);
+        assert_eq!(text, "we ird (1);f<a:b>  g 2\n");
+        for line in text.lines() {
+            let (stack, count) = line.rsplit_once(' ').unwrap();
+            assert!(count.parse::<u64>().is_ok());
+            assert_eq!(stack.split(';').count(), 2);
+        }
+    }
+}

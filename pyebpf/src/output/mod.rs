@@ -1,0 +1,280 @@
+//! Profile writers: collapsed stacks (flamegraph input) and gzip-compressed pprof.
+//!
+//! Both writers name frames the same way (see [`frame_name`]), so a stack reads alike in either
+//! format. Files are written to a temporary file next to the target and renamed over it, so an
+//! interrupted write never leaves a half-written profile behind.
+
+mod collapsed;
+mod pprof;
+
+use std::borrow::Cow;
+use std::fs::{OpenOptions, Permissions};
+use std::io::{self, BufWriter};
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+
+use thiserror::Error;
+
+use crate::cli::OutputFormat;
+use crate::stack::{Frame, KernelFrame, NativeFrame, Profile, PythonFrame};
+
+#[derive(Debug, Error)]
+pub enum OutputError {
+    #[error("output directory {} does not exist", .0.display())]
+    MissingDirectory(PathBuf),
+    #[error("output path {} is a directory", .0.display())]
+    IsDirectory(PathBuf),
+    #[error("cannot write {}: {source}", path.display())]
+    Io { path: PathBuf, source: io::Error },
+}
+
+impl OutputError {
+    fn io(path: &Path) -> impl FnOnce(io::Error) -> OutputError + '_ {
+        move |source| OutputError::Io { path: path.to_path_buf(), source }
+    }
+}
+
+/// The format to write: the explicit choice, else inferred from the file name.
+pub fn resolve_format(path: &Path, explicit: Option<OutputFormat>) -> OutputFormat {
+    explicit.unwrap_or_else(|| format_from_name(path))
+}
+
+fn format_from_name(path: &Path) -> OutputFormat {
+    let name = path.file_name().map(|name| name.to_string_lossy()).unwrap_or_default();
+    let is_collapsed = [".folded", ".txt", ".collapsed"].iter().any(|ext| name.ends_with(ext));
+    if is_collapsed {
+        OutputFormat::Collapsed
+    } else {
+        OutputFormat::Pprof
+    }
+}
+
+/// Checks, before any sampling, that `path` can be written: its directory exists and accepts a new
+/// file, and `path` is not a directory. Leaves the file system as it found it.
+pub fn check_writable(path: &Path) -> Result<(), OutputError> {
+    let dir = parent_dir(path);
+    if !dir.is_dir() {
+        return Err(OutputError::MissingDirectory(dir.to_path_buf()));
+    }
+    if path.is_dir() {
+        return Err(OutputError::IsDirectory(path.to_path_buf()));
+    }
+    // The profile is written as a new file renamed over `path`, so the directory must take new files;
+    // an existing `path` must also be writable, or the user did not mean to have it replaced.
+    tempfile::Builder::new().prefix(".pyebpf-check").tempfile_in(dir).map_err(OutputError::io(path))?;
+    if path.exists() {
+        OpenOptions::new().append(true).open(path).map_err(OutputError::io(path))?;
+    }
+    Ok(())
+}
+
+/// Writes `profile` to `path` in `format`, atomically.
+pub fn write_profile(profile: &Profile, path: &Path, format: OutputFormat) -> Result<(), OutputError> {
+    let dir = parent_dir(path);
+    let temp = tempfile::Builder::new()
+        .prefix(".pyebpf-")
+        .suffix(".tmp")
+        // The umask still applies, as for any file the user creates.
+        .permissions(Permissions::from_mode(0o644))
+        .tempfile_in(dir)
+        .map_err(OutputError::io(path))?;
+    let mut writer = BufWriter::new(temp);
+    match format {
+        OutputFormat::Collapsed => collapsed::write(profile, &mut writer),
+        OutputFormat::Pprof => pprof::write(profile, &mut writer),
+    }
+    .map_err(OutputError::io(path))?;
+    let temp = writer.into_inner().map_err(|err| OutputError::io(path)(err.into_error()))?;
+    temp.as_file().sync_all().map_err(OutputError::io(path))?;
+    temp.persist(path).map_err(|err| OutputError::io(path)(err.error))?;
+    Ok(())
+}
+
+/// The directory a relative file name like `profile.pb.gz` lives in.
+fn parent_dir(path: &Path) -> &Path {
+    match path.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => dir,
+        _ => Path::new("."),
+    }
+}
+
+/// How a frame is named in every output format.
+pub(crate) fn frame_name(frame: &Frame) -> Cow<'_, str> {
+    match frame {
+        Frame::Native(native) => native_name(native),
+        Frame::Kernel(kernel) => Cow::Owned(kernel_name(kernel)),
+        Frame::Python(python) => Cow::Owned(python_name(python)),
+    }
+}
+
+/// The symbol, else where the frame was: `MODULE+0xOFFSET` (file offset), else `0xADDR`.
+pub(crate) fn native_name(frame: &NativeFrame) -> Cow<'_, str> {
+    if let Some(symbol) = &frame.symbol {
+        return Cow::Borrowed(symbol);
+    }
+    match &frame.module {
+        Some(module) => {
+            let file_name = Path::new(&*module.path)
+                .file_name()
+                .map_or_else(|| module.path.to_string(), |name| name.to_string_lossy().into_owned());
+            let offset = frame.addr.wrapping_sub(module.start).wrapping_add(module.file_offset);
+            Cow::Owned(format!("{file_name}+{offset:#x}"))
+        }
+        None => Cow::Owned(format!("{:#x}", frame.addr)),
+    }
+}
+
+/// `SYMBOL_[k]`, the suffix perf and flame graphs use to mark kernel code.
+pub(crate) fn kernel_name(frame: &KernelFrame) -> String {
+    match &frame.symbol {
+        Some(symbol) => format!("{symbol}_[k]"),
+        None => format!("{:#x}_[k]", frame.addr),
+    }
+}
+
+/// `QUALNAME (FILE:LINE)`; without the line where it could not be computed.
+pub(crate) fn python_name(frame: &PythonFrame) -> String {
+    if frame.line == 0 {
+        format!("{} ({})", frame.qualname, frame.filename)
+    } else {
+        format!("{} ({}:{})", frame.qualname, frame.filename, frame.line)
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod test_profile {
+    //! A hand-made profile with every kind of frame, shared by the writers' tests.
+    use std::sync::Arc;
+
+    use crate::stack::{Frame, KernelFrame, Module, NativeFrame, Profile, PythonFrame, StackKey};
+
+    pub fn module(path: &str, start: u64) -> Arc<Module> {
+        Arc::new(Module {
+            path: path.into(),
+            start,
+            limit: start + 0x10_0000,
+            file_offset: 0x1000,
+            build_id: Some(format!("build-id-of-{}", path.rsplit('/').next().unwrap_or(path)).into()),
+        })
+    }
+
+    pub fn native(module: &Arc<Module>, addr: u64, symbol: Option<&str>) -> Frame {
+        Frame::Native(NativeFrame {
+            addr,
+            module: Some(module.clone()),
+            symbol: symbol.map(Into::into),
+            file: symbol.map(|_| "/src/app.c".into()),
+            line: symbol.map(|_| 42),
+        })
+    }
+
+    pub fn python(qualname: &str, filename: &str, first_line: u32, line: u32) -> Frame {
+        Frame::Python(PythonFrame { qualname: qualname.into(), filename: filename.into(), first_line, line })
+    }
+
+    pub fn kernel(symbol: &str) -> Frame {
+        Frame::Kernel(KernelFrame { addr: 0xffff_ffff_8100_0000, symbol: Some(symbol.into()) })
+    }
+
+    pub fn key(pid: u32, tid: u32, comm: &str, frames: Vec<Frame>) -> StackKey {
+        StackKey { pid, tid, comm: comm.into(), frames, chain_moved: false }
+    }
+
+    /// Process `app` (pid 100, two threads) runs Python over native code and the kernel; the
+    /// unknown frame sits in `libfoo.so` at file offset 0x1234.
+    pub fn sample_profile() -> Profile {
+        let exe = module("/usr/bin/app", 0x40_0000);
+        let lib = module("/usr/lib/libfoo.so", 0x7f00_0000_0000);
+        let mut profile = Profile::new(100);
+        profile.start_unix_ns = 1_700_000_000_000_000_000;
+        profile.duration_ns = 2_000_000_000;
+        let python_stack = vec![
+            kernel("do_syscall_64"),
+            native(&lib, 0x7f00_0000_0234, None),
+            python("Worker.compute", "/srv/work.py", 10, 14),
+            python("main", "/srv/work.py", 30, 33),
+            native(&exe, 0x40_1000, Some("_start")),
+        ];
+        profile.add(key(100, 100, "app", python_stack.clone()), 7);
+        profile.add(key(100, 101, "app", python_stack), 3);
+        profile.add(
+            key(
+                200,
+                200,
+                "busy;loop",
+                vec![native(&exe, 0x40_2000, Some("leaf_fn")), native(&exe, 0x40_1000, Some("main"))],
+            ),
+            5,
+        );
+        profile
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::fs;
+
+    use super::*;
+
+    #[test]
+    fn format_follows_the_extension_unless_given() {
+        let cases = [
+            ("profile.pb.gz", OutputFormat::Pprof),
+            ("out/x.pprof", OutputFormat::Pprof),
+            ("x.pb", OutputFormat::Pprof),
+            ("stacks.folded", OutputFormat::Collapsed),
+            ("stacks.txt", OutputFormat::Collapsed),
+            ("stacks.collapsed", OutputFormat::Collapsed),
+            ("profile", OutputFormat::Pprof),
+        ];
+        for (name, expected) in cases {
+            assert_eq!(resolve_format(Path::new(name), None), expected, "{name}");
+        }
+        assert_eq!(resolve_format(Path::new("x.txt"), Some(OutputFormat::Pprof)), OutputFormat::Pprof);
+    }
+
+    #[test]
+    fn check_writable_leaves_no_file_behind() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("profile.pb.gz");
+        check_writable(&path).unwrap();
+        assert_eq!(fs::read_dir(dir.path()).unwrap().count(), 0, "check_writable left a file");
+    }
+
+    #[test]
+    fn check_writable_keeps_an_existing_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("old.folded");
+        fs::write(&path, "a;b 1\n").unwrap();
+        check_writable(&path).unwrap();
+        assert_eq!(fs::read_to_string(&path).unwrap(), "a;b 1\n");
+    }
+
+    #[test]
+    fn check_writable_rejects_missing_directories_and_directories() {
+        let dir = tempfile::tempdir().unwrap();
+        let missing = dir.path().join("no/such/dir/profile.pb.gz");
+        assert!(matches!(check_writable(&missing), Err(OutputError::MissingDirectory(_))));
+        assert!(matches!(check_writable(dir.path()), Err(OutputError::IsDirectory(_))));
+    }
+
+    #[test]
+    fn write_profile_replaces_the_file_and_leaves_no_temporaries() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("profile.folded");
+        fs::write(&path, "stale 1\n").unwrap();
+        write_profile(&test_profile::sample_profile(), &path, OutputFormat::Collapsed).unwrap();
+        let names: Vec<_> = fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(names, vec![std::ffi::OsString::from("profile.folded")]);
+        assert!(!fs::read_to_string(&path).unwrap().contains("stale"));
+    }
+
+    #[test]
+    fn unknown_native_frames_show_module_and_file_offset() {
+        let lib = test_profile::module("/usr/lib/libfoo.so", 0x7f00_0000_0000);
+        let frame = NativeFrame { addr: 0x7f00_0000_0234, module: Some(lib), symbol: None, file: None, line: None };
+        assert_eq!(native_name(&frame), "libfoo.so+0x1234");
+        let bare = NativeFrame { addr: 0xdead, module: None, symbol: None, file: None, line: None };
+        assert_eq!(native_name(&bare), "0xdead");
+    }
+}
