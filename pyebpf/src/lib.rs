@@ -1,5 +1,6 @@
 //! pyebpf: a system-wide sampling profiler for Python on Linux.
 
+pub mod bpf;
 pub mod chain;
 pub mod cli;
 pub mod merge;

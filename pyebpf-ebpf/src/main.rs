@@ -1,0 +1,173 @@
+//! The sampler: a perf-event program on every CPU sends one `SampleRecord` per sample through a
+//! ring buffer, with the native stacks and, for known Python threads, the interpreter's frame
+//! pointer read at the sample itself.
+#![no_std]
+#![no_main]
+
+use core::ffi::c_void;
+use core::mem::size_of;
+
+use aya_ebpf::{
+    helpers::{
+        bpf_get_current_comm, bpf_get_current_pid_tgid, bpf_get_smp_processor_id, bpf_ktime_get_ns,
+        bpf_get_stack, bpf_probe_read_user,
+    },
+    macros::{map, perf_event, tracepoint},
+    maps::{Array, HashMap, PerCpuArray, RingBuf},
+    programs::{PerfEventContext, TracePointContext},
+    EbpfContext,
+};
+use pyebpf_common::{
+    config_flags, py_status, Config, PyCapture, PyProcConfig, SampleRecord, MAX_KERNEL_FRAMES,
+    MAX_USER_FRAMES, NO_OFFSET,
+};
+
+/// `bpf_get_stack` flag for the user stack.
+const BPF_F_USER_STACK: u64 = 1 << 8;
+
+/// Userspace sets the real size at load time (`--ring-buffer-kb`).
+#[map(name = "SAMPLES")]
+static SAMPLES: RingBuf = RingBuf::with_byte_size(4096 * 1024, 0);
+
+#[map(name = "LOST")]
+static LOST: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
+
+#[map(name = "CONFIG")]
+static CONFIG: Array<Config> = Array::with_max_entries(1, 0);
+
+#[map(name = "TARGETS")]
+static TARGETS: HashMap<u32, u8> = HashMap::with_max_entries(65536, 0);
+
+#[map(name = "PY_PROCS")]
+static PY_PROCS: HashMap<u32, PyProcConfig> = HashMap::with_max_entries(4096, 0);
+
+#[map(name = "PY_THREADS")]
+static PY_THREADS: HashMap<u32, u64> = HashMap::with_max_entries(65536, 0);
+
+#[perf_event]
+pub fn sample(ctx: PerfEventContext) -> u32 {
+    let pid_tgid = bpf_get_current_pid_tgid();
+    let tgid = (pid_tgid >> 32) as u32;
+    let tid = pid_tgid as u32;
+    let Some(config) = CONFIG.get(0) else { return 0 };
+    if tgid == 0 || tgid == config.own_tgid {
+        return 0;
+    }
+    if config.flags & config_flags::FILTER_TARGETS != 0 && TARGETS.get_ptr(tgid).is_none() {
+        return 0;
+    }
+    let Some(mut entry) = SAMPLES.reserve::<SampleRecord>(0) else {
+        if let Some(lost) = LOST.get_ptr_mut(0) {
+            // SAFETY: per-CPU slot, and this program cannot preempt itself on one CPU.
+            unsafe { *lost += 1 };
+        }
+        return 0;
+    };
+    let record = entry.as_mut_ptr();
+    // SAFETY: `record` points at a reserved ring-buffer slot of the record's size.
+    unsafe {
+        (*record).tgid = tgid;
+        (*record).tid = tid;
+        (*record).cpu = bpf_get_smp_processor_id();
+        (*record).time_ns = bpf_ktime_get_ns();
+        (*record).comm = bpf_get_current_comm().unwrap_or([0; 16]);
+        (*record)._pad = 0;
+        (*record).py = capture_python(tgid, tid);
+        (*record).user_len = stack_len(bpf_get_stack(
+            ctx.as_ptr(),
+            (*record).user_stack.as_mut_ptr() as *mut c_void,
+            (MAX_USER_FRAMES * size_of::<u64>()) as u32,
+            BPF_F_USER_STACK,
+        ));
+        (*record).kernel_len = if config.flags & config_flags::KERNEL_STACK != 0 {
+            stack_len(bpf_get_stack(
+                ctx.as_ptr(),
+                (*record).kernel_stack.as_mut_ptr() as *mut c_void,
+                (MAX_KERNEL_FRAMES * size_of::<u64>()) as u32,
+                0,
+            ))
+        } else {
+            0
+        };
+    }
+    entry.submit(0);
+    0
+}
+
+/// Frames written by `bpf_get_stack` (it returns bytes, or a negative error).
+fn stack_len(bytes: i64) -> u32 {
+    if bytes > 0 {
+        (bytes as u64 / size_of::<u64>() as u64) as u32
+    } else {
+        0
+    }
+}
+
+fn read_u64(addr: u64) -> Option<u64> {
+    // SAFETY: bpf_probe_read_user checks the address; a fault is an error, not a crash.
+    unsafe { bpf_probe_read_user(addr as *const u64).ok() }
+}
+
+/// Reads the thread's interpreter state at the sample: the innermost frame, its code object and
+/// instruction pointer, and on 3.15 the `last_profiled_frame` marker.
+fn capture_python(tgid: u32, tid: u32) -> PyCapture {
+    let mut py = PyCapture::default();
+    // SAFETY: plain-data values; a concurrent update from userspace at worst gives a stale entry,
+    // which the reads below tolerate.
+    let (Some(proc_config), Some(tstate)) = (unsafe { PY_PROCS.get(tgid) }, unsafe { PY_THREADS.get(tid) }) else {
+        return py;
+    };
+    let proc_config = *proc_config;
+    py.tstate = *tstate;
+    py.status |= py_status::THREAD_KNOWN;
+    let Some(frame) = read_u64(py.tstate + proc_config.tstate_current_frame as u64) else {
+        return py;
+    };
+    py.frame = frame;
+    py.status |= py_status::FRAME_READ;
+    if frame != 0 {
+        if let (Some(code), Some(instr_ptr)) = (
+            read_u64(frame + proc_config.frame_executable as u64),
+            read_u64(frame + proc_config.frame_instr_ptr as u64),
+        ) {
+            py.code = code & !proc_config.executable_tag_mask;
+            py.instr_ptr = instr_ptr;
+            py.status |= py_status::LEAF_READ;
+        }
+    }
+    if proc_config.tstate_last_profiled_frame != NO_OFFSET && proc_config.tstate_last_profiled_seq != NO_OFFSET {
+        if let (Some(marker), Some(seq)) = (
+            read_u64(py.tstate + proc_config.tstate_last_profiled_frame as u64),
+            read_u64(py.tstate + proc_config.tstate_last_profiled_seq as u64),
+        ) {
+            py.last_profiled_frame = marker;
+            py.last_profiled_seq = seq;
+            py.status |= py_status::MARKER_READ;
+        }
+    }
+    py
+}
+
+/// `sched/sched_process_fork`: with `FOLLOW_FORKS`, a child of a target becomes a target.
+#[tracepoint]
+pub fn follow_fork(ctx: TracePointContext) -> u32 {
+    let Some(config) = CONFIG.get(0) else { return 0 };
+    if config.flags & config_flags::FOLLOW_FORKS == 0 {
+        return 0;
+    }
+    let parent_tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
+    if TARGETS.get_ptr(parent_tgid).is_none() {
+        return 0;
+    }
+    // SAFETY: the offset comes from the tracepoint's own format file.
+    if let Ok(child) = unsafe { ctx.read_at::<i32>(config.fork_child_pid_offset as usize) } {
+        let _ = TARGETS.insert(child as u32, 1, 0);
+    }
+    0
+}
+
+#[cfg(not(test))]
+#[panic_handler]
+fn panic(_info: &core::panic::PanicInfo) -> ! {
+    loop {}
+}

@@ -1,0 +1,97 @@
+//! Installing and using the eBPF toolchain: rust-src for `build-std`, and bpf-linker built
+//! against the Rust toolchain's own LLVM (no system LLVM needed).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{bail, Context, Result};
+
+use crate::run;
+
+const BPF_LINKER_VERSION: &str = "0.13.0";
+
+fn output(command: &mut Command) -> Result<String> {
+    let out = command.output().with_context(|| format!("start {command:?}"))?;
+    if !out.status.success() {
+        bail!("{command:?} failed: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    Ok(String::from_utf8(out.stdout)?)
+}
+
+fn rustc_field(verbose_version: &str, key: &str) -> Result<String> {
+    verbose_version
+        .lines()
+        .find_map(|line| line.strip_prefix(key))
+        .map(|value| value.trim().to_string())
+        .with_context(|| format!("`rustc -vV` has no `{key}`"))
+}
+
+/// Makes sure rust-src and a matching bpf-linker are installed; returns bpf-linker's bin folder.
+pub fn ensure_ebpf_toolchain(root: &Path) -> Result<PathBuf> {
+    let sysroot = PathBuf::from(output(Command::new("rustc").args(["--print", "sysroot"]))?.trim());
+    if !sysroot.join("lib/rustlib/src/rust/library/core").exists() {
+        eprintln!("xtask: installing rust-src");
+        run(Command::new("rustup").args(["component", "add", "rust-src"]))?;
+    }
+    let version = output(Command::new("rustc").arg("-vV"))?;
+    let commit = rustc_field(&version, "commit-hash:")?;
+    let llvm_major = rustc_field(&version, "LLVM version:")?.split('.').next().unwrap_or_default().to_string();
+    // bpf-linker's runpath points into this prefix, so it lives as long as the target folder.
+    let prefix = root.join("target").join(format!("bpf-linker-{}", &commit[..12.min(commit.len())]));
+    let bin = prefix.join("bin");
+    if bin.join("bpf-linker").exists() {
+        return Ok(bin);
+    }
+    eprintln!("xtask: building bpf-linker {BPF_LINKER_VERSION} against the toolchain's LLVM {llvm_major}");
+    let lib = prefix.join("lib");
+    std::fs::create_dir_all(&lib)?;
+    let llvm = std::fs::read_dir(sysroot.join("lib"))?
+        .filter_map(|entry| entry.ok().map(|e| e.path()))
+        .find(|path| path.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("libLLVM.so")))
+        .context("the Rust toolchain ships no libLLVM.so")?;
+    for name in [std::ffi::OsString::from("libLLVM.so"), llvm.file_name().unwrap_or_default().to_os_string()] {
+        let link = lib.join(name);
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink(&llvm, &link)?;
+    }
+    run(Command::new(env!("CARGO"))
+        .args(["install", &format!("bpf-linker@{BPF_LINKER_VERSION}"), "--locked", "--no-default-features"])
+        .args(["--features", &format!("llvm-{llvm_major}")])
+        .arg("--root")
+        .arg(&prefix)
+        .env("LLVM_PREFIX", &prefix))?;
+    Ok(bin)
+}
+
+pub fn ebpf_object_path(root: &Path) -> PathBuf {
+    root.join("target/ebpf/bpfel-unknown-none/release/pyebpf")
+}
+
+/// Builds the eBPF crate from its own folder (its config selects the BPF target and build-std).
+pub fn build_ebpf(root: &Path, linker_bin: &Path) -> Result<PathBuf> {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    let mut paths = vec![linker_bin.to_path_buf()];
+    paths.extend(std::env::split_paths(&path));
+    run(Command::new(env!("CARGO"))
+        .current_dir(root.join("pyebpf-ebpf"))
+        .args(["build", "--release"])
+        .env("PATH", std::env::join_paths(paths)?)
+        .env("RUSTC_BOOTSTRAP", "1")
+        .env("CARGO_TARGET_DIR", root.join("target/ebpf")))?;
+    Ok(ebpf_object_path(root))
+}
+
+/// Installs the Debian packages whose commands are missing (`(command, package)` pairs).
+pub fn ensure_apt_packages(needed: &[(&str, &str)]) -> Result<()> {
+    let missing: Vec<&str> = needed
+        .iter()
+        .filter(|(command, _)| !Command::new("sh").args(["-c", &format!("command -v {command}")]).output().is_ok_and(|o| o.status.success()))
+        .map(|(_, package)| *package)
+        .collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    eprintln!("xtask: installing {}", missing.join(" "));
+    run(Command::new("apt-get").args(["update", "-q"]))?;
+    run(Command::new("apt-get").args(["install", "-y", "-q"]).args(&missing).env("DEBIAN_FRONTEND", "noninteractive"))
+}
