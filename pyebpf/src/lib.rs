@@ -5,6 +5,8 @@ pub mod chain;
 pub mod cli;
 pub mod merge;
 pub mod output;
+pub mod process;
+pub mod record;
 pub mod stack;
 pub mod stats;
 pub mod symbolize;

@@ -4,7 +4,7 @@ use pyebpf::cli::{Cli, Command};
 fn main() {
     let cli = Cli::parse();
     let result: anyhow::Result<()> = match cli.command {
-        Command::Record(_args) => Err(anyhow::anyhow!("record is not built yet")),
+        Command::Record(args) => pyebpf::record::run(args),
         Command::Dump(_args) => Err(anyhow::anyhow!("dump is not built yet")),
     };
     if let Err(err) = result {

@@ -1,0 +1,56 @@
+//! The processes a recording covers: every process, given PIDs, or a launched command.
+
+use std::collections::HashMap;
+use std::process::{Child, Command};
+use std::sync::Arc;
+
+#[derive(Debug, thiserror::Error)]
+pub enum TargetError {
+    #[error("no such process: {0}")]
+    NoSuchProcess(u32),
+    #[error("cannot start `{command}`: {source}")]
+    Spawn { command: String, source: std::io::Error },
+}
+
+/// Checks that every PID names a running process.
+pub fn check_pids(pids: &[u32]) -> Result<(), TargetError> {
+    match pids.iter().find(|pid| !std::path::Path::new(&format!("/proc/{pid}")).exists()) {
+        Some(&pid) => Err(TargetError::NoSuchProcess(pid)),
+        None => Ok(()),
+    }
+}
+
+/// Starts `COMMAND [ARGS...]` as pyebpf's child.
+pub fn launch(command: &[String]) -> Result<Child, TargetError> {
+    let (program, args) = command.split_first().expect("clap requires a command here");
+    Command::new(program)
+        .args(args)
+        .spawn()
+        .map_err(|source| TargetError::Spawn { command: command.join(" "), source })
+}
+
+/// Process names, read once per process so every thread of a process shares one root frame.
+#[derive(Default)]
+pub struct ProcessNames {
+    names: HashMap<u32, Arc<str>>,
+}
+
+impl ProcessNames {
+    /// The process's `comm`, or `fallback` (the sampled thread's) when it has already exited.
+    pub fn name(&mut self, pid: u32, fallback: &[u8]) -> Arc<str> {
+        self.names
+            .entry(pid)
+            .or_insert_with(|| {
+                std::fs::read_to_string(format!("/proc/{pid}/comm"))
+                    .map(|comm| comm.trim_end().into())
+                    .unwrap_or_else(|_| comm_to_string(fallback).into())
+            })
+            .clone()
+    }
+}
+
+/// A kernel `comm` buffer as text, up to its terminating NUL.
+pub fn comm_to_string(comm: &[u8]) -> String {
+    let end = comm.iter().position(|&b| b == 0).unwrap_or(comm.len());
+    String::from_utf8_lossy(&comm[..end]).into_owned()
+}

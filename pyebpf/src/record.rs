@@ -1,0 +1,159 @@
+//! `pyebpf record`: sample until the duration ends, a signal arrives or the command exits, resolve
+//! every sample to a stack while its process is alive, then write the profile.
+
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::{Context, Result};
+use pyebpf_common::SampleRecord;
+use tokio::signal::unix::{signal, SignalKind};
+
+use crate::bpf::{check_privileges, Sampler, SamplerOptions};
+use crate::cli::RecordArgs;
+use crate::output;
+use crate::process::{self, ProcessNames};
+use crate::stack::{Frame, Profile, StackKey};
+use crate::stats::Stats;
+use crate::symbolize::Symbolizer;
+
+/// How often lost samples are checked and periodic upkeep runs.
+const TICK: Duration = Duration::from_millis(250);
+
+/// Turns raw samples into stacks.
+pub struct SampleResolver {
+    symbolizer: Symbolizer,
+    names: ProcessNames,
+}
+
+impl SampleResolver {
+    pub fn new() -> Self {
+        SampleResolver { symbolizer: Symbolizer::new(), names: ProcessNames::default() }
+    }
+
+    pub fn resolve(&mut self, record: &SampleRecord) -> StackKey {
+        let kernel_len = (record.kernel_len as usize).min(record.kernel_stack.len());
+        let user_len = (record.user_len as usize).min(record.user_stack.len());
+        let mut frames: Vec<Frame> = self
+            .symbolizer
+            .kernel_frames(&record.kernel_stack[..kernel_len])
+            .into_iter()
+            .map(Frame::Kernel)
+            .collect();
+        frames.extend(self.symbolizer.user_frames(record.tgid, &record.user_stack[..user_len]).into_iter().map(Frame::Native));
+        StackKey {
+            pid: record.tgid,
+            tid: record.tid,
+            comm: self.names.name(record.tgid, &record.comm),
+            frames,
+            chain_moved: false,
+        }
+    }
+}
+
+impl Default for SampleResolver {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+pub fn run(args: RecordArgs) -> Result<()> {
+    let format = output::resolve_format(&args.output, args.format);
+    output::check_writable(&args.output).with_context(|| format!("cannot write {}", args.output.display()))?;
+    check_privileges()?;
+    process::check_pids(&args.pid)?;
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().context("start the async runtime")?;
+    let (profile, stats) = runtime.block_on(record(&args))?;
+    output::write_profile(&profile, &args.output, format).with_context(|| format!("cannot write {}", args.output.display()))?;
+    let processes: std::collections::HashSet<u32> = profile.counts.keys().map(|k| k.pid).collect();
+    eprintln!(
+        "pyebpf: wrote {} samples of {} processes to {} ({} lost)",
+        profile.total_samples(),
+        processes.len(),
+        args.output.display(),
+        stats.lost_samples
+    );
+    if args.stats {
+        eprintln!("{stats}");
+    }
+    Ok(())
+}
+
+async fn record(args: &RecordArgs) -> Result<(Profile, Stats)> {
+    let targets = if args.all { None } else { Some(args.pid.clone()) };
+    let mut sampler = Sampler::start(&SamplerOptions {
+        frequency_hz: args.frequency,
+        kernel_stacks: args.kernel,
+        targets,
+        follow_forks: !args.command.is_empty(),
+        ring_buffer_kb: args.ring_buffer_kb,
+    })?;
+    let mut child = if args.command.is_empty() {
+        None
+    } else {
+        let child = process::launch(&args.command)?;
+        sampler.add_target(child.id())?;
+        Some(child)
+    };
+
+    let mut resolver = SampleResolver::new();
+    let mut profile = Profile::new(args.frequency);
+    let mut stats = Stats::default();
+    let started = Instant::now();
+    profile.start_unix_ns = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as i64);
+    let deadline = args.duration.map(|secs| tokio::time::Instant::now() + Duration::from_secs_f64(secs.max(0.0)));
+    let mut interrupt = signal(SignalKind::interrupt()).context("install the SIGINT handler")?;
+    let mut terminate = signal(SignalKind::terminate()).context("install the SIGTERM handler")?;
+    let mut tick = tokio::time::interval(TICK);
+    let mut batch = Vec::new();
+    let mut lost_reported = 0;
+    loop {
+        tokio::select! {
+            read = sampler.read_samples(&mut batch) => {
+                read?;
+                add_samples(&mut batch, &mut resolver, &mut profile, &mut stats);
+            }
+            _ = interrupt.recv() => break,
+            _ = terminate.recv() => break,
+            _ = sleep_until(deadline) => break,
+            _ = tick.tick() => {
+                lost_reported = report_lost(&sampler, lost_reported);
+                if child_exited(&mut child) {
+                    break;
+                }
+            }
+        }
+    }
+    // What the kernel sent before the stop is still in the ring buffer.
+    if tokio::time::timeout(Duration::from_millis(20), sampler.read_samples(&mut batch)).await.is_ok() {
+        add_samples(&mut batch, &mut resolver, &mut profile, &mut stats);
+    }
+    stats.lost_samples = sampler.lost_samples();
+    profile.duration_ns = started.elapsed().as_nanos() as i64;
+    Ok((profile, stats))
+}
+
+fn add_samples(batch: &mut Vec<SampleRecord>, resolver: &mut SampleResolver, profile: &mut Profile, stats: &mut Stats) {
+    for record in batch.drain(..) {
+        stats.samples += 1;
+        profile.add(resolver.resolve(&record), 1);
+    }
+}
+
+async fn sleep_until(deadline: Option<tokio::time::Instant>) {
+    match deadline {
+        Some(deadline) => tokio::time::sleep_until(deadline).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Warns when the kernel dropped samples since the last report; returns the new total.
+fn report_lost(sampler: &Sampler, reported: u64) -> u64 {
+    let lost = sampler.lost_samples();
+    if lost > reported {
+        eprintln!("pyebpf: lost {} samples (ring buffer full); try a larger --ring-buffer-kb", lost - reported);
+    }
+    lost
+}
+
+fn child_exited(child: &mut Option<std::process::Child>) -> bool {
+    child.as_mut().is_some_and(|c| !matches!(c.try_wait(), Ok(None)))
+}
