@@ -127,6 +127,7 @@ async fn record(args: &RecordArgs) -> Result<(Profile, Stats)> {
         add_samples(&mut batch, &mut resolver, &mut profile, &mut stats);
     }
     stats.lost_samples = sampler.lost_samples();
+    stats.own_cpu_ns = own_cpu_ns();
     profile.duration_ns = started.elapsed().as_nanos() as i64;
     Ok((profile, stats))
 }
@@ -136,6 +137,19 @@ fn add_samples(batch: &mut Vec<SampleRecord>, resolver: &mut SampleResolver, pro
         stats.samples += 1;
         profile.add(resolver.resolve(&record), 1);
     }
+}
+
+/// User plus system CPU time of this process so far.
+fn own_cpu_ns() -> u64 {
+    let mut usage = std::mem::MaybeUninit::<libc::rusage>::zeroed();
+    // SAFETY: getrusage fills the struct it is given.
+    if unsafe { libc::getrusage(libc::RUSAGE_SELF, usage.as_mut_ptr()) } != 0 {
+        return 0;
+    }
+    // SAFETY: initialised above (zeroed, then filled on success).
+    let usage = unsafe { usage.assume_init() };
+    let ns = |t: libc::timeval| t.tv_sec as u64 * 1_000_000_000 + t.tv_usec as u64 * 1000;
+    ns(usage.ru_utime) + ns(usage.ru_stime)
 }
 
 async fn sleep_until(deadline: Option<tokio::time::Instant>) {

@@ -28,8 +28,10 @@ pub struct Stats {
     pub batch_hits: u64,
     pub batch_partial_hits: u64,
     pub batch_misses: u64,
-    /// Python processes attached to, and threads registered with the eBPF program.
+    /// Python processes attached to.
     pub python_processes: u64,
+    /// CPU time pyebpf itself used (user + system), in nanoseconds.
+    pub own_cpu_ns: u64,
 }
 
 impl Stats {
@@ -79,6 +81,12 @@ impl fmt::Display for Stats {
         let py = self.python_samples;
         writeln!(f, "samples:                    {}", self.samples)?;
         writeln!(f, "lost samples:               {}", self.lost_samples)?;
+        writeln!(
+            f,
+            "pyebpf CPU time:            {:.1} ms ({:.1} us per sample)",
+            self.own_cpu_ns as f64 / 1e6,
+            per(self.own_cpu_ns, self.samples) / 1e3
+        )?;
         writeln!(f, "python processes:           {}", self.python_processes)?;
         writeln!(f, "python samples:             {py}")?;
         writeln!(f, "  chain moved:              {} ({:.1}%)", self.chain_moved, percent(self.chain_moved, py))?;

@@ -1,6 +1,7 @@
 //! Build, run and test automation: `cargo xtask build|run|test`. Every command first installs what
 //! is missing on a fresh machine, so a clean clone needs nothing else.
 
+mod bench;
 mod pythons;
 mod toolchain;
 
@@ -29,6 +30,8 @@ enum Task {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+    /// Measure what profiling costs: workload slowdown beside py-spy, pyebpf CPU and reads per sample
+    Bench,
     /// Install test dependencies, build, and run every test (unit, fuzz, end-to-end)
     Test {
         /// Extra arguments for the end-to-end test binary (a test name filter, for example)
@@ -49,6 +52,10 @@ fn main() -> Result<()> {
             std::process::exit(status.code().unwrap_or(1));
         }
         Task::Test { filter } => test(&root, &filter)?,
+        Task::Bench => {
+            let pythons = pythons::ensure_installed()?;
+            bench::bench(&root, build(&root, true)?, &pythons)?;
+        }
     }
     Ok(())
 }
