@@ -87,13 +87,20 @@ pub struct SampleRecord {
     pub user_len: u32,
     /// Number of valid entries in `kernel_stack`.
     pub kernel_len: u32,
-    pub _pad: u32,
+    /// Number of valid entries in `user_frame_bases`.
+    pub frame_bases_len: u32,
     /// `bpf_ktime_get_ns()` at the sample.
     pub time_ns: u64,
     pub comm: [u8; COMM_LEN],
     pub py: PyCapture,
+    /// The user stack pointer at the sample.
+    pub user_sp: u64,
     /// Return addresses, innermost first.
     pub user_stack: [u64; MAX_USER_FRAMES],
+    /// The frame pointer of each user frame, innermost first: entry `i` is the frame base of the
+    /// function at `user_stack[i]`, so its locals lie between entry `i - 1` (or `user_sp`) and it.
+    /// The merge finds which native frame holds each interpreter entry frame with these.
+    pub user_frame_bases: [u64; MAX_USER_FRAMES],
     pub kernel_stack: [u64; MAX_KERNEL_FRAMES],
 }
 

@@ -9,8 +9,8 @@ use core::mem::size_of;
 
 use aya_ebpf::{
     helpers::{
-        bpf_get_current_comm, bpf_get_current_pid_tgid, bpf_get_smp_processor_id, bpf_ktime_get_ns,
-        bpf_get_stack, bpf_probe_read_user,
+        bpf_get_current_comm, bpf_get_current_pid_tgid, bpf_get_current_task_btf, bpf_get_smp_processor_id,
+        bpf_get_stack, bpf_ktime_get_ns, bpf_probe_read_kernel, bpf_probe_read_user, bpf_task_pt_regs,
     },
     macros::{map, perf_event, tracepoint},
     maps::{Array, HashMap, PerCpuArray, RingBuf},
@@ -71,8 +71,10 @@ pub fn sample(ctx: PerfEventContext) -> u32 {
         (*record).cpu = bpf_get_smp_processor_id();
         (*record).time_ns = bpf_ktime_get_ns();
         (*record).comm = bpf_get_current_comm().unwrap_or([0; 16]);
-        (*record)._pad = 0;
         (*record).py = capture_python(tgid, tid);
+        let (sp, bp) = user_sp_bp(&ctx);
+        (*record).user_sp = sp;
+        (*record).frame_bases_len = walk_frame_bases(bp, sp, &mut (*record).user_frame_bases);
         (*record).user_len = stack_len(bpf_get_stack(
             ctx.as_ptr(),
             (*record).user_stack.as_mut_ptr() as *mut c_void,
@@ -101,6 +103,54 @@ fn stack_len(bytes: i64) -> u32 {
     } else {
         0
     }
+}
+
+/// `pt_regs` field offsets on x86_64.
+const PT_REGS_BP: usize = 4 * 8;
+const PT_REGS_CS: usize = 17 * 8;
+const PT_REGS_SP: usize = 19 * 8;
+
+/// The user stack and frame pointers of the sampled thread, also when the sample hit it in the
+/// kernel (then they come from the registers saved at kernel entry).
+fn user_sp_bp(ctx: &PerfEventContext) -> (u64, u64) {
+    let regs = ctx.as_ptr() as *const u8;
+    // SAFETY: the context starts with the interrupted registers.
+    let cs = unsafe { *(regs.add(PT_REGS_CS) as *const u64) };
+    if cs & 3 == 3 {
+        // SAFETY: as above.
+        return unsafe { (*(regs.add(PT_REGS_SP) as *const u64), *(regs.add(PT_REGS_BP) as *const u64)) };
+    }
+    // SAFETY: the current task is valid during the program; its saved user registers are read
+    // with a checked kernel read.
+    unsafe {
+        let saved = bpf_task_pt_regs(bpf_get_current_task_btf()) as *const u8;
+        if saved.is_null() {
+            return (0, 0);
+        }
+        let sp = bpf_probe_read_kernel(saved.add(PT_REGS_SP) as *const u64).unwrap_or(0);
+        let bp = bpf_probe_read_kernel(saved.add(PT_REGS_BP) as *const u64).unwrap_or(0);
+        (sp, bp)
+    }
+}
+
+/// Follows the saved frame-pointer chain as the kernel's user unwinder does, recording each
+/// frame's base; stops where the chain leaves the stack or stops growing towards its root.
+fn walk_frame_bases(mut bp: u64, sp: u64, bases: &mut [u64; MAX_USER_FRAMES]) -> u32 {
+    let mut len = 0;
+    let mut floor = sp;
+    for slot in bases.iter_mut() {
+        if bp < floor || bp & 7 != 0 {
+            break;
+        }
+        *slot = bp;
+        len += 1;
+        floor = bp + 16;
+        match read_u64(bp) {
+            Some(next) => bp = next,
+            None => break,
+        }
+    }
+    len
 }
 
 fn read_u64(addr: u64) -> Option<u64> {

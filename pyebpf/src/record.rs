@@ -9,6 +9,7 @@ use tokio::signal::unix::{signal, SignalKind};
 
 use crate::bpf::{check_privileges, Sampler, SamplerOptions};
 use crate::cli::RecordArgs;
+use crate::merge::NativeStack;
 use crate::output;
 use crate::process::{self, ProcessNames};
 use crate::stack::{Frame, Profile, StackKey};
@@ -38,7 +39,13 @@ impl SampleResolver {
             .into_iter()
             .map(Frame::Kernel)
             .collect();
-        frames.extend(self.symbolizer.user_frames(record.tgid, &record.user_stack[..user_len]).into_iter().map(Frame::Native));
+        let bases_len = (record.frame_bases_len as usize).min(record.user_frame_bases.len());
+        let native = NativeStack {
+            levels: self.symbolizer.user_levels(record.tgid, &record.user_stack[..user_len]),
+            frame_bases: record.user_frame_bases[..bases_len].to_vec(),
+            sp: record.user_sp,
+        };
+        frames.extend(native.trusted_frames());
         StackKey {
             pid: record.tgid,
             tid: record.tid,

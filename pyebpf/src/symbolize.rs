@@ -149,24 +149,29 @@ impl Symbolizer {
     /// instruction, later entries return addresses. Frames keep their place even when unknown; an
     /// address inlined into its caller gives several frames, innermost first.
     pub fn user_frames(&mut self, pid: u32, stack: &[u64]) -> Vec<NativeFrame> {
+        self.user_levels(pid, stack).into_iter().flatten().collect()
+    }
+
+    /// Like [`Symbolizer::user_frames`], with the frames of each stack entry kept apart.
+    pub fn user_levels(&mut self, pid: u32, stack: &[u64]) -> Vec<Vec<NativeFrame>> {
         let addrs: Vec<u64> = stack.iter().enumerate().map(|(depth, &addr)| call_site(depth, addr)).collect();
         self.refresh_maps_if_unmapped(pid, &addrs);
         self.resolve_missing(pid, &addrs);
 
         let maps = self.processes.get(&pid);
-        let mut frames = Vec::with_capacity(addrs.len());
-        for &addr in &addrs {
-            let Some(mapping) = maps.and_then(|maps| maps.find(addr)) else {
-                frames.push(NativeFrame { addr, module: None, symbol: None, file: None, line: None });
-                continue;
-            };
-            let resolved = match &mapping.backing {
-                Backing::File { id, .. } => self.by_file_offset.get(&(*id, mapping.file_offset(addr))),
-                Backing::Process => self.by_process_addr.get(&(pid, addr)),
-            };
-            push_frames(&mut frames, addr, &mapping.module, resolved.map_or(&[][..], |r| &r[..]));
-        }
-        frames
+        addrs
+            .iter()
+            .map(|&addr| {
+                let Some(mapping) = maps.and_then(|maps| maps.find(addr)) else {
+                    return vec![NativeFrame { addr, module: None, symbol: None, file: None, line: None }];
+                };
+                let resolved = match &mapping.backing {
+                    Backing::File { id, .. } => self.by_file_offset.get(&(*id, mapping.file_offset(addr))),
+                    Backing::Process => self.by_process_addr.get(&(pid, addr)),
+                };
+                level_frames(addr, &mapping.module, resolved.map_or(&[][..], |r| &r[..]))
+            })
+            .collect()
     }
 
     /// Symbolizes a kernel stack (innermost first) with kallsyms.
@@ -345,17 +350,20 @@ fn call_site(depth: usize, addr: u64) -> u64 {
     }
 }
 
-fn push_frames(frames: &mut Vec<NativeFrame>, addr: u64, module: &Arc<Module>, functions: &[Function]) {
+fn level_frames(addr: u64, module: &Arc<Module>, functions: &[Function]) -> Vec<NativeFrame> {
     if functions.is_empty() {
-        frames.push(NativeFrame { addr, module: Some(module.clone()), symbol: None, file: None, line: None });
+        return vec![NativeFrame { addr, module: Some(module.clone()), symbol: None, file: None, line: None }];
     }
-    frames.extend(functions.iter().map(|function| NativeFrame {
-        addr,
-        module: Some(module.clone()),
-        symbol: Some(function.name.clone()),
-        file: function.file.clone(),
-        line: function.line,
-    }));
+    functions
+        .iter()
+        .map(|function| NativeFrame {
+            addr,
+            module: Some(module.clone()),
+            symbol: Some(function.name.clone()),
+            file: function.file.clone(),
+            line: function.line,
+        })
+        .collect()
 }
 
 fn unknown(count: usize) -> Vec<Resolved> {

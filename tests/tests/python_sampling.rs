@@ -1,0 +1,307 @@
+//! Issue 4 end to end: real CPython 3.13/3.14/3.15 processes recorded by the real pyebpf binary.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// The interpreters under test: (label, path).
+fn interpreters() -> Vec<(&'static str, PathBuf)> {
+    let prefix = PathBuf::from(std::env::var("PYEBPF_PYTHONS").expect("PYEBPF_PYTHONS must name the test Pythons' prefix (cargo xtask test sets it)"));
+    let pyenv_root = std::env::var("PYENV_ROOT").map(PathBuf::from).unwrap_or_else(|_| PathBuf::from(std::env::var("HOME").unwrap()).join(".pyenv"));
+    vec![
+        ("pyenv-3.13.0", pyenv_root.join("versions/3.13.0/bin/python3.13")),
+        ("debian-3.13", prefix.join("usr/bin/python3.13")),
+        ("debian-3.14", prefix.join("usr/bin/python3.14")),
+        ("debian-3.15", prefix.join("usr/bin/python3.15")),
+    ]
+}
+
+fn python(label: &str) -> PathBuf {
+    let path = interpreters().into_iter().find(|(l, _)| *l == label).unwrap().1;
+    assert!(path.exists(), "test interpreter {label} is missing at {}", path.display());
+    path
+}
+
+fn pyebpf() -> PathBuf {
+    let bin = PathBuf::from(std::env::var("PYEBPF_BIN").expect("PYEBPF_BIN must name the pyebpf binary (cargo xtask test sets it)"));
+    assert!(bin.exists(), "PYEBPF_BIN {} does not exist", bin.display());
+    bin
+}
+
+fn script(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts").join(name)
+}
+
+/// A workload process, killed when dropped.
+struct Workload {
+    child: Child,
+    _dir: tempfile::TempDir,
+}
+
+impl Workload {
+    fn start(python: &Path, script_name: &str, args: &[&str]) -> Workload {
+        let dir = tempfile::tempdir().unwrap();
+        let ready = dir.path().join("ready");
+        let child = Command::new(python).arg(script(script_name)).arg(&ready).args(args).stdin(Stdio::null()).spawn().unwrap();
+        let started = Instant::now();
+        while !ready.exists() {
+            assert!(started.elapsed() < Duration::from_secs(30), "{script_name} under {} did not get ready", python.display());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        // Let the interpreter settle into its steady state before sampling.
+        std::thread::sleep(Duration::from_millis(200));
+        Workload { child, _dir: dir }
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+}
+
+impl Drop for Workload {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Runs `pyebpf record ARGS -o DIR/profile.folded` and returns (collapsed text, stderr).
+fn record(args: &[&str]) -> (String, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("profile.folded");
+    let output = Command::new(pyebpf()).arg("record").args(args).arg("-o").arg(&out).output().unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    assert!(output.status.success(), "pyebpf record {args:?} failed: {stderr}");
+    (std::fs::read_to_string(&out).unwrap(), stderr)
+}
+
+/// The stacks of one process: (frames root first, without the `COMM (PID)` root; count).
+fn stacks_of(collapsed: &str, pid: u32) -> Vec<(Vec<String>, u64)> {
+    let root_suffix = format!(" ({pid})");
+    collapsed
+        .lines()
+        .filter_map(|line| {
+            let (stack, count) = line.rsplit_once(' ')?;
+            let mut frames = stack.split(';');
+            let root = frames.next()?;
+            root.ends_with(&root_suffix).then(|| (frames.map(str::to_string).collect(), count.parse().unwrap()))
+        })
+        .collect()
+}
+
+fn total(stacks: &[(Vec<String>, u64)]) -> u64 {
+    stacks.iter().map(|(_, n)| n).sum()
+}
+
+fn count_where(stacks: &[(Vec<String>, u64)], keep: impl Fn(&[String]) -> bool) -> u64 {
+    stacks.iter().filter(|(frames, _)| keep(frames)).map(|(_, n)| n).sum()
+}
+
+/// A Python frame as collapsed output renders it: `QUALNAME (FILE:LINE)`.
+fn is_python_frame(frame: &str, qualname: &str) -> bool {
+    frame.starts_with(&format!("{qualname} (")) && frame.ends_with(')') && frame.contains(".py:")
+}
+
+fn any_python_frame(frame: &str) -> bool {
+    frame.ends_with(')') && frame.rsplit_once(".py:").is_some_and(|(_, line)| line.trim_end_matches(')').parse::<u32>().is_ok())
+}
+
+fn check_proportions(label: &str) {
+    let workload = Workload::start(&python(label), "sampling_proportions.py", &[]);
+    let pid = workload.pid().to_string();
+    let (collapsed, _) = record(&["-p", &pid, "-F", "499", "-d", "6"]);
+    let stacks = stacks_of(&collapsed, workload.pid());
+    let counts: Vec<u64> = ["sixty_percent", "thirty_percent", "ten_percent"]
+        .iter()
+        .map(|name| count_where(&stacks, |frames| frames.iter().any(|f| is_python_frame(f, name))))
+        .collect();
+    let busy: u64 = counts.iter().sum();
+    assert!(busy * 10 >= total(&stacks) * 9, "{label}: only {busy} of {} samples in the three functions", total(&stacks));
+    assert!(busy > 1000, "{label}: too few samples ({busy}) to measure shares");
+    for (count, expected) in counts.iter().zip([60.0, 30.0, 10.0]) {
+        let share = 100.0 * *count as f64 / busy as f64;
+        assert!((share - expected).abs() <= 3.0, "{label}: share {share:.1}% where {expected}% was spent (counts {counts:?})");
+    }
+}
+
+#[test]
+fn proportions_pyenv_3_13_0() {
+    check_proportions("pyenv-3.13.0");
+}
+
+#[test]
+fn proportions_debian_3_13() {
+    check_proportions("debian-3.13");
+}
+
+#[test]
+fn proportions_debian_3_14() {
+    check_proportions("debian-3.14");
+}
+
+#[test]
+fn proportions_debian_3_15() {
+    check_proportions("debian-3.15");
+}
+
+/// The Python frames of a stack, root first, as qualnames.
+fn python_qualnames(frames: &[String]) -> Vec<&str> {
+    frames.iter().filter(|f| any_python_frame(f)).map(|f| f.split(" (").next().unwrap()).collect()
+}
+
+fn check_depth(label: &str) {
+    let workload = Workload::start(&python(label), "sampling_deep.py", &["400"]);
+    let pid = workload.pid().to_string();
+    let (collapsed, _) = record(&["-p", &pid, "-F", "199", "-d", "3"]);
+    let stacks = stacks_of(&collapsed, workload.pid());
+    let mut expected = vec!["<module>"];
+    expected.extend(std::iter::repeat_n("recurse", 400));
+    let complete = count_where(&stacks, |frames| python_qualnames(frames) == expected);
+    let all = total(&stacks);
+    assert!(all >= 300, "{label}: only {all} samples");
+    assert!(complete * 100 >= all * 99, "{label}: {complete} of {all} samples show the 400 frames in order");
+}
+
+#[test]
+fn depth_400_pyenv_3_13_0() {
+    check_depth("pyenv-3.13.0");
+}
+
+#[test]
+fn depth_400_debian_3_13() {
+    check_depth("debian-3.13");
+}
+
+#[test]
+fn depth_400_debian_3_14() {
+    check_depth("debian-3.14");
+}
+
+#[test]
+fn depth_400_debian_3_15() {
+    check_depth("debian-3.15");
+}
+
+fn is_hashing_frame(frame: &str) -> bool {
+    let lower = frame.to_ascii_lowercase();
+    !any_python_frame(frame) && (lower.contains("sha256") || lower.contains("sha2") || lower.contains("evp_digest"))
+}
+
+#[test]
+fn native_hashing_frames_sit_under_their_python_caller_on_3_15() {
+    let workload = Workload::start(&python("debian-3.15"), "sampling_hash.py", &[]);
+    let pid = workload.pid().to_string();
+    let (collapsed, _) = record(&["-p", &pid, "-F", "199", "-d", "3"]);
+    let stacks = stacks_of(&collapsed, workload.pid());
+    let merged = count_where(&stacks, |frames| {
+        let Some(caller) = frames.iter().position(|f| is_python_frame(f, "hash_caller")) else { return false };
+        let below = &frames[caller + 1..];
+        below.first().is_some_and(|f| !any_python_frame(f)) && below.iter().all(|f| !any_python_frame(f)) && below.iter().any(|f| is_hashing_frame(f))
+    });
+    let all = total(&stacks);
+    assert!(merged * 2 > all, "{merged} of {all} samples have native hashing frames directly under hash_caller:\n{collapsed}");
+
+    let (python_only, _) = record(&["-p", &pid, "-F", "199", "-d", "2", "--no-native"]);
+    let stacks = stacks_of(&python_only, workload.pid());
+    assert!(total(&stacks) > 100);
+    for (frames, _) in &stacks {
+        assert!(frames.iter().all(|f| any_python_frame(f)), "--no-native left a native frame: {frames:?}");
+        assert!(frames.iter().any(|f| is_python_frame(f, "hash_caller")), "{frames:?}");
+    }
+}
+
+/// A number from the `--stats` line starting with `label`: the `index`-th number on it.
+fn stat(stderr: &str, label: &str, index: usize) -> f64 {
+    let line = stderr.lines().find(|l| l.trim_start().starts_with(label)).unwrap_or_else(|| panic!("no `{label}` in --stats:\n{stderr}"));
+    line[label.len()..]
+        .split(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .filter(|s| !s.is_empty() && s.parse::<f64>().is_ok())
+        .nth(index)
+        .unwrap_or_else(|| panic!("`{line}` has no number {index}"))
+        .parse()
+        .unwrap()
+}
+
+fn check_caching(label: &str, cache_line: &str) {
+    let workload = Workload::start(&python(label), "sampling_deep.py", &["200"]);
+    let pid = workload.pid().to_string();
+    let (_, cached) = record(&["-p", &pid, "-F", "199", "-d", "3", "--stats"]);
+    let (_, uncached) = record(&["-p", &pid, "-F", "199", "-d", "3", "--stats", "--no-cache"]);
+    let (hits, partial, misses) = (stat(&cached, cache_line, 0), stat(&cached, cache_line, 2), stat(&cached, cache_line, 4));
+    let hit_rate = (hits + partial) / (hits + partial + misses);
+    assert!(hit_rate > 0.9, "{label}: {cache_line} hit rate {hit_rate:.3}:\n{cached}");
+    let per_sample_cached = stat(&cached, "remote reads:", 1);
+    let per_sample_uncached = stat(&uncached, "remote reads:", 1);
+    assert!(
+        per_sample_uncached >= 5.0 * per_sample_cached,
+        "{label}: {per_sample_uncached} remote reads per sample uncached vs {per_sample_cached} cached"
+    );
+}
+
+#[test]
+fn last_profiled_frame_cuts_remote_reads_on_3_15() {
+    check_caching("debian-3.15", "last_profiled_frame:");
+}
+
+#[test]
+fn frame_chain_cache_cuts_remote_reads_on_3_14() {
+    check_caching("debian-3.14", "frame chain cache:");
+}
+
+#[test]
+fn frame_chain_cache_cuts_remote_reads_on_3_13() {
+    check_caching("debian-3.13", "frame chain cache:");
+}
+
+#[test]
+fn one_recording_covers_every_version() {
+    let workloads: Vec<(&str, Workload)> =
+        interpreters().into_iter().map(|(label, path)| (label, Workload::start(&path, "sampling_deep.py", &["30"]))).collect();
+    let (collapsed, _) = record(&["-a", "-F", "99", "-d", "4"]);
+    let mut expected = vec!["<module>"];
+    expected.extend(std::iter::repeat_n("recurse", 30));
+    for (label, workload) in &workloads {
+        let stacks = stacks_of(&collapsed, workload.pid());
+        let right = count_where(&stacks, |frames| python_qualnames(frames) == expected);
+        let all = total(&stacks);
+        assert!(all >= 50, "{label}: only {all} samples");
+        assert!(right * 100 >= all * 95, "{label}: {right} of {all} samples have the right Python stack");
+    }
+}
+
+/// pyebpf writes only to validated 3.15 processes, and only 8-byte `last_profiled_frame` fields:
+/// every write system call it makes during a host-wide recording is traced.
+#[test]
+fn writes_only_the_marker_of_3_15_processes() {
+    let workloads: HashMap<&str, Workload> = interpreters()
+        .into_iter()
+        .map(|(label, path)| (label, Workload::start(&path, "sampling_idle_threads.py", &[])))
+        .collect();
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("trace");
+    let status = Command::new("strace")
+        .args(["-f", "-qq", "-e", "trace=process_vm_writev,openat", "-o"])
+        .arg(&trace)
+        .arg(pyebpf())
+        .args(["record", "-a", "-F", "99", "-d", "3", "-o"])
+        .arg(dir.path().join("p.folded"))
+        .status()
+        .expect("strace must be installed (cargo xtask test installs it)");
+    assert!(status.success());
+    let trace = std::fs::read_to_string(trace).unwrap();
+    let target_315 = workloads["debian-3.15"].pid();
+    let mut writes_315 = 0;
+    for line in trace.lines() {
+        if let Some(call) = line.split_once("process_vm_writev(").map(|(_, rest)| rest) {
+            let pid: u32 = call.split(',').next().unwrap().trim().parse().unwrap();
+            assert_eq!(pid, target_315, "pyebpf wrote to process {pid}, not the 3.15 process: {line}");
+            assert!(call.contains("iov_len=8}], 1, [{iov_base=") && call.ends_with("= 8"), "not one 8-byte write: {line}");
+            writes_315 += 1;
+        }
+        if line.contains("/mem\"") {
+            assert!(line.contains("O_RDONLY"), "pyebpf opened process memory for writing: {line}");
+        }
+    }
+    assert!(writes_315 > 0, "no marker write to the 3.15 process was traced: the check above proves nothing");
+}
