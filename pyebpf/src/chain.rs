@@ -161,15 +161,16 @@ pub fn walk_chain<R: LinkReader>(
                 seen.insert(addr);
                 walk.links.push(link);
                 let expected = chain.links[position];
-                if link.code == expected.code && link.previous == chain.previous_of(position) {
-                    if reuse_tail(&mut walk, &mut seen, &chain.links[position + 1..], max_depth) {
-                        walk.marker = Some(if walk.links.len() - walk.frames_reused as usize == 1 {
-                            CacheOutcome::Hit
-                        } else {
-                            CacheOutcome::PartialHit
-                        });
-                        break;
-                    }
+                if link.code == expected.code
+                    && link.previous == chain.previous_of(position)
+                    && reuse_tail(&mut walk, &mut seen, &chain.links[position + 1..], max_depth)
+                {
+                    walk.marker = Some(if walk.links.len() - walk.frames_reused as usize == 1 {
+                        CacheOutcome::Hit
+                    } else {
+                        CacheOutcome::PartialHit
+                    });
+                    break;
                 }
                 addr = link.previous;
                 continue;

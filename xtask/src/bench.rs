@@ -41,7 +41,7 @@ pub fn bench(root: &Path, pyebpf: PathBuf, pythons: &Path) -> Result<()> {
         let mut with_py_spy = Vec::new();
         let mut stats = String::new();
         for _ in 0..ROUNDS {
-            alone.push(workload_seconds(&mut Command::new(&python).arg(&setup.script).arg(ITERATIONS))?);
+            alone.push(workload_seconds(Command::new(&python).arg(&setup.script).arg(ITERATIONS))?);
             let (seconds, stderr) = under_pyebpf(&setup, &python, &[])?;
             with_pyebpf.push(seconds);
             stats = stderr;
