@@ -3,6 +3,7 @@
 pub mod bpf;
 pub mod chain;
 pub mod cli;
+pub mod cpython;
 pub mod merge;
 pub mod output;
 pub mod process;

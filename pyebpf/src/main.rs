@@ -5,7 +5,7 @@ fn main() {
     let cli = Cli::parse();
     let result: anyhow::Result<()> = match cli.command {
         Command::Record(args) => pyebpf::record::run(args),
-        Command::Dump(_args) => Err(anyhow::anyhow!("dump is not built yet")),
+        Command::Dump(args) => pyebpf::cpython::dump::run(args),
     };
     if let Err(err) = result {
         eprintln!("pyebpf: {err:#}");
