@@ -7,6 +7,7 @@ pub mod cpython;
 pub mod merge;
 pub mod output;
 pub mod process;
+pub mod python_sampling;
 pub mod record;
 pub mod stack;
 pub mod stats;

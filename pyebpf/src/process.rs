@@ -20,6 +20,11 @@ pub fn check_pids(pids: &[u32]) -> Result<(), TargetError> {
     }
 }
 
+/// Every process running now.
+pub fn all_pids() -> Vec<u32> {
+    procfs::process::all_processes().map_or_else(|_| Vec::new(), |all| all.filter_map(|p| p.ok().map(|p| p.pid as u32)).collect())
+}
+
 /// Starts `COMMAND [ARGS...]` as pyebpf's child.
 pub fn launch(command: &[String]) -> Result<Child, TargetError> {
     let (program, args) = command.split_first().expect("clap requires a command here");

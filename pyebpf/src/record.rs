@@ -9,7 +9,8 @@ use tokio::signal::unix::{signal, SignalKind};
 
 use crate::bpf::{check_privileges, Sampler, SamplerOptions};
 use crate::cli::RecordArgs;
-use crate::merge::NativeStack;
+use crate::merge::{self, NativeStack};
+use crate::python_sampling::PythonSampling;
 use crate::output;
 use crate::process::{self, ProcessNames};
 use crate::stack::{Frame, Profile, StackKey};
@@ -23,42 +24,61 @@ const TICK: Duration = Duration::from_millis(250);
 pub struct SampleResolver {
     symbolizer: Symbolizer,
     names: ProcessNames,
+    python: PythonSampling,
+    no_native: bool,
 }
 
 impl SampleResolver {
-    pub fn new() -> Self {
-        SampleResolver { symbolizer: Symbolizer::new(), names: ProcessNames::default() }
-    }
-
-    pub fn resolve(&mut self, record: &SampleRecord) -> StackKey {
-        let kernel_len = (record.kernel_len as usize).min(record.kernel_stack.len());
-        let user_len = (record.user_len as usize).min(record.user_stack.len());
-        let mut frames: Vec<Frame> = self
-            .symbolizer
-            .kernel_frames(&record.kernel_stack[..kernel_len])
-            .into_iter()
-            .map(Frame::Kernel)
-            .collect();
-        let bases_len = (record.frame_bases_len as usize).min(record.user_frame_bases.len());
-        let native = NativeStack {
-            levels: self.symbolizer.user_levels(record.tgid, &record.user_stack[..user_len]),
-            frame_bases: record.user_frame_bases[..bases_len].to_vec(),
-            sp: record.user_sp,
-        };
-        frames.extend(native.trusted_frames());
-        StackKey {
-            pid: record.tgid,
-            tid: record.tid,
-            comm: self.names.name(record.tgid, &record.comm),
-            frames,
-            chain_moved: false,
+    pub fn new(caching: bool, no_native: bool) -> Self {
+        SampleResolver {
+            symbolizer: Symbolizer::new(),
+            names: ProcessNames::default(),
+            python: PythonSampling::new(caching),
+            no_native,
         }
     }
-}
 
-impl Default for SampleResolver {
-    fn default() -> Self {
-        Self::new()
+    pub fn resolve(&mut self, record: &SampleRecord, sampler: &mut Sampler, stats: &mut Stats) -> StackKey {
+        self.python.discover(record.tgid, sampler, stats);
+        let python = self.python.python_stack(record, sampler, stats);
+        let kernel_len = (record.kernel_len as usize).min(record.kernel_stack.len());
+        let mut frames: Vec<Frame> = Vec::new();
+        if !(self.no_native && python.is_some()) {
+            frames.extend(self.symbolizer.kernel_frames(&record.kernel_stack[..kernel_len]).into_iter().map(Frame::Kernel));
+        }
+        let chain_moved = python.as_ref().is_some_and(|p| p.moved);
+        match python {
+            Some(python) if self.no_native => frames.extend(merge::python_only(&python.items)),
+            python => {
+                let user_len = (record.user_len as usize).min(record.user_stack.len());
+                let bases_len = (record.frame_bases_len as usize).min(record.user_frame_bases.len());
+                let native = NativeStack {
+                    levels: self.symbolizer.user_levels(record.tgid, &record.user_stack[..user_len]),
+                    frame_bases: record.user_frame_bases[..bases_len].to_vec(),
+                    sp: record.user_sp,
+                };
+                match python {
+                    Some(python) => frames.extend(merge::merge_stacks(&native, &python.items)),
+                    None => frames.extend(native.trusted_frames()),
+                }
+            }
+        }
+        StackKey { pid: record.tgid, tid: record.tid, comm: self.names.name(record.tgid, &record.comm), frames, chain_moved }
+    }
+
+    /// Attaches to processes already running, so their first samples have Python frames too.
+    pub fn discover_all(&mut self, pids: impl IntoIterator<Item = u32>, sampler: &mut Sampler, stats: &mut Stats) {
+        for pid in pids {
+            self.python.discover(pid, sampler, stats);
+        }
+    }
+
+    pub fn upkeep(&mut self, sampler: &mut Sampler) {
+        self.python.upkeep(sampler);
+    }
+
+    pub fn finish(&self, stats: &mut Stats) {
+        (stats.code_cache_hits, stats.code_cache_misses) = self.python.code_cache_counters();
     }
 }
 
@@ -101,9 +121,11 @@ async fn record(args: &RecordArgs) -> Result<(Profile, Stats)> {
         Some(child)
     };
 
-    let mut resolver = SampleResolver::new();
+    let mut resolver = SampleResolver::new(!args.no_cache, args.no_native);
     let mut profile = Profile::new(args.frequency);
     let mut stats = Stats::default();
+    let running: Vec<u32> = if args.all { process::all_pids() } else { args.pid.clone() };
+    resolver.discover_all(running, &mut sampler, &mut stats);
     let started = Instant::now();
     profile.start_unix_ns = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as i64);
     let deadline = args.duration.map(|secs| tokio::time::Instant::now() + Duration::from_secs_f64(secs.max(0.0)));
@@ -116,13 +138,14 @@ async fn record(args: &RecordArgs) -> Result<(Profile, Stats)> {
         tokio::select! {
             read = sampler.read_samples(&mut batch) => {
                 read?;
-                add_samples(&mut batch, &mut resolver, &mut profile, &mut stats);
+                add_samples(&mut batch, &mut resolver, &mut sampler, &mut profile, &mut stats);
             }
             _ = interrupt.recv() => break,
             _ = terminate.recv() => break,
             _ = sleep_until(deadline) => break,
             _ = tick.tick() => {
                 lost_reported = report_lost(&sampler, lost_reported);
+                resolver.upkeep(&mut sampler);
                 if child_exited(&mut child) {
                     break;
                 }
@@ -131,18 +154,19 @@ async fn record(args: &RecordArgs) -> Result<(Profile, Stats)> {
     }
     // What the kernel sent before the stop is still in the ring buffer.
     if tokio::time::timeout(Duration::from_millis(20), sampler.read_samples(&mut batch)).await.is_ok() {
-        add_samples(&mut batch, &mut resolver, &mut profile, &mut stats);
+        add_samples(&mut batch, &mut resolver, &mut sampler, &mut profile, &mut stats);
     }
+    resolver.finish(&mut stats);
     stats.lost_samples = sampler.lost_samples();
     stats.own_cpu_ns = own_cpu_ns();
     profile.duration_ns = started.elapsed().as_nanos() as i64;
     Ok((profile, stats))
 }
 
-fn add_samples(batch: &mut Vec<SampleRecord>, resolver: &mut SampleResolver, profile: &mut Profile, stats: &mut Stats) {
+fn add_samples(batch: &mut Vec<SampleRecord>, resolver: &mut SampleResolver, sampler: &mut Sampler, profile: &mut Profile, stats: &mut Stats) {
     for record in batch.drain(..) {
         stats.samples += 1;
-        profile.add(resolver.resolve(&record), 1);
+        profile.add(resolver.resolve(&record, sampler, stats), 1);
     }
 }
 
