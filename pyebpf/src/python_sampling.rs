@@ -53,38 +53,65 @@ impl PythonSampling {
     /// Attaches to `pid` if it is a CPython 3.13+ process not seen before, and registers its
     /// threads with the eBPF program.
     pub fn discover(&mut self, pid: u32, sampler: &mut Sampler, stats: &mut Stats) {
+        if self.attach(pid, stats) {
+            self.register(pid, sampler);
+        }
+    }
+
+    /// Attaches to processes before sampling starts (reading their ELF files takes time), so
+    /// that their first samples already have Python frames; [`Self::register_all`] then tells
+    /// the eBPF program.
+    pub fn attach_all(&mut self, pids: impl IntoIterator<Item = u32>, stats: &mut Stats) {
+        for pid in pids {
+            self.attach(pid, stats);
+        }
+    }
+
+    pub fn register_all(&mut self, sampler: &mut Sampler) {
+        let pids: Vec<u32> = self.processes.keys().copied().collect();
+        for pid in pids {
+            self.register(pid, sampler);
+        }
+    }
+
+    /// True when `pid` was newly attached.
+    fn attach(&mut self, pid: u32, stats: &mut Stats) -> bool {
         if self.processes.contains_key(&pid) || self.others.contains(&pid) {
-            return;
+            return false;
         }
         let py = match PyProcess::attach(pid) {
             Ok(py) => py,
             Err(err) => {
                 log::debug!("pid {pid}: not profiled as Python: {err}");
                 self.others.insert(pid);
-                return;
+                return false;
             }
         };
-        let config = py.bpf_config();
-        let has_marker = config.tstate_last_profiled_frame != pyebpf_common::NO_OFFSET;
+        let has_marker = py.bpf_config().tstate_last_profiled_frame != pyebpf_common::NO_OFFSET;
         let mode = match (self.caching, has_marker) {
             (false, _) => CacheMode::Off,
             (true, true) => CacheMode::Marker,
             (true, false) => CacheMode::AddressBatch,
         };
-        if sampler.set_py_process(pid, &config).is_err() {
+        stats.python_processes += 1;
+        self.processes.insert(pid, PythonProcess { py, threads: HashMap::new(), threads_read: Instant::now(), mode });
+        true
+    }
+
+    fn register(&mut self, pid: u32, sampler: &mut Sampler) {
+        let Some(process) = self.processes.get_mut(&pid) else { return };
+        if sampler.set_py_process(pid, &process.py.bpf_config()).is_err() {
+            self.processes.remove(&pid);
             self.others.insert(pid);
             return;
         }
-        let mut process = PythonProcess { py, threads: HashMap::new(), threads_read: Instant::now(), mode };
         process.refresh_threads(sampler);
-        if mode == CacheMode::Marker {
+        if process.mode == CacheMode::Marker {
             // A marker left by an earlier profiler points at frames pyebpf never saw.
             for thread in process.threads.values() {
                 let _ = process.py.set_last_profiled_frame(thread.tstate, 0);
             }
         }
-        stats.python_processes += 1;
-        self.processes.insert(pid, process);
     }
 
     /// Re-reads thread lists now and then; forgets processes that have exited.

@@ -66,11 +66,14 @@ impl SampleResolver {
         StackKey { pid: record.tgid, tid: record.tid, comm: self.names.name(record.tgid, &record.comm), frames, chain_moved }
     }
 
-    /// Attaches to processes already running, so their first samples have Python frames too.
-    pub fn discover_all(&mut self, pids: impl IntoIterator<Item = u32>, sampler: &mut Sampler, stats: &mut Stats) {
-        for pid in pids {
-            self.python.discover(pid, sampler, stats);
-        }
+    /// Attaches to processes already running, before sampling starts.
+    pub fn attach_all(&mut self, pids: impl IntoIterator<Item = u32>, stats: &mut Stats) {
+        self.python.attach_all(pids, stats);
+    }
+
+    /// Tells the eBPF program about the processes attached so far.
+    pub fn register_all(&mut self, sampler: &mut Sampler) {
+        self.python.register_all(sampler);
     }
 
     pub fn upkeep(&mut self, sampler: &mut Sampler) {
@@ -105,6 +108,9 @@ pub fn run(args: RecordArgs) -> Result<()> {
 }
 
 async fn record(args: &RecordArgs) -> Result<(Profile, Stats)> {
+    let mut resolver = SampleResolver::new(!args.no_cache, args.no_native);
+    let mut stats = Stats::default();
+    resolver.attach_all(if args.all { process::all_pids() } else { args.pid.clone() }, &mut stats);
     let targets = if args.all { None } else { Some(args.pid.clone()) };
     let mut sampler = Sampler::start(&SamplerOptions {
         frequency_hz: args.frequency,
@@ -121,11 +127,8 @@ async fn record(args: &RecordArgs) -> Result<(Profile, Stats)> {
         Some(child)
     };
 
-    let mut resolver = SampleResolver::new(!args.no_cache, args.no_native);
+    resolver.register_all(&mut sampler);
     let mut profile = Profile::new(args.frequency);
-    let mut stats = Stats::default();
-    let running: Vec<u32> = if args.all { process::all_pids() } else { args.pid.clone() };
-    resolver.discover_all(running, &mut sampler, &mut stats);
     let started = Instant::now();
     profile.start_unix_ns = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as i64);
     let deadline = args.duration.map(|secs| tokio::time::Instant::now() + Duration::from_secs_f64(secs.max(0.0)));
