@@ -97,7 +97,8 @@ fn workload_seconds(command: &mut Command) -> Result<f64> {
 
 fn parse_seconds(stdout: &[u8]) -> Result<f64> {
     let text = String::from_utf8_lossy(stdout);
-    text.lines().last().and_then(|l| l.trim().parse().ok()).with_context(|| format!("no timing in workload output {text:?}"))
+    // Profilers may print around the workload's own line.
+    text.lines().rev().find_map(|l| l.trim().parse().ok()).with_context(|| format!("no timing in workload output {text:?}"))
 }
 
 fn median(values: &mut [f64]) -> f64 {
