@@ -1,0 +1,79 @@
+"""Holds a known set of thread stacks and writes its own view of them (sys._current_frames) as JSON.
+
+Usage: python dump_state.py VIEW_FILE. Every thread, the main one too, is parked before the view is
+taken and stays so until the process is killed; the reporting thread ends right after writing it."""
+import json
+import os
+import sys
+import threading
+
+hold = threading.Event()
+started = []
+
+
+def parked():
+    started.append(threading.get_native_id())
+    hold.wait()
+
+
+def deep(n):
+    if n > 1:
+        return deep(n - 1)
+    parked()
+
+
+class Outer:
+    def method(self):
+        def inner():
+            parked()
+        inner()
+
+
+def größe_straße():
+    parked()
+
+
+def 関数_名前():
+    parked()
+
+
+def 𠀀𠀁():
+    parked()
+
+
+lam = lambda: parked()  # noqa: E731
+
+namespace = {"parked": parked}
+exec(compile("def built_by_exec():\n    parked()\n", "<exec-built>", "exec"), namespace)
+
+targets = [lambda: deep(500), Outer().method, größe_straße, 関数_名前, 𠀀𠀁, lam, namespace["built_by_exec"]]
+sys.setrecursionlimit(2000)
+threads = [threading.Thread(target=t, name=f"worker-{i}", daemon=True) for i, t in enumerate(targets)]
+for t in threads:
+    t.start()
+
+
+def report():
+    while len(started) < len(threads) + 1:
+        threading.Event().wait(0.01)
+    # The main thread appended its id just before blocking: give it time to block.
+    threading.Event().wait(0.2)
+    me = threading.get_ident()
+    natives = {t.ident: t.native_id for t in threading.enumerate()}
+    view = {}
+    for ident, frame in sys._current_frames().items():
+        if ident == me:
+            continue
+        frames = []
+        while frame is not None:
+            code = frame.f_code
+            frames.append({"qualname": code.co_qualname, "filename": code.co_filename, "line": frame.f_lineno})
+            frame = frame.f_back
+        view[str(natives[ident])] = frames
+    with open(sys.argv[1] + ".tmp", "w") as out:
+        json.dump(view, out)
+    os.rename(sys.argv[1] + ".tmp", sys.argv[1])
+
+
+threading.Thread(target=report).start()
+parked()
