@@ -42,7 +42,7 @@ pub fn read_code(mem: &impl ReadMemory, offsets: &DebugOffsets, code_types: &mut
     let header = mem.read_vec(addr, offsets.code_size as usize)?;
     let ob_type = field_u64(&header, offsets.object_type);
     if !code_types.contains(&ob_type) {
-        let name = mem.read_u64(ob_type + offsets.type_name)?;
+        let name = mem.read_u64(ob_type.wrapping_add(offsets.type_name))?;
         let mut text = [0u8; 5];
         mem.read(name, &mut text)?;
         if &text != b"code\0" {
@@ -51,7 +51,7 @@ pub fn read_code(mem: &impl ReadMemory, offsets: &DebugOffsets, code_types: &mut
         code_types.insert(ob_type);
     }
     let linetable = field_u64(&header, offsets.code_linetable);
-    let size = mem.read_u64(linetable + offsets.bytes_ob_size)?;
+    let size = mem.read_u64(linetable.wrapping_add(offsets.bytes_ob_size))?;
     if size > MAX_LINETABLE {
         return Err(PyError::Malformed(format!("location table of {size} bytes")));
     }
@@ -59,7 +59,7 @@ pub fn read_code(mem: &impl ReadMemory, offsets: &DebugOffsets, code_types: &mut
         qualname: read_str(mem, offsets, field_u64(&header, offsets.code_qualname))?.into(),
         filename: read_str(mem, offsets, field_u64(&header, offsets.code_filename))?.into(),
         first_line: field_u32(&header, offsets.code_firstlineno),
-        linetable: mem.read_vec(linetable + offsets.bytes_data, size as usize)?,
-        instructions: addr + offsets.code_adaptive,
+        linetable: mem.read_vec(linetable.wrapping_add(offsets.bytes_data), size as usize)?,
+        instructions: addr.wrapping_add(offsets.code_adaptive),
     })
 }

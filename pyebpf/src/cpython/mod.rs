@@ -6,7 +6,7 @@ pub mod dump;
 mod linetable;
 pub mod memory;
 pub mod offsets;
-mod runtime;
+pub mod runtime;
 mod strings;
 
 use std::collections::{HashMap, HashSet};
@@ -95,7 +95,7 @@ impl PyProcess<ProcessMemory> {
         if self.offsets.version.minor() != 15 || !self.tstates.contains(&tstate) {
             return Err(PyError::WriteRefused(format!("{tstate:#x} is not a listed 3.15 thread state")));
         }
-        Ok(self.mem.write_u64(tstate + offset, frame)?)
+        Ok(self.mem.write_u64(tstate.wrapping_add(offset), frame)?)
     }
 }
 
@@ -123,6 +123,10 @@ impl<M: ReadMemory> PyProcess<M> {
 
     pub fn version(&self) -> PyVersion {
         self.offsets.version
+    }
+
+    pub fn memory(&self) -> &M {
+        &self.mem
     }
 
     pub fn remote_counters(&self) -> MemCounters {
@@ -154,7 +158,7 @@ impl<M: ReadMemory> PyProcess<M> {
         let o = self.offsets.clone();
         let mut threads = Vec::new();
         let mut seen = HashSet::new();
-        let mut interp = self.mem.read_u64(self.runtime + o.interpreters_head)?;
+        let mut interp = self.mem.read_u64(self.runtime.wrapping_add(o.interpreters_head))?;
         let mut interpreters = 0;
         while interp != 0 {
             interpreters += 1;
@@ -162,24 +166,24 @@ impl<M: ReadMemory> PyProcess<M> {
                 return Err(PyError::Malformed("interpreter list too long or looping".into()));
             }
             if interpreters == 1 {
-                let generation = o.code_object_generation.map(|offset| self.mem.read_u64(interp + offset)).transpose()?;
+                let generation = o.code_object_generation.map(|offset| self.mem.read_u64(interp.wrapping_add(offset))).transpose()?;
                 self.check_code_generation(generation);
             }
-            let gil_holder = self.gil_holder(self.mem.read_u64(interp + o.interp_ceval_gil)?);
-            let mut tstate = self.mem.read_u64(interp + o.interp_threads_head)?;
+            let gil_holder = self.gil_holder(self.mem.read_u64(interp.wrapping_add(o.interp_ceval_gil))?);
+            let mut tstate = self.mem.read_u64(interp.wrapping_add(o.interp_threads_head))?;
             while tstate != 0 {
                 if threads.len() >= MAX_THREADS || !seen.insert(tstate) {
                     return Err(PyError::Malformed("thread list too long or looping".into()));
                 }
                 threads.push(PyThread {
-                    tid: self.mem.read_u64(tstate + o.tstate_native_thread_id)? as u32,
+                    tid: self.mem.read_u64(tstate.wrapping_add(o.tstate_native_thread_id))? as u32,
                     tstate,
-                    current_frame: self.mem.read_u64(tstate + o.tstate_current_frame)?,
+                    current_frame: self.mem.read_u64(tstate.wrapping_add(o.tstate_current_frame))?,
                     holds_gil: gil_holder == Some(tstate),
                 });
-                tstate = self.mem.read_u64(tstate + o.tstate_next)?;
+                tstate = self.mem.read_u64(tstate.wrapping_add(o.tstate_next))?;
             }
-            interp = self.mem.read_u64(interp + o.interp_next)?;
+            interp = self.mem.read_u64(interp.wrapping_add(o.interp_next))?;
         }
         self.tstates = threads.iter().map(|t| t.tstate).collect();
         Ok(threads)
@@ -190,8 +194,8 @@ impl<M: ReadMemory> PyProcess<M> {
         if gil == 0 {
             return None;
         }
-        let locked = self.mem.read_u32(gil + self.offsets.gil_locked).ok()?;
-        let holder = self.mem.read_u64(gil + self.offsets.gil_holder).ok()?;
+        let locked = self.mem.read_u32(gil.wrapping_add(self.offsets.gil_locked)).ok()?;
+        let holder = self.mem.read_u64(gil.wrapping_add(self.offsets.gil_holder)).ok()?;
         (locked != 0 && holder != 0).then_some(holder)
     }
 

@@ -28,7 +28,7 @@ pub fn read_str(mem: &impl ReadMemory, offsets: &DebugOffsets, addr: u64) -> Res
     if !compact {
         return Err(PyError::Malformed("non-compact string".into()));
     }
-    let data = addr + offsets.unicode_ascii_size + if ascii { 0 } else { COMPACT_EXTRA };
+    let data = addr.wrapping_add(offsets.unicode_ascii_size).wrapping_add(if ascii { 0 } else { COMPACT_EXTRA });
     let width = match kind {
         1 | 2 | 4 => kind as usize,
         other => return Err(PyError::Malformed(format!("string kind {other}"))),
