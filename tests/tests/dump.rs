@@ -1,37 +1,11 @@
 //! Issue 3 end to end: `pyebpf dump --json` against each real interpreter's own view of its threads.
 
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+use std::time::Duration;
 
+use pyebpf_tests::{assert_one_line_error, debian_python, pyebpf, pyenv_python, script, wait_for_file, Killed};
 use serde_json::Value;
-
-fn pyebpf() -> PathBuf {
-    let bin = PathBuf::from(std::env::var("PYEBPF_BIN").expect("PYEBPF_BIN must name the pyebpf binary (cargo xtask test sets it)"));
-    assert!(bin.exists(), "PYEBPF_BIN {} does not exist", bin.display());
-    bin
-}
-
-fn pythons() -> PathBuf {
-    PathBuf::from(std::env::var("PYEBPF_PYTHONS").expect("PYEBPF_PYTHONS must name the test Pythons' prefix (cargo xtask test sets it)"))
-}
-
-fn pyenv(version: &str) -> PathBuf {
-    let root = std::env::var("PYENV_ROOT").map(PathBuf::from).unwrap_or_else(|_| PathBuf::from(std::env::var("HOME").unwrap()).join(".pyenv"));
-    let minor = version.rsplit_once('.').map_or(version, |(mm, _)| mm);
-    let path = root.join(format!("versions/{version}/bin/python{minor}"));
-    assert!(path.exists(), "pyenv's Python {version} is missing at {}", path.display());
-    path
-}
-
-struct Killed(Child);
-
-impl Drop for Killed {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 fn dump(pid: u32, json: bool) -> Output {
     let mut command = Command::new(pyebpf());
@@ -43,16 +17,10 @@ fn dump(pid: u32, json: bool) -> Output {
 }
 
 fn check_dump_matches_the_interpreter(python: &Path) {
-    assert!(python.exists(), "test interpreter missing: {}", python.display());
     let dir = tempfile::tempdir().unwrap();
     let view_file = dir.path().join("view.json");
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/dump_state.py");
-    let child = Killed(Command::new(python).arg(script).arg(&view_file).stdin(Stdio::null()).spawn().unwrap());
-    let started = Instant::now();
-    while !view_file.exists() {
-        assert!(started.elapsed() < Duration::from_secs(30), "{} never wrote its view", python.display());
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let child = Killed(Command::new(python).arg(script("dump_state.py")).arg(&view_file).stdin(Stdio::null()).spawn().unwrap());
+    wait_for_file(&view_file, &format!("dump_state.py under {}", python.display()));
     // The reporting thread exits right after writing the view.
     std::thread::sleep(Duration::from_millis(300));
     let view: Value = serde_json::from_str(&std::fs::read_to_string(&view_file).unwrap()).unwrap();
@@ -77,31 +45,27 @@ fn check_dump_matches_the_interpreter(python: &Path) {
 
 #[test]
 fn dump_matches_pyenv_3_13_0() {
-    check_dump_matches_the_interpreter(&pyenv("3.13.0"));
+    check_dump_matches_the_interpreter(&pyenv_python("3.13.0"));
 }
 
 #[test]
 fn dump_matches_debian_3_13() {
-    check_dump_matches_the_interpreter(&pythons().join("usr/bin/python3.13"));
+    check_dump_matches_the_interpreter(&debian_python("3.13"));
 }
 
 #[test]
 fn dump_matches_debian_3_14() {
-    check_dump_matches_the_interpreter(&pythons().join("usr/bin/python3.14"));
+    check_dump_matches_the_interpreter(&debian_python("3.14"));
 }
 
 #[test]
 fn dump_matches_debian_3_15() {
-    check_dump_matches_the_interpreter(&pythons().join("usr/bin/python3.15"));
+    check_dump_matches_the_interpreter(&debian_python("3.15"));
 }
 
 fn assert_clean_error(output: &Output, expected: &str) {
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(!output.status.success(), "expected a failure, got success");
-    assert_eq!(output.status.code(), Some(1), "{stderr}");
-    assert!(stderr.contains(expected), "stderr lacks `{expected}`: {stderr}");
-    assert!(!stderr.contains("panicked"), "{stderr}");
-    assert_eq!(stderr.trim_end().lines().count(), 1, "not one line: {stderr}");
+    assert_eq!(output.status.code(), Some(1));
+    assert_one_line_error(output, expected);
 }
 
 #[test]
@@ -112,7 +76,7 @@ fn dump_of_a_non_python_process_is_a_clear_error() {
 
 #[test]
 fn dump_of_python_3_11_is_a_clear_error() {
-    let old = Killed(Command::new(pyenv("3.11.7")).args(["-c", "import time; time.sleep(30)"]).spawn().unwrap());
+    let old = Killed(Command::new(pyenv_python("3.11.7")).args(["-c", "import time; time.sleep(30)"]).spawn().unwrap());
     std::thread::sleep(Duration::from_millis(300));
     assert_clean_error(&dump(old.0.id(), false), "older than 3.13");
 }
@@ -128,7 +92,7 @@ fn dump_of_a_missing_process_is_a_clear_error() {
 /// Processes that exit while being read: every outcome is a success or one clear error line.
 #[test]
 fn dump_of_a_process_exiting_mid_read_never_panics() {
-    let python = pythons().join("usr/bin/python3.15");
+    let python = debian_python("3.15");
     for delay_ms in [0u64, 5, 10, 20, 40, 80] {
         let child = Killed(
             Command::new(&python)

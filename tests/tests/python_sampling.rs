@@ -2,100 +2,41 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::time::Duration;
+
+use pyebpf_tests::{count_where, debian_python, pyebpf, pyenv_python, record_collapsed as record, stacks_of, start_ready, total, Killed};
 
 /// The interpreters under test: (label, path).
 fn interpreters() -> Vec<(&'static str, PathBuf)> {
-    let prefix = PathBuf::from(std::env::var("PYEBPF_PYTHONS").expect("PYEBPF_PYTHONS must name the test Pythons' prefix (cargo xtask test sets it)"));
-    let pyenv_root = std::env::var("PYENV_ROOT").map(PathBuf::from).unwrap_or_else(|_| PathBuf::from(std::env::var("HOME").unwrap()).join(".pyenv"));
     vec![
-        ("pyenv-3.13.0", pyenv_root.join("versions/3.13.0/bin/python3.13")),
-        ("debian-3.13", prefix.join("usr/bin/python3.13")),
-        ("debian-3.14", prefix.join("usr/bin/python3.14")),
-        ("debian-3.15", prefix.join("usr/bin/python3.15")),
+        ("pyenv-3.13.0", pyenv_python("3.13.0")),
+        ("debian-3.13", debian_python("3.13")),
+        ("debian-3.14", debian_python("3.14")),
+        ("debian-3.15", debian_python("3.15")),
     ]
 }
 
 fn python(label: &str) -> PathBuf {
-    let path = interpreters().into_iter().find(|(l, _)| *l == label).unwrap().1;
-    assert!(path.exists(), "test interpreter {label} is missing at {}", path.display());
-    path
+    interpreters().into_iter().find(|(l, _)| *l == label).unwrap().1
 }
 
-fn pyebpf() -> PathBuf {
-    let bin = PathBuf::from(std::env::var("PYEBPF_BIN").expect("PYEBPF_BIN must name the pyebpf binary (cargo xtask test sets it)"));
-    assert!(bin.exists(), "PYEBPF_BIN {} does not exist", bin.display());
-    bin
-}
-
-fn script(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts").join(name)
-}
-
-/// A workload process, killed when dropped.
+/// A workload script, settled into its steady state; killed when dropped.
 struct Workload {
-    child: Child,
+    child: Killed,
     _dir: tempfile::TempDir,
 }
 
 impl Workload {
     fn start(python: &Path, script_name: &str, args: &[&str]) -> Workload {
-        let dir = tempfile::tempdir().unwrap();
-        let ready = dir.path().join("ready");
-        let child = Command::new(python).arg(script(script_name)).arg(&ready).args(args).stdin(Stdio::null()).spawn().unwrap();
-        let started = Instant::now();
-        while !ready.exists() {
-            assert!(started.elapsed() < Duration::from_secs(30), "{script_name} under {} did not get ready", python.display());
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        // Let the interpreter settle into its steady state before sampling.
+        let (child, dir) = start_ready(python, script_name, args);
         std::thread::sleep(Duration::from_millis(200));
         Workload { child, _dir: dir }
     }
 
     fn pid(&self) -> u32 {
-        self.child.id()
+        self.child.pid()
     }
-}
-
-impl Drop for Workload {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// Runs `pyebpf record ARGS -o DIR/profile.folded` and returns (collapsed text, stderr).
-fn record(args: &[&str]) -> (String, String) {
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("profile.folded");
-    let output = Command::new(pyebpf()).arg("record").args(args).arg("-o").arg(&out).output().unwrap();
-    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
-    assert!(output.status.success(), "pyebpf record {args:?} failed: {stderr}");
-    (std::fs::read_to_string(&out).unwrap(), stderr)
-}
-
-/// The stacks of one process: (frames root first, without the `COMM (PID)` root; count).
-fn stacks_of(collapsed: &str, pid: u32) -> Vec<(Vec<String>, u64)> {
-    let root_suffix = format!(" ({pid})");
-    collapsed
-        .lines()
-        .filter_map(|line| {
-            let (stack, count) = line.rsplit_once(' ')?;
-            let mut frames = stack.split(';');
-            let root = frames.next()?;
-            root.ends_with(&root_suffix).then(|| (frames.map(str::to_string).collect(), count.parse().unwrap()))
-        })
-        .collect()
-}
-
-fn total(stacks: &[(Vec<String>, u64)]) -> u64 {
-    stacks.iter().map(|(_, n)| n).sum()
-}
-
-fn count_where(stacks: &[(Vec<String>, u64)], keep: impl Fn(&[String]) -> bool) -> u64 {
-    stacks.iter().filter(|(frames, _)| keep(frames)).map(|(_, n)| n).sum()
 }
 
 /// A Python frame as collapsed output renders it: `QUALNAME (FILE:LINE)`.

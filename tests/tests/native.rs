@@ -1,0 +1,184 @@
+//! Issue 2 end to end: the sampler, `record` targets, signals, lost samples, errors and outputs,
+//! on real C programs.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use pyebpf_tests::{assert_one_line_error, count_where, pyebpf, record_collapsed, run_pyebpf, stacks_of, total, Killed};
+
+/// Spins in leaf_fn under main → outer_fn → middle_fn (for argv[1] seconds, default forever);
+/// with argv[2] = "syscalls" the leaf makes system calls instead.
+const SPIN_C: &str = r#"
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+volatile unsigned long sink;
+volatile sig_atomic_t stop;
+static int syscalls;
+static void on_alarm(int sig) { (void)sig; stop = 1; }
+__attribute__((noinline)) void leaf_fn(void) { while (!stop) { if (syscalls) sink += getppid(); else sink++; } }
+__attribute__((noinline)) void middle_fn(void) { leaf_fn(); sink++; }
+__attribute__((noinline)) void outer_fn(void) { middle_fn(); sink++; }
+int main(int argc, char **argv) {
+    signal(SIGALRM, on_alarm);
+    if (argc > 1) alarm(atoi(argv[1]));
+    syscalls = argc > 2 && strcmp(argv[2], "syscalls") == 0;
+    outer_fn();
+    return 0;
+}
+"#;
+
+/// Compiles SPIN_C with frame pointers everywhere (Debian's gcc omits them in leaf functions
+/// unless told not to) into `dir/name`.
+fn compile_spin(dir: &Path, name: &str) -> PathBuf {
+    let source = dir.join("spin.c");
+    std::fs::write(&source, SPIN_C).unwrap();
+    let binary = dir.join(name);
+    let status = Command::new("gcc")
+        .args(["-O1", "-fno-omit-frame-pointer", "-mno-omit-leaf-frame-pointer", "-o"])
+        .arg(&binary)
+        .arg(&source)
+        .status()
+        .expect("gcc must be installed (cargo xtask test installs it)");
+    assert!(status.success());
+    binary
+}
+
+fn spin(dir: &Path, args: &[&str]) -> Killed {
+    let binary = dir.join("spin");
+    if !binary.exists() {
+        compile_spin(dir, "spin");
+    }
+    let child = Killed(Command::new(binary).args(args).spawn().unwrap());
+    std::thread::sleep(Duration::from_millis(100));
+    child
+}
+
+fn go_pprof(args: &[&str], profile: &Path) -> String {
+    let output = Command::new("go").args(["tool", "pprof"]).args(args).arg(profile).output().expect("go (golang-go) must be installed");
+    assert!(output.status.success(), "go tool pprof {args:?} failed: {}", String::from_utf8_lossy(&output.stderr));
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+#[test]
+fn host_wide_recording_sees_the_whole_call_chain() {
+    let dir = tempfile::tempdir().unwrap();
+    let spinner = spin(dir.path(), &[]);
+    let (collapsed, _) = record_collapsed(&["-a", "-d", "4", "-F", "99"]);
+    let stacks = stacks_of(&collapsed, spinner.pid());
+    let samples = total(&stacks);
+    assert!((317..=475).contains(&samples), "{samples} samples where 4 s at 99 Hz is 396 (±20%)");
+    let chained = count_where(&stacks, |frames| frames.join(";").contains("main;outer_fn;middle_fn;leaf_fn"));
+    assert!(chained * 10 >= samples * 9, "{chained} of {samples} samples have main;outer_fn;middle_fn;leaf_fn:\n{collapsed}");
+}
+
+#[test]
+fn pprof_output_reads_in_go_tool_pprof() {
+    let dir = tempfile::tempdir().unwrap();
+    let spinner = spin(dir.path(), &[]);
+    let profile = dir.path().join("profile.pb.gz");
+    let output = run_pyebpf(&["record", "-a", "-d", "2", "-F", "99", "-o", profile.to_str().unwrap()]);
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let top = go_pprof(&["-top"], &profile);
+    assert!(top.contains("leaf_fn"), "-top lacks leaf_fn:\n{top}");
+    let traces = go_pprof(&["-traces"], &profile);
+    let chain = ["leaf_fn", "middle_fn", "outer_fn", "main"];
+    let positions: Vec<usize> = chain.iter().map(|f| traces.find(&format!(" {f}\n")).unwrap_or_else(|| panic!("-traces lacks {f}:\n{traces}"))).collect();
+    assert!(positions.windows(2).all(|w| w[0] < w[1]), "-traces does not show {chain:?} in order");
+    assert!(traces.contains(&format!("pid:  {}\n", spinner.pid())), "no pid label:\n{}", &traces[..traces.len().min(2000)]);
+    let raw = go_pprof(&["-raw"], &profile);
+    assert!(raw.contains("leaf_fn") && raw.contains("samples/count"), "-raw:\n{raw}");
+}
+
+fn interrupted_recording_still_writes(signal: i32, file: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let _spinner = spin(dir.path(), &[]);
+    let out = dir.path().join(file);
+    let mut recorder = Command::new(pyebpf()).args(["record", "-a", "-o"]).arg(&out).stderr(Stdio::piped()).spawn().unwrap();
+    std::thread::sleep(Duration::from_millis(1500));
+    // SAFETY: signalling our own child.
+    assert_eq!(unsafe { libc::kill(recorder.id() as i32, signal) }, 0);
+    let status = recorder.wait().unwrap();
+    assert!(status.success(), "pyebpf exited with {status} after signal {signal}");
+    if file.ends_with(".pb.gz") {
+        let top = go_pprof(&["-top"], &out);
+        assert!(top.contains("leaf_fn"), "{top}");
+    } else {
+        let text = std::fs::read_to_string(&out).unwrap();
+        assert!(text.contains("leaf_fn"), "{text}");
+    }
+}
+
+#[test]
+fn sigint_still_writes_the_profile() {
+    interrupted_recording_still_writes(libc::SIGINT, "profile.pb.gz");
+}
+
+#[test]
+fn sigterm_still_writes_the_profile() {
+    interrupted_recording_still_writes(libc::SIGTERM, "profile.folded");
+}
+
+#[test]
+fn pid_mode_records_only_that_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let wanted = spin(dir.path(), &[]);
+    let other = spin(dir.path(), &[]);
+    let (collapsed, _) = record_collapsed(&["-p", &wanted.pid().to_string(), "-d", "2"]);
+    assert!(total(&stacks_of(&collapsed, wanted.pid())) > 100, "{collapsed}");
+    assert_eq!(total(&stacks_of(&collapsed, other.pid())), 0);
+    assert!(collapsed.lines().all(|l| l.starts_with(&format!("spin ({})", wanted.pid()))), "{collapsed}");
+}
+
+#[test]
+fn command_mode_follows_children_and_ends_with_the_command() {
+    let dir = tempfile::tempdir().unwrap();
+    let binary = compile_spin(dir.path(), "spin");
+    let script = format!("{0} 1 & {0} 2; wait", binary.display());
+    let started = Instant::now();
+    let (collapsed, _) = record_collapsed(&["-d", "60", "--", "sh", "-c", &script]);
+    assert!(started.elapsed() < Duration::from_secs(10), "pyebpf did not stop when the command ended");
+    let spinners: std::collections::HashSet<&str> =
+        collapsed.lines().filter(|l| l.starts_with("spin (") && l.contains("leaf_fn")).map(|l| l.split(';').next().unwrap()).collect();
+    assert_eq!(spinners.len(), 2, "both children of the command should be sampled:\n{collapsed}");
+}
+
+#[test]
+fn lost_samples_are_reported() {
+    let dir = tempfile::tempdir().unwrap();
+    let _spinners = [spin(dir.path(), &[]), spin(dir.path(), &[])];
+    let (_, stderr) = record_collapsed(&["-a", "-d", "2", "-F", "10000", "--ring-buffer-kb", "4"]);
+    let lost: u64 = stderr
+        .lines()
+        .find_map(|l| l.strip_suffix(" lost)").and_then(|l| l.rsplit_once('(')).and_then(|(_, n)| n.parse().ok()))
+        .unwrap_or_else(|| panic!("no lost-sample count in the summary: {stderr}"));
+    assert!(lost > 0, "a 4 KiB ring buffer at 10 kHz lost nothing: {stderr}");
+    assert!(stderr.contains("pyebpf: lost "), "no warning while recording: {stderr}");
+}
+
+#[test]
+fn kernel_stacks_end_in_k() {
+    let dir = tempfile::tempdir().unwrap();
+    let spinner = spin(dir.path(), &["60", "syscalls"]);
+    let (collapsed, _) = record_collapsed(&["-p", &spinner.pid().to_string(), "-d", "2", "--kernel"]);
+    let stacks = stacks_of(&collapsed, spinner.pid());
+    // glibc's getppid keeps no frame of its own, so a frame-pointer unwind goes from it to middle_fn.
+    let in_kernel = count_where(&stacks, |frames| frames.last().is_some_and(|f| f.ends_with("_[k]")) && frames.iter().any(|f| f == "middle_fn"));
+    assert!(in_kernel * 4 > total(&stacks), "{in_kernel} of {} samples end in kernel frames:\n{collapsed}", total(&stacks));
+}
+
+#[test]
+fn bad_arguments_fail_before_sampling_with_one_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("p.pb.gz");
+    let mut gone = Command::new("true").spawn().unwrap();
+    let pid = gone.id().to_string();
+    gone.wait().unwrap();
+    assert_one_line_error(&run_pyebpf(&["record", "-p", &pid, "-o", out.to_str().unwrap()]), "no such process");
+    assert!(!out.exists(), "a failed recording left a file");
+    let missing = dir.path().join("no/such/dir/p.pb.gz");
+    assert_one_line_error(&run_pyebpf(&["record", "-a", "-d", "1", "-o", missing.to_str().unwrap()]), "cannot write");
+    assert_one_line_error(&run_pyebpf(&["record", "-a", "-d", "1", "--ring-buffer-kb", "3", "-o", out.to_str().unwrap()]), "power of two");
+}
