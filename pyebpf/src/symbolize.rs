@@ -607,8 +607,9 @@ int main() {
         let frames = symbolizer.user_frames(program.pid(), &[area]);
         assert_eq!(names(&frames), ["shapes::area(int)"]);
 
+        // Optimised builds inline black_box into marker: the chain ends in marker itself.
         let own = symbolizer.user_frames(std::process::id(), &[marker as fn() -> u64 as usize as u64]);
-        assert_eq!(names(&own), ["pyebpf::symbolize::tests::marker"], "{own:#?}");
+        assert_eq!(names(&own).last(), Some(&"pyebpf::symbolize::tests::marker"), "{own:#?}");
     }
 
     #[inline(never)]
@@ -653,8 +654,8 @@ int main() {
         let mut symbolizer = Symbolizer::new();
         let pid = std::process::id();
         assert_eq!(
-            names(&symbolizer.user_frames(pid, &[marker as fn() -> u64 as usize as u64])),
-            ["pyebpf::symbolize::tests::marker"]
+            names(&symbolizer.user_frames(pid, &[marker as fn() -> u64 as usize as u64])).last(),
+            Some(&"pyebpf::symbolize::tests::marker")
         );
 
         let address = load_library(&library, c"plugin_fn").0;

@@ -125,11 +125,15 @@ impl Builder {
     fn sample(&mut self, key: &StackKey, count: u64, period: i64) -> proto::Sample {
         let location_id = key.frames.iter().map(|frame| self.location(frame)).collect();
         let count = to_i64(count);
-        let label = vec![
+        let mut label = vec![
             self.number_label("pid", key.pid.into()),
             self.number_label("tid", key.tid.into()),
             self.string_label("comm", &key.comm),
         ];
+        if key.chain_moved {
+            // The thread moved on before its Python chain was read: only the leaf is exact.
+            label.push(self.string_label("python_chain", "moved"));
+        }
         proto::Sample { location_id, value: vec![count, count.saturating_mul(period)], label }
     }
 
