@@ -1,7 +1,7 @@
 //! Fuzzing the CPython reader: every read `dump` makes of a real 3.15 process is recorded, then the
 //! reader runs over randomly mutated copies of that memory through an in-memory `ReadMemory`. Any
 //! outcome is fine except a panic, a hang or an unbounded allocation. `PYEBPF_FUZZ_CASES` sets the
-//! number of cases (default 400 000, about a minute in a release build).
+//! number of cases (default 250 000, about a minute; run with `--profile fuzz` for overflow checks).
 
 use std::cell::RefCell;
 use std::collections::BTreeMap;
@@ -128,7 +128,7 @@ fn process_memory<M: ReadMemory>(process: &PyProcess<M>) -> &M {
 }
 
 fn cases() -> u32 {
-    std::env::var("PYEBPF_FUZZ_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(400_000)
+    std::env::var("PYEBPF_FUZZ_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(250_000)
 }
 
 #[derive(Clone, Debug)]

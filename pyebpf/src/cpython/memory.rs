@@ -138,14 +138,17 @@ pub trait ReadExt: ReadMemory {
 
 impl<M: ReadMemory + ?Sized> ReadExt for M {}
 
-/// Little-endian fields of a buffer already read; out-of-range fields read as 0 (callers
-/// validate offsets against the buffer size first).
+/// Little-endian fields of a buffer already read; a field outside the buffer (an offset from a
+/// malformed table) reads as 0, which later reads reject as a null pointer.
 pub fn field_u64(buf: &[u8], offset: u64) -> u64 {
-    let start = offset as usize;
-    buf.get(start..start + 8).map_or(0, |b| u64::from_le_bytes(b.try_into().unwrap_or_default()))
+    field::<8>(buf, offset).map_or(0, u64::from_le_bytes)
 }
 
 pub fn field_u32(buf: &[u8], offset: u64) -> u32 {
-    let start = offset as usize;
-    buf.get(start..start + 4).map_or(0, |b| u32::from_le_bytes(b.try_into().unwrap_or_default()))
+    field::<4>(buf, offset).map_or(0, u32::from_le_bytes)
+}
+
+fn field<const N: usize>(buf: &[u8], offset: u64) -> Option<[u8; N]> {
+    let start = usize::try_from(offset).ok()?;
+    buf.get(start..start.checked_add(N)?)?.try_into().ok()
 }
