@@ -84,10 +84,17 @@ fn pprof_output_reads_in_go_tool_pprof() {
     let top = go_pprof(&["-top"], &profile);
     assert!(top.contains("leaf_fn"), "-top lacks leaf_fn:\n{top}");
     let traces = go_pprof(&["-traces"], &profile);
+    // Other processes on the host have traces too (with a `main` of their own): look only at the
+    // spinner's, found by its pid label.
+    let pid_label = format!("pid:  {}\n", spinner.pid());
     let chain = ["leaf_fn", "middle_fn", "outer_fn", "main"];
-    let positions: Vec<usize> = chain.iter().map(|f| traces.find(&format!(" {f}\n")).unwrap_or_else(|| panic!("-traces lacks {f}:\n{traces}"))).collect();
-    assert!(positions.windows(2).all(|w| w[0] < w[1]), "-traces does not show {chain:?} in order");
-    assert!(traces.contains(&format!("pid:  {}\n", spinner.pid())), "no pid label:\n{}", &traces[..traces.len().min(2000)]);
+    let in_order = |block: &str| {
+        let positions: Vec<Option<usize>> = chain.iter().map(|f| block.find(&format!(" {f}\n"))).collect();
+        positions.iter().all(Option::is_some) && positions.windows(2).all(|w| w[0] < w[1])
+    };
+    let spinner_traces: Vec<&str> = traces.split("-----------+").filter(|block| block.contains(&pid_label)).collect();
+    assert!(!spinner_traces.is_empty(), "no trace has the pid label {pid_label:?}:\n{}", &traces[..traces.len().min(2000)]);
+    assert!(spinner_traces.iter().any(|block| in_order(block)), "no trace of the spinner shows {chain:?} in order:\n{spinner_traces:#?}");
     let raw = go_pprof(&["-raw"], &profile);
     assert!(raw.contains("leaf_fn") && raw.contains("samples/count"), "-raw:\n{raw}");
 }
