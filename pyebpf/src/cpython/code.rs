@@ -36,7 +36,7 @@ impl CodeInfo {
 /// Reads the code object at `addr`, checking first that it is one. `code_types` remembers type
 /// objects already confirmed to be `code`.
 pub fn read_code(mem: &impl ReadMemory, offsets: &DebugOffsets, code_types: &mut HashSet<u64>, addr: u64) -> Result<CodeInfo, PyError> {
-    if addr == 0 || addr % 8 != 0 {
+    if addr == 0 || !addr.is_multiple_of(8) {
         return Err(PyError::Malformed(format!("code object address {addr:#x}")));
     }
     let header = mem.read_vec(addr, offsets.code_size as usize)?;
