@@ -20,6 +20,7 @@ struct Layout {
     interp_next: usize,
     interp_threads_head: usize,
     interp_ceval_gil: usize,
+    gil_runtime_state: usize,
     gil_locked: usize,
     gil_holder: usize,
     code_object_generation: Option<usize>,
@@ -57,7 +58,7 @@ struct Layout {
 
 const LAYOUT_3_13: Layout = Layout {
     free_threaded: 2, runtime_size: 3, interpreters_head: 5,
-    interp_size: 6, interp_next: 8, interp_threads_head: 9, interp_ceval_gil: 14, gil_locked: 17, gil_holder: 18,
+    interp_size: 6, interp_next: 8, interp_threads_head: 9, interp_ceval_gil: 14, gil_runtime_state: 15, gil_locked: 17, gil_holder: 18,
     code_object_generation: None,
     tstate_size: 19, tstate_next: 21, tstate_current_frame: 23, tstate_last_profiled_frame: None,
     tstate_last_profiled_seq: None, tstate_native_thread_id: 25,
@@ -70,7 +71,7 @@ const LAYOUT_3_13: Layout = Layout {
 
 const LAYOUT_3_14: Layout = Layout {
     free_threaded: 2, runtime_size: 3, interpreters_head: 5,
-    interp_size: 6, interp_next: 8, interp_threads_head: 9, interp_ceval_gil: 15, gil_locked: 18, gil_holder: 19,
+    interp_size: 6, interp_next: 8, interp_threads_head: 9, interp_ceval_gil: 15, gil_runtime_state: 16, gil_locked: 18, gil_holder: 19,
     code_object_generation: Some(20),
     tstate_size: 22, tstate_next: 24, tstate_current_frame: 26, tstate_last_profiled_frame: None,
     tstate_last_profiled_seq: None, tstate_native_thread_id: 28,
@@ -84,7 +85,7 @@ const LAYOUT_3_14: Layout = Layout {
 /// 3.15.0b4 and later (b4 inserted `last_profiled_frame_seq`).
 const LAYOUT_3_15: Layout = Layout {
     free_threaded: 2, runtime_size: 3, interpreters_head: 5,
-    interp_size: 6, interp_next: 8, interp_threads_head: 9, interp_ceval_gil: 15, gil_locked: 18, gil_holder: 19,
+    interp_size: 6, interp_next: 8, interp_threads_head: 9, interp_ceval_gil: 15, gil_runtime_state: 16, gil_locked: 18, gil_holder: 19,
     code_object_generation: Some(20),
     tstate_size: 22, tstate_next: 24, tstate_current_frame: 26, tstate_last_profiled_frame: Some(28),
     tstate_last_profiled_seq: Some(29), tstate_native_thread_id: 31,
@@ -231,8 +232,10 @@ pub fn read_debug_offsets(mem: &impl ReadMemory, runtime: u64) -> Result<DebugOf
         interp_next: interp[0],
         interp_threads_head: interp[1],
         interp_ceval_gil: interp[2],
-        gil_locked: at(l.gil_locked),
-        gil_holder: at(l.gil_holder),
+        // The table gives the GIL's fields as offsets in the interpreter state (of its own GIL);
+        // `ceval.gil` may point at another interpreter's, so keep them relative to the GIL.
+        gil_locked: at(l.gil_locked).wrapping_sub(at(l.gil_runtime_state)),
+        gil_holder: at(l.gil_holder).wrapping_sub(at(l.gil_runtime_state)),
         code_object_generation: l.code_object_generation.map(at).filter(|&o| o < at(l.interp_size)),
         tstate_size: at(l.tstate_size),
         tstate_next: tstate[0],
