@@ -221,7 +221,7 @@ fn resolve_links(py: &mut PyProcess<ProcessMemory>, walk: &Walk) -> Vec<PyStackI
         .filter_map(|link| match link.kind {
             LinkKind::Entry => Some(PyStackItem::SegmentEnd { entry_frame: link.addr }),
             LinkKind::Internal => None,
-            LinkKind::Code => py.python_frame(link.code, link.instr_ptr).ok().map(PyStackItem::Frame),
+            LinkKind::Code => py.frame_info(link).ok().flatten().map(|resolved| PyStackItem::Frame(resolved.frame)),
         })
         .collect()
 }

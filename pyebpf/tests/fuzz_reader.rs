@@ -1,73 +1,36 @@
-//! Fuzzing the CPython reader: every read `dump` makes of a real 3.15 process is recorded, then the
+//! Fuzzing the CPython reader: every read `dump` makes of a real 3.13 and 3.15 process is recorded
+//! (the two table layouts furthest apart: untagged and tagged frames, no marker and marker), then the
 //! reader runs over randomly mutated copies of that memory through an in-memory `ReadMemory`. Any
 //! outcome is fine except a panic, a hang or an unbounded allocation. `PYEBPF_FUZZ_CASES` sets the
-//! number of cases (default 250 000, about a minute; run with `--profile fuzz` for overflow checks).
+//! number of cases (default 800 000: about a minute on two cores in the `fuzz` profile; each recorded
+//! image gets half, the random-memory test all of them).
 
 use std::cell::RefCell;
-use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use proptest::prelude::*;
-use pyebpf::chain::LinkKind;
-use pyebpf::cpython::memory::{MemCounters, MemError, ProcessMemory, ReadMemory};
+use pyebpf::cpython::memory::{MemCounters, MemError, MemoryImage, ProcessMemory, ReadMemory};
 use pyebpf::cpython::{runtime, PyProcess};
-
-/// Memory as a set of byte ranges; reads outside them fail like reads of unmapped memory.
-#[derive(Clone, Default)]
-struct Image {
-    regions: BTreeMap<u64, Vec<u8>>,
-}
-
-impl Image {
-    fn slice(&self, addr: u64, len: usize) -> Option<&[u8]> {
-        let (start, bytes) = self.regions.range(..=addr).next_back()?;
-        let from = usize::try_from(addr - start).ok()?;
-        bytes.get(from..from.checked_add(len)?)
-    }
-}
-
-impl ReadMemory for Image {
-    fn read(&self, addr: u64, buf: &mut [u8]) -> Result<(), MemError> {
-        let bytes = self.slice(addr, buf.len()).ok_or(MemError::Short { addr, len: buf.len() })?;
-        buf.copy_from_slice(bytes);
-        Ok(())
-    }
-
-    fn read_many(&self, requests: &mut [(u64, &mut [u8])]) -> usize {
-        let mut filled = 0;
-        for (addr, buf) in requests.iter_mut() {
-            if self.read(*addr, buf).is_err() {
-                break;
-            }
-            filled += 1;
-        }
-        filled
-    }
-
-    fn counters(&self) -> MemCounters {
-        MemCounters::default()
-    }
-}
 
 /// A real process's memory, remembering every range read.
 struct Recorder {
     inner: ProcessMemory,
-    image: RefCell<Image>,
+    image: RefCell<MemoryImage>,
 }
 
 impl ReadMemory for Recorder {
     fn read(&self, addr: u64, buf: &mut [u8]) -> Result<(), MemError> {
         self.inner.read(addr, buf)?;
-        self.image.borrow_mut().regions.insert(addr, buf.to_vec());
+        self.image.borrow_mut().insert(addr, buf.to_vec());
         Ok(())
     }
 
     fn read_many(&self, requests: &mut [(u64, &mut [u8])]) -> usize {
         let filled = self.inner.read_many(requests);
         for (addr, buf) in &requests[..filled] {
-            self.image.borrow_mut().regions.insert(*addr, buf.to_vec());
+            self.image.borrow_mut().insert(*addr, buf.to_vec());
         }
         filled
     }
@@ -77,14 +40,16 @@ impl ReadMemory for Recorder {
     }
 }
 
-/// What `dump` does: every thread, every frame, every code object.
+/// What `dump` and the sampler do: every thread, every frame, every code object, the marker.
 fn read_everything<M: ReadMemory>(process: &mut PyProcess<M>) -> usize {
     let Ok(threads) = process.threads() else { return 0 };
     let mut frames = 0;
     for thread in threads {
+        let _ = process.read_last_profiled(thread.tstate);
         let Ok(links) = process.walk_frames(thread.current_frame) else { continue };
-        for link in links.iter().filter(|l| l.kind == LinkKind::Code) {
-            frames += usize::from(process.python_frame(link.code, link.instr_ptr).is_ok());
+        for link in &links {
+            frames += usize::from(matches!(process.frame_info(link), Ok(Some(_))));
+            let _ = process.python_frame(link.code, link.instr_ptr);
         }
     }
     frames
@@ -99,13 +64,14 @@ impl Drop for Target {
     }
 }
 
-/// Records a real 3.15 process holding several threads, deep stacks and non-ASCII names.
-fn recorded_image() -> (Image, u32, u64) {
+/// Records a real process of Debian's `python{version}` holding several threads, deep stacks and
+/// non-ASCII names.
+fn recorded_image(version: &str) -> (MemoryImage, u32, u64) {
     let prefix = PathBuf::from(std::env::var("PYEBPF_PYTHONS").expect("PYEBPF_PYTHONS must name the test Pythons' prefix (cargo xtask test sets it)"));
     let dir = tempfile::tempdir().unwrap();
     let view = dir.path().join("view.json");
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/scripts/dump_state.py");
-    let target = Target(Command::new(prefix.join("usr/bin/python3.15")).arg(script).arg(&view).stdin(Stdio::null()).spawn().unwrap());
+    let target = Target(Command::new(prefix.join(format!("usr/bin/python{version}"))).arg(script).arg(&view).stdin(Stdio::null()).spawn().unwrap());
     let started = Instant::now();
     while !view.exists() {
         assert!(started.elapsed() < Duration::from_secs(30), "the fuzz target process did not get ready");
@@ -113,7 +79,7 @@ fn recorded_image() -> (Image, u32, u64) {
     }
     std::thread::sleep(Duration::from_millis(300));
     let pid = target.0.id();
-    let runtime = runtime::find_runtime(pid).unwrap();
+    let runtime = runtime::find_runtime(pid).unwrap().address;
     let recorder = Recorder { inner: ProcessMemory::new(pid), image: RefCell::default() };
     let mut process = PyProcess::with_memory(pid, recorder, runtime).unwrap();
     let frames = read_everything(&mut process);
@@ -128,7 +94,7 @@ fn process_memory<M: ReadMemory>(process: &PyProcess<M>) -> &M {
 }
 
 fn cases() -> u32 {
-    std::env::var("PYEBPF_FUZZ_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(250_000)
+    std::env::var("PYEBPF_FUZZ_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(800_000)
 }
 
 #[derive(Clone, Debug)]
@@ -139,6 +105,8 @@ enum Mutation {
     Word { at: usize, value: u64 },
     /// Make a word point back into recorded memory, to build cycles and aliasing.
     Alias { at: usize, to: usize },
+    /// Overwrite one field of the `_Py_DebugOffsets` table: offsets and sizes the reader must check.
+    Table { field: usize, value: u64 },
 }
 
 fn mutation() -> impl Strategy<Value = Mutation> {
@@ -147,12 +115,14 @@ fn mutation() -> impl Strategy<Value = Mutation> {
         (any::<usize>(), prop_oneof![any::<u64>(), Just(0u64), Just(u64::MAX), 0u64..4096, Just(1u64 << 40)])
             .prop_map(|(at, value)| Mutation::Word { at, value }),
         (any::<usize>(), any::<usize>()).prop_map(|(at, to)| Mutation::Alias { at, to }),
+        (0usize..128, prop_oneof![any::<u64>(), Just(u64::MAX), 0u64..65536, Just(16u64 << 20)])
+            .prop_map(|(field, value)| Mutation::Table { field, value }),
     ]
 }
 
-fn apply(image: &mut Image, mutation: &Mutation) {
+fn apply(image: &mut MemoryImage, runtime: u64, mutation: &Mutation) {
     // Region first, then offset: small structures (thread states, frames) matter most.
-    let addresses: Vec<(u64, usize)> = image.regions.iter().map(|(a, b)| (*a, b.len())).collect();
+    let addresses: Vec<(u64, usize)> = image.ranges().collect();
     let locate = |at: usize| {
         let (addr, len) = addresses[at % addresses.len()];
         (addr, (at / addresses.len()) % len.max(1))
@@ -160,32 +130,38 @@ fn apply(image: &mut Image, mutation: &Mutation) {
     let (value, at) = match *mutation {
         Mutation::Byte { at, value } => {
             let (region, offset) = locate(at);
-            image.regions.get_mut(&region).unwrap()[offset] = value;
+            image.range_mut(region).unwrap()[offset] = value;
             return;
         }
         Mutation::Word { at, value } => (value, at),
+        Mutation::Table { field, value } => {
+            if let Some(word) = image.range_mut(runtime).and_then(|table| table.get_mut(field * 8..field * 8 + 8)) {
+                word.copy_from_slice(&value.to_le_bytes());
+            }
+            return;
+        }
         Mutation::Alias { at, to } => {
             let (region, offset) = locate(to);
             (region + offset as u64, at)
         }
     };
     let (region, offset) = locate(at);
-    let bytes = image.regions.get_mut(&region).unwrap();
+    let bytes = image.range_mut(region).unwrap();
     let offset = offset & !7;
     if let Some(word) = bytes.get_mut(offset..offset + 8) {
         word.copy_from_slice(&value.to_le_bytes());
     }
 }
 
-#[test]
-fn reader_survives_mutated_memory() {
-    let (image, pid, runtime) = recorded_image();
-    let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig { cases: cases(), failure_persistence: None, ..ProptestConfig::default() });
+/// Runs the reader over `cases` mutated copies of a recording of `python{version}`.
+fn fuzz_mutated(version: &str, cases: u32) {
+    let (image, pid, runtime) = recorded_image(version);
+    let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig { cases, failure_persistence: None, ..ProptestConfig::default() });
     runner
         .run(&proptest::collection::vec(mutation(), 1..16), |mutations| {
             let mut mutated = image.clone();
             for m in &mutations {
-                apply(&mut mutated, m);
+                apply(&mut mutated, runtime, m);
             }
             if let Ok(mut process) = PyProcess::with_memory(pid, mutated, runtime) {
                 read_everything(&mut process);
@@ -193,6 +169,16 @@ fn reader_survives_mutated_memory() {
             Ok(())
         })
         .unwrap();
+}
+
+#[test]
+fn reader_survives_mutated_3_13_memory() {
+    fuzz_mutated("3.13", cases() / 2);
+}
+
+#[test]
+fn reader_survives_mutated_3_15_memory() {
+    fuzz_mutated("3.15", cases() / 2);
 }
 
 #[test]
@@ -206,7 +192,8 @@ fn reader_survives_random_memory() {
                 bytes[8..16].copy_from_slice(&0x030f02f0u64.to_le_bytes());
                 bytes[16..24].fill(0);
             }
-            let image = Image { regions: BTreeMap::from([(0x1000, bytes)]) };
+            let mut image = MemoryImage::default();
+            image.insert(0x1000, bytes);
             if let Ok(mut process) = PyProcess::with_memory(1, image, 0x1000) {
                 read_everything(&mut process);
             }

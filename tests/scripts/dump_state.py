@@ -43,10 +43,30 @@ def 𠀀𠀁():
 
 lam = lambda: parked()  # noqa: E731
 
+
+class Constructed:
+    """Once its call site is specialized, CPython runs `__init__` above a trampoline frame of its
+    own, which Python's view of the stack leaves out."""
+
+    park = False
+
+    def __init__(self):
+        if Constructed.park:
+            parked()
+
+
+def construct():
+    return Constructed()
+
+
+for _ in range(200):
+    construct()
+Constructed.park = True
+
 namespace = {"parked": parked}
 exec(compile("def built_by_exec():\n    parked()\n", "<exec-built>", "exec"), namespace)
 
-targets = [lambda: deep(500), Outer().method, größe_straße, 関数_名前, 𠀀𠀁, lam, namespace["built_by_exec"]]
+targets = [lambda: deep(500), Outer().method, größe_straße, 関数_名前, 𠀀𠀁, lam, namespace["built_by_exec"], construct]
 sys.setrecursionlimit(2000)
 threads = [threading.Thread(target=t, name=f"worker-{i}", daemon=True) for i, t in enumerate(targets)]
 for t in threads:
@@ -67,7 +87,15 @@ def report():
         frames = []
         while frame is not None:
             code = frame.f_code
-            frames.append({"qualname": code.co_qualname, "filename": code.co_filename, "line": frame.f_lineno})
+            _, end_line, column, end_column = list(code.co_positions())[frame.f_lasti // 2]
+            frames.append({
+                "qualname": code.co_qualname,
+                "filename": code.co_filename,
+                "line": frame.f_lineno or 0,
+                "end_line": end_line,
+                "column": column,
+                "end_column": end_column,
+            })
             frame = frame.f_back
         view[str(natives[ident])] = frames
     with open(sys.argv[1] + ".tmp", "w") as out:

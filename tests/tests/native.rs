@@ -56,6 +56,17 @@ fn spin(dir: &Path, args: &[&str]) -> Killed {
     child
 }
 
+/// CPU time (user + system) a process has used so far, from `/proc/PID/stat`.
+fn cpu_seconds(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    // Fields after the parenthesised comm: state is field 3, utime 14 and stime 15.
+    let after_comm = &stat[stat.rfind(')').unwrap() + 2..];
+    let fields: Vec<u64> = after_comm.split_whitespace().skip(11).take(2).map(|f| f.parse().unwrap()).collect();
+    // SAFETY: sysconf has no preconditions.
+    let ticks_per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    fields.iter().sum::<u64>() as f64 / ticks_per_second
+}
+
 fn go_pprof(args: &[&str], profile: &Path) -> String {
     let output = Command::new("go").args(["tool", "pprof"]).args(args).arg(profile).output().expect("go (golang-go) must be installed");
     assert!(output.status.success(), "go tool pprof {args:?} failed: {}", String::from_utf8_lossy(&output.stderr));
@@ -66,10 +77,15 @@ fn go_pprof(args: &[&str], profile: &Path) -> String {
 fn host_wide_recording_sees_the_whole_call_chain() {
     let dir = tempfile::tempdir().unwrap();
     let spinner = spin(dir.path(), &[]);
+    let cpu_before = cpu_seconds(spinner.pid());
     let (collapsed, _) = record_collapsed(&["-a", "-d", "4", "-F", "99"]);
+    let cpu = cpu_seconds(spinner.pid()) - cpu_before;
     let stacks = stacks_of(&collapsed, spinner.pid());
     let samples = total(&stacks);
-    assert!((317..=475).contains(&samples), "{samples} samples where 4 s at 99 Hz is 396 (±20%)");
+    assert!(
+        (317..=475).contains(&samples),
+        "{samples} samples where 4 s at 99 Hz is 396 (±20%); the spinner ran {cpu:.2} s on a CPU meanwhile (a busy host gives it less)"
+    );
     let chained = count_where(&stacks, |frames| frames.join(";").contains("main;outer_fn;middle_fn;leaf_fn"));
     assert!(chained * 10 >= samples * 9, "{chained} of {samples} samples have main;outer_fn;middle_fn;leaf_fn:\n{collapsed}");
 }
@@ -84,17 +100,16 @@ fn pprof_output_reads_in_go_tool_pprof() {
     let top = go_pprof(&["-top"], &profile);
     assert!(top.contains("leaf_fn"), "-top lacks leaf_fn:\n{top}");
     let traces = go_pprof(&["-traces"], &profile);
-    // Other processes on the host have traces too (with a `main` of their own): look only at the
-    // spinner's, found by its pid label.
-    let pid_label = format!("pid:  {}\n", spinner.pid());
+    let spinner_label = format!("pid:  {}\n", spinner.pid());
+    // Other processes' traces can hold a `main` too, so the order is checked inside the spinner's own.
     let chain = ["leaf_fn", "middle_fn", "outer_fn", "main"];
-    let in_order = |block: &str| {
-        let positions: Vec<Option<usize>> = chain.iter().map(|f| block.find(&format!(" {f}\n"))).collect();
-        positions.iter().all(Option::is_some) && positions.windows(2).all(|w| w[0] < w[1])
+    let in_order = |trace: &str| {
+        let positions: Option<Vec<usize>> = chain.iter().map(|f| trace.find(&format!(" {f}\n"))).collect();
+        positions.is_some_and(|p| p.windows(2).all(|w| w[0] < w[1]))
     };
-    let spinner_traces: Vec<&str> = traces.split("-----------+").filter(|block| block.contains(&pid_label)).collect();
-    assert!(!spinner_traces.is_empty(), "no trace has the pid label {pid_label:?}:\n{}", &traces[..traces.len().min(2000)]);
-    assert!(spinner_traces.iter().any(|block| in_order(block)), "no trace of the spinner shows {chain:?} in order:\n{spinner_traces:#?}");
+    let spinner_traces: Vec<&str> = traces.split("-----------+").filter(|trace| trace.contains(&spinner_label)).collect();
+    assert!(!spinner_traces.is_empty(), "no trace labelled {spinner_label:?}:\n{}", &traces[..traces.len().min(2000)]);
+    assert!(spinner_traces.iter().any(|t| in_order(t)), "no spinner trace shows {chain:?} in order:\n{}", spinner_traces.join("\n"));
     let raw = go_pprof(&["-raw"], &profile);
     assert!(raw.contains("leaf_fn") && raw.contains("samples/count"), "-raw:\n{raw}");
 }
@@ -133,9 +148,13 @@ fn pid_mode_records_only_that_process() {
     let dir = tempfile::tempdir().unwrap();
     let wanted = spin(dir.path(), &[]);
     let other = spin(dir.path(), &[]);
+    let cpu_before = cpu_seconds(wanted.pid());
     let (collapsed, _) = record_collapsed(&["-p", &wanted.pid().to_string(), "-d", "2"]);
-    // Two spinners share 2 CPUs with the recorder: the point is who is recorded, not how much.
-    assert!(total(&stacks_of(&collapsed, wanted.pid())) > 20, "{collapsed}");
+    let cpu = cpu_seconds(wanted.pid()) - cpu_before;
+    assert!(
+        total(&stacks_of(&collapsed, wanted.pid())) > 100,
+        "too few samples for 2 s at 99 Hz; the process ran {cpu:.2} s on a CPU meanwhile:\n{collapsed}"
+    );
     assert_eq!(total(&stacks_of(&collapsed, other.pid())), 0);
     assert!(collapsed.lines().all(|l| l.starts_with(&format!("spin ({})", wanted.pid()))), "{collapsed}");
 }

@@ -150,10 +150,8 @@ fn native_hashing_frames_sit_under_their_python_caller_on_3_15() {
     assert!(total(&stacks) > 100);
     for (frames, _) in &stacks {
         assert!(frames.iter().all(|f| any_python_frame(f)), "--no-native left a native frame: {frames:?}");
+        assert!(frames.iter().any(|f| is_python_frame(f, "hash_caller")), "{frames:?}");
     }
-    // A few samples land in main's loop between calls.
-    let in_caller = count_where(&stacks, |frames| frames.iter().any(|f| is_python_frame(f, "hash_caller")));
-    assert!(in_caller * 10 >= total(&stacks) * 9, "{in_caller} of {} samples in hash_caller", total(&stacks));
 }
 
 /// A number from the `--stats` line starting with `label`: the `index`-th number on it.

@@ -1,47 +1,71 @@
 //! The location table of code objects (`co_linetable`, the format of CPython 3.11+): maps an
-//! instruction's offset to its line.
+//! instruction's offset to its line and columns.
 //!
 //! Each entry starts with a byte `1CCCCLLL`: code `C`, and `L + 1` code units covered. Codes 0–9
 //! are the short form (same line, one byte of columns), 10–12 one-line forms (line moves by
 //! `C - 10`, two bytes of columns), 13 gives a line delta only, 14 the long form (line delta, end
 //! line delta, start and end columns), 15 no location.
 
-/// The line of the instruction `index` code units into the code, if the table says.
-pub fn line_for_index(table: &[u8], first_line: u32, index: u64) -> Option<u32> {
+/// Where an instruction is in the source: what Python's `co_positions()` gives.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Location {
+    pub line: Option<u32>,
+    pub end_line: Option<u32>,
+    /// 0-based UTF-8 byte columns.
+    pub column: Option<u32>,
+    pub end_column: Option<u32>,
+}
+
+/// The location of the instruction `index` code units into the code; `None` if the table does not
+/// reach that far or is malformed.
+pub fn location_for_index(table: &[u8], first_line: u32, index: u64) -> Option<Location> {
     let mut reader = Reader { table, pos: 0 };
-    let mut line = first_line as i64;
+    let mut line = i64::from(first_line);
     let mut units_seen = 0u64;
     while let Some(first) = reader.byte() {
         if first & 0x80 == 0 {
             return None;
         }
         let code = (first >> 3) & 0xf;
-        let units = (first & 7) as u64 + 1;
-        let mut has_line = true;
-        match code {
-            15 => has_line = false,
+        let units = u64::from(first & 7) + 1;
+        let location = match code {
+            15 => Location::default(),
             14 => {
-                line += reader.signed()?;
-                reader.unsigned()?;
-                reader.unsigned()?;
-                reader.unsigned()?;
+                line = line.checked_add(reader.signed()?)?;
+                let end_line = line.checked_add(i64::try_from(reader.unsigned()?).ok()?)?;
+                let column = reader.unsigned()?.checked_sub(1);
+                let end_column = reader.unsigned()?.checked_sub(1);
+                Location { line: number(line), end_line: number(end_line), column: column.and_then(number), end_column: end_column.and_then(number) }
             }
-            13 => line += reader.signed()?,
+            13 => {
+                line = line.checked_add(reader.signed()?)?;
+                Location { line: number(line), end_line: number(line), column: None, end_column: None }
+            }
             10..=12 => {
-                line += (code - 10) as i64;
-                reader.byte()?;
-                reader.byte()?;
+                line = line.checked_add(i64::from(code - 10))?;
+                let column = reader.byte()?;
+                let end_column = reader.byte()?;
+                Location { line: number(line), end_line: number(line), column: Some(column.into()), end_column: Some(end_column.into()) }
             }
             _ => {
-                reader.byte()?;
+                // Short form: the column's high bits are the code, its low bits and the span's
+                // length are in the second byte.
+                let second = reader.byte()?;
+                let column = u32::from(code) << 3 | u32::from(second >> 4 & 7);
+                Location { line: number(line), end_line: number(line), column: Some(column), end_column: Some(column + u32::from(second & 15)) }
             }
-        }
+        };
         units_seen += units;
         if index < units_seen {
-            return has_line.then(|| u32::try_from(line).ok()).flatten();
+            return Some(location);
         }
     }
     None
+}
+
+/// A line or column as Python shows it: negative values mean "unknown".
+fn number<T: TryInto<u32>>(value: T) -> Option<u32> {
+    value.try_into().ok()
 }
 
 struct Reader<'a> {
@@ -83,23 +107,37 @@ impl Reader<'_> {
 
 #[cfg(test)]
 mod tests {
-    use super::line_for_index;
+    use super::{location_for_index, Location};
+
+    fn line(table: &[u8], first_line: u32, index: u64) -> Option<u32> {
+        location_for_index(table, first_line, index).and_then(|l| l.line)
+    }
 
     #[test]
     fn walks_short_one_line_and_long_forms() {
         // 2 units, line delta via code 13 (+1); 1 unit one-line form +2 (code 12); 3 units long form -1.
-        let table = [0x80 | (13 << 3) | 1, 2, 0x80 | (12 << 3), 0, 0, 0x80 | (14 << 3) | 2, 3, 0, 1, 1];
-        assert_eq!(line_for_index(&table, 10, 0), Some(11));
-        assert_eq!(line_for_index(&table, 10, 1), Some(11));
-        assert_eq!(line_for_index(&table, 10, 2), Some(13));
-        assert_eq!(line_for_index(&table, 10, 5), Some(12));
-        assert_eq!(line_for_index(&table, 10, 6), None);
+        let table = [0x80 | (13 << 3) | 1, 2, 0x80 | (12 << 3), 4, 9, 0x80 | (14 << 3) | 2, 3, 1, 5, 8, 0x80 | (15 << 3)];
+        assert_eq!(line(&table, 10, 0), Some(11));
+        assert_eq!(line(&table, 10, 1), Some(11));
+        assert_eq!(location_for_index(&table, 10, 2), Some(Location { line: Some(13), end_line: Some(13), column: Some(4), end_column: Some(9) }));
+        assert_eq!(location_for_index(&table, 10, 5), Some(Location { line: Some(12), end_line: Some(13), column: Some(4), end_column: Some(7) }));
+        assert_eq!(location_for_index(&table, 10, 6), Some(Location::default()));
+        assert_eq!(location_for_index(&table, 10, 7), None);
+    }
+
+    #[test]
+    fn short_form_columns() {
+        // Code 2: column 2*8 + 3 = 19, span 5.
+        let table = [0x80 | (2 << 3), 3 << 4 | 5];
+        assert_eq!(location_for_index(&table, 7, 0), Some(Location { line: Some(7), end_line: Some(7), column: Some(19), end_column: Some(24) }));
     }
 
     #[test]
     fn truncated_or_garbage_tables_give_none() {
-        assert_eq!(line_for_index(&[0x80 | (14 << 3), 0x40, 0x40], 1, 0), None);
-        assert_eq!(line_for_index(&[0x12], 1, 0), None);
-        assert_eq!(line_for_index(&[0xff; 64], 1, 1000), None);
+        assert_eq!(location_for_index(&[0x80 | (14 << 3), 0x40, 0x40], 1, 0), None);
+        assert_eq!(location_for_index(&[0x12], 1, 0), None);
+        assert_eq!(line(&[0xff; 64], 1, 1000), None);
+        // A line driven below zero is unknown, not a wrapped number.
+        assert_eq!(line(&[0x80 | (13 << 3), 5], 1, 0), None);
     }
 }

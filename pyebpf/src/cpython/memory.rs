@@ -1,7 +1,9 @@
 //! Reading (and, for one validated field, writing) another process's memory.
 
 use std::cell::Cell;
+use std::collections::BTreeMap;
 use std::io;
+use std::sync::Arc;
 
 #[derive(Debug, thiserror::Error)]
 pub enum MemError {
@@ -11,6 +13,13 @@ pub enum MemError {
     Short { addr: u64, len: usize },
     #[error("cannot write at {addr:#x}: {source}")]
     Write { addr: u64, source: io::Error },
+}
+
+impl MemError {
+    /// Whether the read failed because the process is gone (or is exiting and has no memory left).
+    pub fn process_gone(&self) -> bool {
+        matches!(self, MemError::Read { source, .. } | MemError::Write { source, .. } if source.raw_os_error() == Some(libc::ESRCH))
+    }
 }
 
 /// Remote reads (system calls) and bytes read so far.
@@ -138,17 +147,99 @@ pub trait ReadExt: ReadMemory {
 
 impl<M: ReadMemory + ?Sized> ReadExt for M {}
 
-/// Little-endian fields of a buffer already read; a field outside the buffer (an offset from a
-/// malformed table) reads as 0, which later reads reject as a null pointer.
+/// Little-endian fields of a buffer already read; fields outside the buffer read as 0 (offsets
+/// come from the target process, so they are never trusted to be in range).
 pub fn field_u64(buf: &[u8], offset: u64) -> u64 {
-    field::<8>(buf, offset).map_or(0, u64::from_le_bytes)
+    field(buf, offset).map_or(0, u64::from_le_bytes)
 }
 
 pub fn field_u32(buf: &[u8], offset: u64) -> u32 {
-    field::<4>(buf, offset).map_or(0, u32::from_le_bytes)
+    field(buf, offset).map_or(0, u32::from_le_bytes)
 }
 
 fn field<const N: usize>(buf: &[u8], offset: u64) -> Option<[u8; N]> {
     let start = usize::try_from(offset).ok()?;
     buf.get(start..start.checked_add(N)?)?.try_into().ok()
+}
+
+/// Memory held in this process as byte ranges, for tests and fuzzing: reads outside the ranges
+/// fail as reads of unmapped memory do. Clones share ranges until one is changed, so a fuzzer can
+/// copy a large image per case.
+#[derive(Clone, Debug, Default)]
+pub struct MemoryImage {
+    regions: BTreeMap<u64, Arc<Vec<u8>>>,
+}
+
+impl MemoryImage {
+    /// Adds (or replaces) the range starting at `addr`.
+    pub fn insert(&mut self, addr: u64, bytes: Vec<u8>) {
+        self.regions.insert(addr, Arc::new(bytes));
+    }
+
+    /// Start address and length of every range, in address order.
+    pub fn ranges(&self) -> impl Iterator<Item = (u64, usize)> + '_ {
+        self.regions.iter().map(|(addr, bytes)| (*addr, bytes.len()))
+    }
+
+    /// The bytes of the range starting exactly at `addr`, for mutation.
+    pub fn range_mut(&mut self, addr: u64) -> Option<&mut [u8]> {
+        self.regions.get_mut(&addr).map(|bytes| Arc::make_mut(bytes).as_mut_slice())
+    }
+
+    fn slice(&self, addr: u64, len: usize) -> Option<&[u8]> {
+        let (start, bytes) = self.regions.range(..=addr).next_back()?;
+        let from = usize::try_from(addr - start).ok()?;
+        bytes.get(from..from.checked_add(len)?)
+    }
+}
+
+impl ReadMemory for MemoryImage {
+    fn read(&self, addr: u64, buf: &mut [u8]) -> Result<(), MemError> {
+        let bytes = self.slice(addr, buf.len()).ok_or(MemError::Short { addr, len: buf.len() })?;
+        buf.copy_from_slice(bytes);
+        Ok(())
+    }
+
+    fn read_many(&self, requests: &mut [(u64, &mut [u8])]) -> usize {
+        let mut filled = 0;
+        for (addr, buf) in requests.iter_mut() {
+            if self.read(*addr, buf).is_err() {
+                break;
+            }
+            filled += 1;
+        }
+        filled
+    }
+
+    fn counters(&self) -> MemCounters {
+        MemCounters::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fields_outside_the_buffer_read_as_zero() {
+        let buf = [1u8, 0, 0, 0, 0, 0, 0, 0, 2];
+        assert_eq!(field_u64(&buf, 0), 1);
+        assert_eq!(field_u64(&buf, 1), 0x0200_0000_0000_0000);
+        assert_eq!(field_u64(&buf, 2), 0);
+        assert_eq!(field_u32(&buf, u64::MAX), 0);
+        assert_eq!(field_u64(&buf, u64::MAX - 3), 0);
+    }
+
+    #[test]
+    fn image_reads_only_inside_its_ranges() {
+        let mut image = MemoryImage::default();
+        image.insert(0x1000, vec![1, 2, 3, 4]);
+        assert_eq!(image.read_u32(0x1000).unwrap(), 0x0403_0201);
+        assert!(image.read_u32(0x1001).is_err());
+        assert!(image.read_u32(0xfff).is_err());
+        assert!(image.read_vec(u64::MAX, 2).is_err());
+        let (mut a, mut b) = ([0u8; 2], [0u8; 2]);
+        let mut requests: Vec<(u64, &mut [u8])> = vec![(0x1000, &mut a), (0x1003, &mut b)];
+        assert_eq!(image.read_many(&mut requests), 1);
+    }
 }

@@ -7,9 +7,13 @@ use super::PyError;
 
 /// The table is a cookie followed by 64-bit fields; none of the known layouts has more.
 const MAX_FIELDS: usize = 128;
-/// Largest structure size accepted from a table (a sanity bound: `_PyRuntime` and interpreter
-/// states are a few hundred KiB).
-const MAX_STRUCT_SIZE: u64 = 16 << 20;
+/// Largest sizes accepted from a table, as sanity bounds: `_PyRuntime` and interpreter states are
+/// a few hundred KiB and are never read whole; the structures read whole or per frame (thread
+/// states, frames, code objects, strings) are below 1 KiB in every known release.
+const MAX_STATE_SIZE: u64 = 16 << 20;
+const MAX_OBJECT_SIZE: u64 = 64 << 10;
+/// `utf8_length` and `utf8`, which `PyCompactUnicodeObject` adds to `PyASCIIObject`.
+const COMPACT_UTF8_FIELDS: u64 = 16;
 
 /// Position (in 64-bit fields, the cookie counting as one) of each field pyebpf reads.
 struct Layout {
@@ -20,7 +24,9 @@ struct Layout {
     interp_next: usize,
     interp_threads_head: usize,
     interp_ceval_gil: usize,
-    gil_runtime_state: usize,
+    /// The interpreter's own GIL (`_gil`); `gil_locked` and `gil_holder` are offsets of its fields
+    /// in the interpreter state.
+    interp_gil: usize,
     gil_locked: usize,
     gil_holder: usize,
     code_object_generation: Option<usize>,
@@ -41,7 +47,9 @@ struct Layout {
     code_linetable: usize,
     code_firstlineno: usize,
     code_adaptive: usize,
+    object_size: usize,
     object_type: usize,
+    type_size: usize,
     type_name: usize,
     bytes_size: usize,
     bytes_ob_size: usize,
@@ -50,6 +58,9 @@ struct Layout {
     unicode_state: usize,
     unicode_length: usize,
     unicode_ascii_size: usize,
+    /// Size of `PyCompactUnicodeObject`, in the table since 3.15; earlier it is the ASCII header
+    /// plus `utf8_length` and `utf8`.
+    unicode_compact_size: Option<usize>,
     /// Owner values of frames that belong to the interpreter itself (entry frames).
     entry_owner_min: u8,
     /// Tag bits of `f_executable` (a `_PyStackRef` since 3.14).
@@ -58,41 +69,41 @@ struct Layout {
 
 const LAYOUT_3_13: Layout = Layout {
     free_threaded: 2, runtime_size: 3, interpreters_head: 5,
-    interp_size: 6, interp_next: 8, interp_threads_head: 9, interp_ceval_gil: 14, gil_runtime_state: 15, gil_locked: 17, gil_holder: 18,
+    interp_size: 6, interp_next: 8, interp_threads_head: 9, interp_ceval_gil: 14, interp_gil: 15, gil_locked: 17, gil_holder: 18,
     code_object_generation: None,
     tstate_size: 19, tstate_next: 21, tstate_current_frame: 23, tstate_last_profiled_frame: None,
     tstate_last_profiled_seq: None, tstate_native_thread_id: 25,
     frame_size: 28, frame_previous: 29, frame_executable: 30, frame_instr_ptr: 31, frame_owner: 33,
     code_size: 34, code_filename: 35, code_qualname: 37, code_linetable: 38, code_firstlineno: 39, code_adaptive: 43,
-    object_type: 45, type_name: 47, bytes_size: 64, bytes_ob_size: 65, bytes_data: 66,
-    unicode_size: 67, unicode_state: 68, unicode_length: 69, unicode_ascii_size: 70,
+    object_size: 44, object_type: 45, type_size: 46, type_name: 47, bytes_size: 64, bytes_ob_size: 65, bytes_data: 66,
+    unicode_size: 67, unicode_state: 68, unicode_length: 69, unicode_ascii_size: 70, unicode_compact_size: None,
     entry_owner_min: 3, executable_tag_mask: 0,
 };
 
 const LAYOUT_3_14: Layout = Layout {
     free_threaded: 2, runtime_size: 3, interpreters_head: 5,
-    interp_size: 6, interp_next: 8, interp_threads_head: 9, interp_ceval_gil: 15, gil_runtime_state: 16, gil_locked: 18, gil_holder: 19,
+    interp_size: 6, interp_next: 8, interp_threads_head: 9, interp_ceval_gil: 15, interp_gil: 16, gil_locked: 18, gil_holder: 19,
     code_object_generation: Some(20),
     tstate_size: 22, tstate_next: 24, tstate_current_frame: 26, tstate_last_profiled_frame: None,
     tstate_last_profiled_seq: None, tstate_native_thread_id: 28,
     frame_size: 31, frame_previous: 32, frame_executable: 33, frame_instr_ptr: 34, frame_owner: 36,
     code_size: 39, code_filename: 40, code_qualname: 42, code_linetable: 43, code_firstlineno: 44, code_adaptive: 48,
-    object_type: 51, type_name: 53, bytes_size: 74, bytes_ob_size: 75, bytes_data: 76,
-    unicode_size: 77, unicode_state: 78, unicode_length: 79, unicode_ascii_size: 80,
+    object_size: 50, object_type: 51, type_size: 52, type_name: 53, bytes_size: 74, bytes_ob_size: 75, bytes_data: 76,
+    unicode_size: 77, unicode_state: 78, unicode_length: 79, unicode_ascii_size: 80, unicode_compact_size: None,
     entry_owner_min: 3, executable_tag_mask: 3,
 };
 
 /// 3.15.0b4 and later (b4 inserted `last_profiled_frame_seq`).
 const LAYOUT_3_15: Layout = Layout {
     free_threaded: 2, runtime_size: 3, interpreters_head: 5,
-    interp_size: 6, interp_next: 8, interp_threads_head: 9, interp_ceval_gil: 15, gil_runtime_state: 16, gil_locked: 18, gil_holder: 19,
+    interp_size: 6, interp_next: 8, interp_threads_head: 9, interp_ceval_gil: 15, interp_gil: 16, gil_locked: 18, gil_holder: 19,
     code_object_generation: Some(20),
     tstate_size: 22, tstate_next: 24, tstate_current_frame: 26, tstate_last_profiled_frame: Some(28),
     tstate_last_profiled_seq: Some(29), tstate_native_thread_id: 31,
     frame_size: 39, frame_previous: 40, frame_executable: 41, frame_instr_ptr: 42, frame_owner: 44,
     code_size: 47, code_filename: 48, code_qualname: 50, code_linetable: 51, code_firstlineno: 52, code_adaptive: 56,
-    object_type: 59, type_name: 61, bytes_size: 86, bytes_ob_size: 87, bytes_data: 88,
-    unicode_size: 89, unicode_state: 90, unicode_length: 91, unicode_ascii_size: 92,
+    object_size: 58, object_type: 59, type_size: 60, type_name: 61, bytes_size: 86, bytes_ob_size: 87, bytes_data: 88,
+    unicode_size: 89, unicode_state: 90, unicode_length: 91, unicode_ascii_size: 92, unicode_compact_size: Some(93),
     entry_owner_min: 3, executable_tag_mask: 3,
 };
 
@@ -152,7 +163,9 @@ pub struct DebugOffsets {
     pub interp_size: u64,
     pub interp_next: u64,
     pub interp_threads_head: u64,
+    /// Pointer to the GIL the interpreter uses.
     pub interp_ceval_gil: u64,
+    /// Offsets of `locked` and `last_holder` in the GIL structure.
     pub gil_locked: u64,
     pub gil_holder: u64,
     pub code_object_generation: Option<u64>,
@@ -180,6 +193,7 @@ pub struct DebugOffsets {
     pub unicode_state: u64,
     pub unicode_length: u64,
     pub unicode_ascii_size: u64,
+    pub unicode_compact_size: u64,
     pub entry_owner_min: u8,
     pub executable_tag_mask: u64,
 }
@@ -196,9 +210,9 @@ pub fn read_debug_offsets(mem: &impl ReadMemory, runtime: u64) -> Result<DebugOf
     if at(layout.free_threaded) != 0 {
         return Err(PyError::FreeThreaded(version));
     }
-    let sized = |size_index: usize, fields: &[usize]| -> Result<Vec<u64>, PyError> {
+    let sized = |size_index: usize, limit: u64, fields: &[usize]| -> Result<Vec<u64>, PyError> {
         let size = at(size_index);
-        if size == 0 || size > MAX_STRUCT_SIZE {
+        if size == 0 || size > limit {
             return Err(PyError::BadOffsets(format!("structure size {size} at field {size_index}")));
         }
         fields
@@ -214,17 +228,28 @@ pub fn read_debug_offsets(mem: &impl ReadMemory, runtime: u64) -> Result<DebugOf
             .collect()
     };
     let l = layout;
-    let runtime_fields = sized(l.runtime_size, &[l.interpreters_head])?;
-    let interp = sized(l.interp_size, &[l.interp_next, l.interp_threads_head, l.interp_ceval_gil])?;
-    let tstate = sized(l.tstate_size, &[l.tstate_next, l.tstate_current_frame, l.tstate_native_thread_id])?;
+    let runtime_fields = sized(l.runtime_size, MAX_STATE_SIZE, &[l.interpreters_head])?;
+    let interp = sized(l.interp_size, MAX_STATE_SIZE, &[l.interp_next, l.interp_threads_head, l.interp_ceval_gil, l.interp_gil, l.gil_locked, l.gil_holder])?;
+    // The GIL may be another interpreter's (shared with the main one): its fields are read through
+    // the `ceval.gil` pointer, relative to the start of the GIL structure.
+    let within_gil = |field: u64| {
+        field.checked_sub(interp[3]).ok_or_else(|| PyError::BadOffsets(format!("GIL field {field} before the GIL at {}", interp[3])))
+    };
+    let tstate = sized(l.tstate_size, MAX_OBJECT_SIZE, &[l.tstate_next, l.tstate_current_frame, l.tstate_native_thread_id])?;
     let marker = match (l.tstate_last_profiled_frame, l.tstate_last_profiled_seq) {
-        (Some(frame), Some(seq)) => Some(sized(l.tstate_size, &[frame, seq])?),
+        (Some(frame), Some(seq)) => Some(sized(l.tstate_size, MAX_OBJECT_SIZE, &[frame, seq])?),
         _ => None,
     };
-    let frame = sized(l.frame_size, &[l.frame_previous, l.frame_executable, l.frame_instr_ptr, l.frame_owner])?;
-    let code = sized(l.code_size, &[l.code_filename, l.code_qualname, l.code_linetable, l.code_firstlineno, l.code_adaptive])?;
-    let bytes = sized(l.bytes_size, &[l.bytes_ob_size, l.bytes_data])?;
-    let unicode = sized(l.unicode_size, &[l.unicode_state, l.unicode_length, l.unicode_ascii_size])?;
+    let frame = sized(l.frame_size, MAX_OBJECT_SIZE, &[l.frame_previous, l.frame_executable, l.frame_instr_ptr, l.frame_owner])?;
+    let code = sized(l.code_size, MAX_OBJECT_SIZE, &[l.code_filename, l.code_qualname, l.code_linetable, l.code_firstlineno, l.code_adaptive])?;
+    let bytes = sized(l.bytes_size, MAX_OBJECT_SIZE, &[l.bytes_ob_size, l.bytes_data])?;
+    let unicode = sized(l.unicode_size, MAX_OBJECT_SIZE, &[l.unicode_state, l.unicode_length, l.unicode_ascii_size])?;
+    let unicode_compact_size = match l.unicode_compact_size {
+        Some(index) => sized(l.unicode_size, MAX_OBJECT_SIZE, &[index])?[0],
+        None => unicode[2] + COMPACT_UTF8_FIELDS,
+    };
+    let object_type = sized(l.object_size, MAX_OBJECT_SIZE, &[l.object_type])?[0];
+    let type_name = sized(l.type_size, MAX_OBJECT_SIZE, &[l.type_name])?[0];
     Ok(DebugOffsets {
         version,
         interpreters_head: runtime_fields[0],
@@ -232,10 +257,8 @@ pub fn read_debug_offsets(mem: &impl ReadMemory, runtime: u64) -> Result<DebugOf
         interp_next: interp[0],
         interp_threads_head: interp[1],
         interp_ceval_gil: interp[2],
-        // The table gives the GIL's fields as offsets in the interpreter state (of its own GIL);
-        // `ceval.gil` may point at another interpreter's, so keep them relative to the GIL.
-        gil_locked: at(l.gil_locked).wrapping_sub(at(l.gil_runtime_state)),
-        gil_holder: at(l.gil_holder).wrapping_sub(at(l.gil_runtime_state)),
+        gil_locked: within_gil(interp[4])?,
+        gil_holder: within_gil(interp[5])?,
         code_object_generation: l.code_object_generation.map(at).filter(|&o| o < at(l.interp_size)),
         tstate_size: at(l.tstate_size),
         tstate_next: tstate[0],
@@ -254,14 +277,75 @@ pub fn read_debug_offsets(mem: &impl ReadMemory, runtime: u64) -> Result<DebugOf
         code_linetable: code[2],
         code_firstlineno: code[3],
         code_adaptive: code[4],
-        object_type: at(l.object_type),
-        type_name: at(l.type_name),
+        object_type,
+        type_name,
         bytes_ob_size: bytes[0],
         bytes_data: bytes[1],
         unicode_state: unicode[0],
         unicode_length: unicode[1],
         unicode_ascii_size: unicode[2],
+        unicode_compact_size,
         entry_owner_min: l.entry_owner_min,
         executable_tag_mask: l.executable_tag_mask,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpython::memory::MemoryImage;
+
+    const RUNTIME: u64 = 0x10000;
+
+    /// A table in `layout`'s shape: every offset 8, except the GIL's fields, which lie after the GIL.
+    fn table(layout: &Layout, version: u64) -> Vec<u64> {
+        let mut fields = vec![8u64; MAX_FIELDS];
+        fields[0] = u64::from_le_bytes(*b"xdebugpy");
+        fields[1] = version;
+        fields[layout.free_threaded] = 0;
+        for size in [layout.runtime_size, layout.interp_size, layout.tstate_size, layout.frame_size, layout.code_size, layout.bytes_size, layout.unicode_size, layout.object_size, layout.type_size] {
+            fields[size] = 256;
+        }
+        fields[layout.interp_gil] = 64;
+        fields[layout.gil_locked] = 72;
+        fields[layout.gil_holder] = 80;
+        fields
+    }
+
+    fn read(fields: &[u64]) -> Result<DebugOffsets, PyError> {
+        let mut image = MemoryImage::default();
+        image.insert(RUNTIME, fields.iter().flat_map(|f| f.to_le_bytes()).collect());
+        read_debug_offsets(&image, RUNTIME)
+    }
+
+    #[test]
+    fn accepts_known_layouts() {
+        for (layout, version) in [(&LAYOUT_3_13, 0x030d00f0), (&LAYOUT_3_14, 0x030e0af0), (&LAYOUT_3_15, 0x030f00b4), (&LAYOUT_3_15, 0x030f02f0)] {
+            let offsets = read(&table(layout, version)).unwrap();
+            assert_eq!((offsets.gil_locked, offsets.gil_holder), (8, 16), "GIL fields relative to the GIL");
+        }
+    }
+
+    #[test]
+    fn refuses_unknown_versions_and_free_threading() {
+        assert!(matches!(read(&table(&LAYOUT_3_13, 0x030c00f0)), Err(PyError::UnsupportedVersion(_))));
+        assert!(matches!(read(&table(&LAYOUT_3_15, 0x030f00b3)), Err(PyError::UnsupportedVersion(_))));
+        assert!(matches!(read(&table(&LAYOUT_3_15, 0x031000f0)), Err(PyError::UnsupportedVersion(_))));
+        let mut free_threaded = table(&LAYOUT_3_14, 0x030e00f0);
+        free_threaded[LAYOUT_3_14.free_threaded] = 1;
+        assert!(matches!(read(&free_threaded), Err(PyError::FreeThreaded(_))));
+        let mut no_cookie = table(&LAYOUT_3_14, 0x030e00f0);
+        no_cookie[0] = 0;
+        assert!(matches!(read(&no_cookie), Err(PyError::NoDebugOffsets)));
+    }
+
+    #[test]
+    fn refuses_implausible_offsets_and_sizes() {
+        let l = &LAYOUT_3_14;
+        for (field, value) in [(l.frame_previous, 256), (l.code_qualname, u64::MAX), (l.frame_size, 0), (l.code_size, 1 << 20), (l.type_name, 4096), (l.gil_locked, 8)] {
+            let mut fields = table(l, 0x030e00f0);
+            fields[field] = value;
+            assert!(matches!(read(&fields), Err(PyError::BadOffsets(_))), "field {field} = {value} accepted");
+        }
+    }
 }

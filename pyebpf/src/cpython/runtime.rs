@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use object::{Object, ObjectSection, ObjectSegment, ObjectSymbol};
 use procfs::process::{MMapPath, Process};
 
+use super::offsets::PyVersion;
 use super::PyError;
 
 /// Largest ELF file read to look for the runtime.
@@ -19,8 +20,29 @@ fn is_python_file(path: &Path) -> bool {
     })
 }
 
-/// The address of `_PyRuntime` in `pid`.
-pub fn find_runtime(pid: u32) -> Result<u64, PyError> {
+/// Whether `pid` is gone: no /proc entry, or exited and not yet reaped (its /proc entry stays but
+/// its memory is gone).
+pub fn has_exited(pid: u32) -> bool {
+    let Ok(process) = Process::new(pid as i32) else { return true };
+    process.stat().map_or(true, |stat| matches!(stat.state, 'Z' | 'X'))
+}
+
+/// Where a process keeps its runtime state.
+#[derive(Clone, Debug)]
+pub struct Runtime {
+    /// Address of `_PyRuntime` in the process.
+    pub address: u64,
+    /// The ELF file defining it, as the process maps it.
+    pub file: PathBuf,
+    /// The file's `Py_Version` (CPython 3.11+), which names versions too old to have debug offsets.
+    pub version: Option<PyVersion>,
+}
+
+/// Finds `_PyRuntime` in `pid`.
+pub fn find_runtime(pid: u32) -> Result<Runtime, PyError> {
+    if has_exited(pid) {
+        return Err(PyError::NoProcess(pid));
+    }
     let process = Process::new(pid as i32).map_err(|_| PyError::NoProcess(pid))?;
     let maps = process.maps().map_err(|_| PyError::NoProcess(pid))?;
     let mut candidates: Vec<(PathBuf, u64)> = Vec::new();
@@ -35,21 +57,21 @@ pub fn find_runtime(pid: u32) -> Result<u64, PyError> {
     candidates.sort_by_key(|(path, _)| !path.to_string_lossy().contains("libpython"));
     for (path, base) in &candidates {
         let file = PathBuf::from(format!("/proc/{pid}/root")).join(path.strip_prefix("/").unwrap_or(path));
-        if let Some(addr) = runtime_in_file(&file, *base)? {
-            return Ok(addr);
+        if let Some((address, version)) = runtime_in_file(&file, *base) {
+            return Ok(Runtime { address, file: path.clone(), version });
         }
     }
     Err(PyError::NotPython(pid))
 }
 
-/// `_PyRuntime`'s address if this ELF file defines it, given where its first page is mapped.
-fn runtime_in_file(file: &Path, mapped_at: u64) -> Result<Option<u64>, PyError> {
-    let Ok(meta) = std::fs::metadata(file) else { return Ok(None) };
-    if meta.len() > MAX_ELF_SIZE {
-        return Ok(None);
+/// `_PyRuntime`'s address if this ELF file defines it, given where its first page is mapped, and
+/// the file's `Py_Version`.
+fn runtime_in_file(file: &Path, mapped_at: u64) -> Option<(u64, Option<PyVersion>)> {
+    if std::fs::metadata(file).ok()?.len() > MAX_ELF_SIZE {
+        return None;
     }
-    let Ok(data) = std::fs::read(file) else { return Ok(None) };
-    let Ok(elf) = object::File::parse(&*data) else { return Ok(None) };
+    let data = std::fs::read(file).ok()?;
+    let elf = object::File::parse(&*data).ok()?;
     let runtime = elf
         .section_by_name(".PyRuntime")
         .map(|section| section.address())
@@ -59,9 +81,16 @@ fn runtime_in_file(file: &Path, mapped_at: u64) -> Result<Option<u64>, PyError> 
                 .find(|symbol| symbol.name() == Ok("_PyRuntime") && symbol.is_definition())
                 .map(|symbol| symbol.address())
         });
-    let Some(runtime) = runtime else { return Ok(None) };
     // The first loadable segment (file offset 0) is mapped at `mapped_at`.
     let first_vaddr = elf.segments().map(|segment| segment.address()).min().unwrap_or(0) & !0xfff;
     let bias = mapped_at.wrapping_sub(first_vaddr);
-    Ok(Some(runtime.wrapping_add(bias)))
+    Some((runtime?.wrapping_add(bias), py_version(&elf)))
+}
+
+/// The constant `Py_Version` (`PY_VERSION_HEX`) as the file stores it.
+fn py_version(elf: &object::File) -> Option<PyVersion> {
+    let symbol = elf.dynamic_symbols().chain(elf.symbols()).find(|symbol| symbol.name() == Ok("Py_Version") && symbol.is_definition())?;
+    let section = elf.section_by_index(symbol.section_index()?).ok()?;
+    let bytes = section.data_range(symbol.address(), 4).ok()??;
+    Some(PyVersion(u64::from(u32::from_le_bytes(bytes.try_into().ok()?))))
 }

@@ -7,15 +7,12 @@ use super::PyError;
 /// Longest name or file name read, in characters.
 const MAX_CHARS: u64 = 4096;
 
-/// `PyCompactUnicodeObject` adds `utf8_length` and `utf8` to `PyASCIIObject`.
-const COMPACT_EXTRA: u64 = 16;
-
 /// Reads the `str` at `addr`.
 pub fn read_str(mem: &impl ReadMemory, offsets: &DebugOffsets, addr: u64) -> Result<String, PyError> {
     if addr == 0 {
         return Err(PyError::Malformed("null string".into()));
     }
-    let header = mem.read_vec(addr, offsets.unicode_ascii_size as usize)?;
+    let header = mem.read_vec(addr, (offsets.unicode_state.max(offsets.unicode_length) + 8) as usize)?;
     let length = field_u64(&header, offsets.unicode_length);
     if length > MAX_CHARS {
         return Err(PyError::Malformed(format!("string of {length} characters")));
@@ -28,7 +25,8 @@ pub fn read_str(mem: &impl ReadMemory, offsets: &DebugOffsets, addr: u64) -> Res
     if !compact {
         return Err(PyError::Malformed("non-compact string".into()));
     }
-    let data = addr.wrapping_add(offsets.unicode_ascii_size).wrapping_add(if ascii { 0 } else { COMPACT_EXTRA });
+    // ASCII text follows the ASCII header; other compact forms follow the longer compact header.
+    let data = addr.wrapping_add(if ascii { offsets.unicode_ascii_size } else { offsets.unicode_compact_size });
     let width = match kind {
         1 | 2 | 4 => kind as usize,
         other => return Err(PyError::Malformed(format!("string kind {other}"))),

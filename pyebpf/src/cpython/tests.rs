@@ -1,0 +1,110 @@
+//! The reader's API on real interpreters (Debian's, under `PYEBPF_PYTHONS`): versions, threads,
+//! the eBPF configuration, frames, and the 3.15 marker, the only write pyebpf makes, which must be
+//! refused everywhere else.
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use super::{PyError, PyProcess};
+use pyebpf_common::NO_OFFSET;
+
+struct Target(Child);
+
+impl Drop for Target {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Starts Debian's `python3.X` with two threads waiting, and attaches once it is ready.
+fn attach(version: &str) -> (Target, PyProcess) {
+    let prefix = PathBuf::from(std::env::var("PYEBPF_PYTHONS").expect("PYEBPF_PYTHONS must name the test Pythons' prefix (cargo xtask test sets it)"));
+    let python = prefix.join(format!("usr/bin/python{version}"));
+    assert!(python.exists(), "test interpreter missing: {}", python.display());
+    let dir = tempfile::tempdir().unwrap();
+    let ready = dir.path().join("ready");
+    let code = "import sys, threading\nhold = threading.Event()\nthreading.Thread(target=hold.wait, daemon=True).start()\nopen(sys.argv[1], 'w').close()\nhold.wait()";
+    let target = Target(Command::new(&python).args(["-c", code]).arg(&ready).stdin(Stdio::null()).spawn().unwrap());
+    let started = Instant::now();
+    while !ready.exists() {
+        assert!(started.elapsed() < Duration::from_secs(30), "{} did not get ready", python.display());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let process = PyProcess::attach(target.0.id()).unwrap_or_else(|err| panic!("attach to {}: {err}", python.display()));
+    (target, process)
+}
+
+#[test]
+fn threads_and_versions_of_each_interpreter() {
+    for (version, minor, tag_mask) in [("3.13", 13, 0), ("3.14", 14, 3), ("3.15", 15, 3)] {
+        let (target, mut process) = attach(version);
+        assert_eq!((process.version().major(), process.version().minor()), (3, minor));
+        let threads = process.threads().unwrap();
+        assert_eq!(threads.len(), 2, "threads of {version}: {threads:?}");
+        assert!(threads.iter().any(|t| t.tid == target.0.id()), "the main thread's tid is missing: {threads:?}");
+        assert!(threads.iter().all(|t| t.current_frame != 0), "a waiting thread without frames: {threads:?}");
+        let main = threads.iter().find(|t| t.tid == target.0.id()).unwrap();
+        assert_eq!(process.thread_name(main.tid).as_deref(), Some(format!("python{version}").as_str()));
+        let config = process.bpf_config();
+        assert_eq!(config.executable_tag_mask, tag_mask, "{version}");
+        assert_eq!(config.tstate_last_profiled_frame != NO_OFFSET, minor == 15, "{version}");
+        assert_eq!(config.tstate_last_profiled_seq != NO_OFFSET, minor == 15, "{version}");
+        let (reads, bytes) = (process.remote_counters().reads, process.remote_counters().bytes);
+        assert!(reads > 0 && bytes > 0, "remote reads were not counted");
+    }
+}
+
+#[test]
+fn the_marker_is_written_only_to_listed_3_15_thread_states() {
+    let (_target, mut process) = attach("3.15");
+    let threads = process.threads().unwrap();
+    let thread = &threads[0];
+    assert!(matches!(process.set_last_profiled_frame(thread.tstate + 8, thread.current_frame), Err(PyError::WriteRefused(_))));
+    process.set_last_profiled_frame(thread.tstate, thread.current_frame).unwrap();
+    let (frame, _seq) = process.read_last_profiled(thread.tstate).unwrap().expect("3.15 has a marker");
+    assert_eq!(frame, thread.current_frame);
+    process.set_last_profiled_frame(thread.tstate, 0).unwrap();
+    assert_eq!(process.read_last_profiled(thread.tstate).unwrap().map(|(frame, _)| frame), Some(0));
+
+    for version in ["3.13", "3.14"] {
+        let (_target, mut process) = attach(version);
+        let threads = process.threads().unwrap();
+        assert!(process.read_last_profiled(threads[0].tstate).unwrap().is_none());
+        assert!(
+            matches!(process.set_last_profiled_frame(threads[0].tstate, 0), Err(PyError::WriteRefused(_))),
+            "a marker write to CPython {version} was not refused"
+        );
+    }
+}
+
+#[test]
+fn frames_resolve_step_by_step_and_the_code_cache_hits() {
+    let (_target, mut process) = attach("3.14");
+    let threads = process.threads().unwrap();
+    for _ in 0..2 {
+        for thread in &threads {
+            let links = process.walk_frames(thread.current_frame).unwrap();
+            assert!(!links.is_empty());
+            let innermost = process.frame_info(&links[0]).unwrap().expect("the innermost frame runs Python code");
+            assert_eq!(&*innermost.frame.qualname, "Condition.wait", "{innermost:?}");
+            assert!(innermost.location.column.is_some(), "no columns: {innermost:?}");
+            assert_eq!(process.python_frame(links[0].code, links[0].instr_ptr).unwrap(), innermost.frame);
+        }
+    }
+    let (hits, misses) = process.code_cache_counters();
+    assert!(hits > 0 && misses > 0, "code cache hits {hits}, misses {misses}");
+}
+
+#[test]
+fn a_process_gone_between_reads_gives_errors() {
+    let (mut target, mut process) = attach("3.14");
+    let threads = process.threads().unwrap();
+    target.0.kill().unwrap();
+    target.0.wait().unwrap();
+    let err = process.walk_frames(threads[0].current_frame).expect_err("frames of an exited process");
+    assert!(err.process_gone(), "{err}");
+    assert!(matches!(process.threads(), Err(PyError::Memory(_))));
+    assert!(process.code(threads[0].current_frame).is_err());
+}
