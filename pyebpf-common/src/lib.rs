@@ -9,6 +9,12 @@ pub const MAX_USER_FRAMES: usize = 127;
 pub const MAX_KERNEL_FRAMES: usize = 127;
 /// Length of a task's `comm`.
 pub const COMM_LEN: usize = 16;
+/// Most Python frames the eBPF program walks per sample; a deeper chain is cut there and marked.
+pub const MAX_PY_FRAMES: usize = 512;
+/// Bytes of an `_PyInterpreterFrame` read per frame: every field the walk needs lies in them.
+pub const PY_FRAME_WINDOW: usize = 128;
+/// Positions of an established marker chain the eBPF program can check a moved marker against.
+pub const MARKER_POSITIONS: usize = 16;
 
 /// Map names, shared so the loader and the programs cannot drift apart.
 pub mod maps {
@@ -18,6 +24,8 @@ pub mod maps {
     pub const TARGETS: &str = "TARGETS";
     pub const PY_PROCS: &str = "PY_PROCS";
     pub const PY_THREADS: &str = "PY_THREADS";
+    pub const PY_MARKERS: &str = "PY_MARKERS";
+    pub const SCRATCH: &str = "SCRATCH";
 }
 
 /// Bits of [`Config::flags`].
@@ -49,10 +57,42 @@ pub mod py_status {
     pub const THREAD_KNOWN: u32 = 1 << 0;
     /// `current_frame` was read (it may be 0: the thread runs no Python code).
     pub const FRAME_READ: u32 = 1 << 1;
-    /// The leaf frame's code object and instruction pointer were read.
-    pub const LEAF_READ: u32 = 1 << 2;
-    /// `last_profiled_frame` and its sequence number were read (3.15).
-    pub const MARKER_READ: u32 = 1 << 3;
+    /// The walk reached the root of the chain: `frames` is the whole chain.
+    pub const COMPLETE: u32 = 1 << 2;
+    /// The walk stopped at the `last_profiled_frame` marker of an established chain
+    /// ([`PyCapture::marker_gen`], position [`PyCapture::marker_position`]): the frames rootward of it
+    /// are that chain's.
+    pub const JOINED: u32 = 1 << 3;
+    /// The walk stopped at the depth limit.
+    pub const TOO_DEEP: u32 = 1 << 4;
+    /// A frame could not be read: the chain ends there.
+    pub const READ_FAILED: u32 = 1 << 5;
+}
+
+/// One interpreter frame as the eBPF program read it at the sample.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PyFrameRecord {
+    /// The frame's address; its owner (`_PyInterpreterFrame.owner`) in the low 3 bits (frames are
+    /// 8-byte aligned).
+    pub addr_owner: u64,
+    /// `f_executable`, tag bits cleared.
+    pub code: u64,
+    pub instr_ptr: u64,
+    /// The code object's `co_version`, read at the sample: with the address, it identifies the
+    /// code object (addresses are reused once a code object is freed; versions are not).
+    pub code_version: u32,
+    pub _pad: u32,
+}
+
+impl PyFrameRecord {
+    pub fn addr(&self) -> u64 {
+        self.addr_owner & !7
+    }
+
+    pub fn owner(&self) -> u8 {
+        (self.addr_owner & 7) as u8
+    }
 }
 
 /// What the eBPF program reads of a Python thread at sample time.
@@ -63,16 +103,16 @@ pub struct PyCapture {
     pub tstate: u64,
     /// `tstate->current_frame`: the innermost `_PyInterpreterFrame`, 0 if none.
     pub frame: u64,
-    /// The leaf frame's `f_executable`, tag bits cleared.
-    pub code: u64,
-    /// The leaf frame's `instr_ptr`.
-    pub instr_ptr: u64,
-    /// `tstate->last_profiled_frame` (3.15), else 0.
+    /// `tstate->last_profiled_frame` and `last_profiled_frame_seq` (3.15), else 0.
     pub last_profiled_frame: u64,
-    /// `tstate->last_profiled_frame_seq` (3.15), else 0.
     pub last_profiled_seq: u64,
+    /// With `JOINED`: the established chain the walk joined and the marker's position in it.
+    pub marker_gen: u64,
+    pub marker_position: u32,
     /// `py_status` bits.
     pub status: u32,
+    /// Frames walked, innermost first, in [`SampleRecord::py_frames`].
+    pub frames_len: u32,
     pub _pad: u32,
 }
 
@@ -102,6 +142,41 @@ pub struct SampleRecord {
     /// The merge finds which native frame holds each interpreter entry frame with these.
     pub user_frame_bases: [u64; MAX_USER_FRAMES],
     pub kernel_stack: [u64; MAX_KERNEL_FRAMES],
+    /// The Python frames walked at the sample; only `py.frames_len` of them are sent, so a record
+    /// is [`SampleRecord::sent_len`] bytes long.
+    pub py_frames: [PyFrameRecord; MAX_PY_FRAMES],
+}
+
+impl SampleRecord {
+    /// Bytes before `py_frames`: every record carries at least these.
+    pub const HEADER_LEN: usize = core::mem::offset_of!(SampleRecord, py_frames);
+
+    /// Bytes sent for a record carrying `frames` Python frames.
+    pub const fn sent_len(frames: usize) -> usize {
+        Self::HEADER_LEN + frames * core::mem::size_of::<PyFrameRecord>()
+    }
+}
+
+/// Bits of [`PyProcConfig::flags`].
+pub mod py_proc_flags {
+    /// Stop the walk at a `last_profiled_frame` marker that matches the thread's `PY_MARKERS` entry.
+    pub const USE_MARKER: u32 = 1 << 0;
+}
+
+/// A thread's established marker chain, the value of `PY_MARKERS` (keyed by tid). Userspace
+/// proved, when it wrote the marker, that the frames rootward of `addrs[0]` are the chain it keeps
+/// for generation `gen`; after `k` pops of the marker frame the interpreter has moved the marker to
+/// `addrs[k]` and bumped the sequence number by `k`. `gen` is repeated at the end so a value read
+/// while userspace replaces it is recognised as torn.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct MarkerChain {
+    pub gen: u64,
+    pub seq_base: u64,
+    pub len: u32,
+    pub _pad: u32,
+    pub addrs: [u64; MARKER_POSITIONS],
+    pub gen_check: u64,
 }
 
 /// Marks a field that a CPython version does not have.
@@ -112,12 +187,18 @@ pub const NO_OFFSET: u32 = u32::MAX;
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct PyProcConfig {
+    /// `py_proc_flags` bits.
+    pub flags: u32,
+    /// Frames walked at most (at most [`MAX_PY_FRAMES`]).
+    pub max_frames: u32,
     pub tstate_current_frame: u32,
     pub tstate_last_profiled_frame: u32,
     pub tstate_last_profiled_seq: u32,
     pub frame_previous: u32,
     pub frame_executable: u32,
     pub frame_instr_ptr: u32,
+    pub frame_owner: u32,
+    pub code_version: u32,
     /// Bits cleared from `f_executable` before use (its tag bits; 0 where it is not tagged).
     pub executable_tag_mask: u64,
 }
@@ -128,4 +209,5 @@ mod pod {
     unsafe impl aya::Pod for super::Config {}
     unsafe impl aya::Pod for super::PyProcConfig {}
     unsafe impl aya::Pod for super::PyCapture {}
+    unsafe impl aya::Pod for super::MarkerChain {}
 }

@@ -1,6 +1,6 @@
 //! The sampler: a perf-event program on every CPU sends one `SampleRecord` per sample through a
 //! ring buffer, with the native stacks and, for known Python threads, the interpreter's frame
-//! pointer read at the sample itself.
+//! chain walked at the sample itself (on 3.15 only down to a marker userspace proved it knows).
 #![no_std]
 #![no_main]
 
@@ -10,7 +10,8 @@ use core::mem::size_of;
 use aya_ebpf::{
     helpers::{
         bpf_get_current_comm, bpf_get_current_pid_tgid, bpf_get_current_task_btf, bpf_get_smp_processor_id,
-        bpf_get_stack, bpf_ktime_get_ns, bpf_probe_read_kernel, bpf_probe_read_user, bpf_task_pt_regs,
+        bpf_get_stack, bpf_ktime_get_ns, bpf_probe_read_kernel, bpf_probe_read_user, bpf_probe_read_user_buf,
+        bpf_task_pt_regs,
     },
     macros::{map, perf_event, tracepoint},
     maps::{Array, HashMap, PerCpuArray, RingBuf},
@@ -18,8 +19,8 @@ use aya_ebpf::{
     EbpfContext,
 };
 use pyebpf_common::{
-    config_flags, py_status, Config, PyCapture, PyProcConfig, SampleRecord, MAX_KERNEL_FRAMES,
-    MAX_USER_FRAMES, NO_OFFSET,
+    config_flags, py_proc_flags, py_status, Config, MarkerChain, PyCapture, PyFrameRecord, PyProcConfig, SampleRecord,
+    MARKER_POSITIONS, MAX_KERNEL_FRAMES, MAX_PY_FRAMES, MAX_USER_FRAMES, NO_OFFSET, PY_FRAME_WINDOW,
 };
 
 /// `bpf_get_stack` flag for the user stack.
@@ -44,6 +45,17 @@ static PY_PROCS: HashMap<u32, PyProcConfig> = HashMap::with_max_entries(4096, 0)
 #[map(name = "PY_THREADS")]
 static PY_THREADS: HashMap<u32, u64> = HashMap::with_max_entries(65536, 0);
 
+/// Not preallocated: a replaced entry is freed only after programs reading it are done, so a
+/// lookup never sees a value half overwritten by the next one.
+#[map(name = "PY_MARKERS")]
+static PY_MARKERS: HashMap<u32, MarkerChain> = HashMap::with_max_entries(65536, BPF_F_NO_PREALLOC);
+
+/// The record is built here (it is too large for the stack), then its used part is sent.
+#[map(name = "SCRATCH")]
+static SCRATCH: PerCpuArray<SampleRecord> = PerCpuArray::with_max_entries(1, 0);
+
+const BPF_F_NO_PREALLOC: u32 = 1;
+
 #[perf_event]
 pub fn sample(ctx: PerfEventContext) -> u32 {
     let pid_tgid = bpf_get_current_pid_tgid();
@@ -56,22 +68,16 @@ pub fn sample(ctx: PerfEventContext) -> u32 {
     if config.flags & config_flags::FILTER_TARGETS != 0 && TARGETS.get_ptr(tgid).is_none() {
         return 0;
     }
-    let Some(mut entry) = SAMPLES.reserve::<SampleRecord>(0) else {
-        if let Some(lost) = LOST.get_ptr_mut(0) {
-            // SAFETY: per-CPU slot, and this program cannot preempt itself on one CPU.
-            unsafe { *lost += 1 };
-        }
-        return 0;
-    };
-    let record = entry.as_mut_ptr();
-    // SAFETY: `record` points at a reserved ring-buffer slot of the record's size.
-    unsafe {
+    let Some(record) = SCRATCH.get_ptr_mut(0) else { return 0 };
+    // SAFETY: `record` points at this CPU's scratch record; this program cannot preempt itself on
+    // one CPU, so nothing else uses it meanwhile.
+    let frames = unsafe {
         (*record).tgid = tgid;
         (*record).tid = tid;
         (*record).cpu = bpf_get_smp_processor_id();
         (*record).time_ns = bpf_ktime_get_ns();
         (*record).comm = bpf_get_current_comm().unwrap_or([0; 16]);
-        (*record).py = capture_python(tgid, tid);
+        capture_python(tgid, tid, &mut (*record).py, &mut (*record).py_frames);
         let (sp, bp) = user_sp_bp(&ctx);
         (*record).user_sp = sp;
         (*record).frame_bases_len = walk_frame_bases(bp, sp, &mut (*record).user_frame_bases);
@@ -91,8 +97,18 @@ pub fn sample(ctx: PerfEventContext) -> u32 {
         } else {
             0
         };
+        (*record).py.frames_len as usize
+    };
+    // Only the walked frames are sent: a record is as long as the chain it carries.
+    let len = SampleRecord::sent_len(if frames > MAX_PY_FRAMES { MAX_PY_FRAMES } else { frames });
+    // SAFETY: `len` is at most the record's size.
+    let bytes = unsafe { core::slice::from_raw_parts(record as *const u8, len) };
+    if SAMPLES.output::<[u8]>(bytes, 0).is_err() {
+        if let Some(lost) = LOST.get_ptr_mut(0) {
+            // SAFETY: per-CPU slot, and this program cannot preempt itself on one CPU.
+            unsafe { *lost += 1 };
+        }
     }
-    entry.submit(0);
     0
 }
 
@@ -158,44 +174,106 @@ fn read_u64(addr: u64) -> Option<u64> {
     unsafe { bpf_probe_read_user(addr as *const u64).ok() }
 }
 
-/// Reads the thread's interpreter state at the sample: the innermost frame, its code object and
-/// instruction pointer, and on 3.15 the `last_profiled_frame` marker.
-fn capture_python(tgid: u32, tid: u32) -> PyCapture {
-    let mut py = PyCapture::default();
+fn read_u32(addr: u64) -> Option<u32> {
+    // SAFETY: as in read_u64.
+    unsafe { bpf_probe_read_user(addr as *const u32).ok() }
+}
+
+/// Reads the thread's interpreter state at the sample and walks its frame chain from the innermost
+/// frame: to the root, to the depth limit, or (3.15) to a marker whose established chain userspace
+/// holds, so at steady state only the frames that ran since the last sample are read.
+fn capture_python(tgid: u32, tid: u32, py: &mut PyCapture, frames: &mut [PyFrameRecord; MAX_PY_FRAMES]) {
+    *py = PyCapture::default();
     // SAFETY: plain-data values; a concurrent update from userspace at worst gives a stale entry,
     // which the reads below tolerate.
     let (Some(proc_config), Some(tstate)) = (unsafe { PY_PROCS.get(tgid) }, unsafe { PY_THREADS.get(tid) }) else {
-        return py;
+        return;
     };
-    let proc_config = *proc_config;
+    let config = *proc_config;
     py.tstate = *tstate;
     py.status |= py_status::THREAD_KNOWN;
-    let Some(frame) = read_u64(py.tstate + proc_config.tstate_current_frame as u64) else {
-        return py;
+    let Some(frame) = read_u64(py.tstate + config.tstate_current_frame as u64) else {
+        return;
     };
     py.frame = frame;
     py.status |= py_status::FRAME_READ;
-    if frame != 0 {
-        if let (Some(code), Some(instr_ptr)) = (
-            read_u64(frame + proc_config.frame_executable as u64),
-            read_u64(frame + proc_config.frame_instr_ptr as u64),
-        ) {
-            py.code = code & !proc_config.executable_tag_mask;
-            py.instr_ptr = instr_ptr;
-            py.status |= py_status::LEAF_READ;
-        }
+    let stop_at = marker_stop(tid, &config, py);
+    walk_frames(&config, frame, stop_at, py, frames);
+}
+
+/// The frame at which the walk may stop: the current marker, when it sits where the thread's
+/// established chain says `k` pops of the marker frame put it (the sequence number moved by `k`).
+fn marker_stop(tid: u32, config: &PyProcConfig, py: &mut PyCapture) -> u64 {
+    if config.flags & py_proc_flags::USE_MARKER == 0
+        || config.tstate_last_profiled_frame == NO_OFFSET
+        || config.tstate_last_profiled_seq == NO_OFFSET
+    {
+        return 0;
     }
-    if proc_config.tstate_last_profiled_frame != NO_OFFSET && proc_config.tstate_last_profiled_seq != NO_OFFSET {
-        if let (Some(marker), Some(seq)) = (
-            read_u64(py.tstate + proc_config.tstate_last_profiled_frame as u64),
-            read_u64(py.tstate + proc_config.tstate_last_profiled_seq as u64),
-        ) {
-            py.last_profiled_frame = marker;
-            py.last_profiled_seq = seq;
-            py.status |= py_status::MARKER_READ;
-        }
+    let (Some(marker), Some(seq)) = (
+        read_u64(py.tstate + config.tstate_last_profiled_frame as u64),
+        read_u64(py.tstate + config.tstate_last_profiled_seq as u64),
+    ) else {
+        return 0;
+    };
+    py.last_profiled_frame = marker;
+    py.last_profiled_seq = seq;
+    // SAFETY: plain data; entries are replaced whole (the map is not preallocated).
+    let Some(chain) = (unsafe { PY_MARKERS.get(tid) }) else { return 0 };
+    let position = seq.wrapping_sub(chain.seq_base);
+    if marker == 0 || chain.gen == 0 || position >= chain.len as u64 || position >= MARKER_POSITIONS as u64 {
+        return 0;
     }
-    py
+    if chain.addrs[position as usize & (MARKER_POSITIONS - 1)] != marker {
+        return 0;
+    }
+    py.marker_gen = chain.gen;
+    py.marker_position = position as u32;
+    marker
+}
+
+fn walk_frames(config: &PyProcConfig, mut addr: u64, stop_at: u64, py: &mut PyCapture, frames: &mut [PyFrameRecord; MAX_PY_FRAMES]) {
+    let max = if config.max_frames as usize > MAX_PY_FRAMES { MAX_PY_FRAMES } else { config.max_frames as usize };
+    let mut window = [0u8; PY_FRAME_WINDOW];
+    let mut end = py_status::TOO_DEEP;
+    let mut walked = 0;
+    for slot in frames.iter_mut() {
+        if addr == 0 {
+            end = py_status::COMPLETE;
+            break;
+        }
+        if walked >= max {
+            break;
+        }
+        // SAFETY: a checked user read into a stack buffer of exactly that size.
+        if unsafe { bpf_probe_read_user_buf(addr as *const u8, &mut window) }.is_err() {
+            end = py_status::READ_FAILED;
+            break;
+        }
+        let code = window_u64(&window, config.frame_executable) & !config.executable_tag_mask;
+        *slot = PyFrameRecord {
+            addr_owner: addr | (window[config.frame_owner as usize & (PY_FRAME_WINDOW - 1)] & 7) as u64,
+            code,
+            instr_ptr: window_u64(&window, config.frame_instr_ptr),
+            code_version: if code == 0 { 0 } else { read_u32(code + config.code_version as u64).unwrap_or(0) },
+            _pad: 0,
+        };
+        walked += 1;
+        if addr == stop_at {
+            end = py_status::JOINED;
+            break;
+        }
+        addr = window_u64(&window, config.frame_previous);
+    }
+    py.frames_len = walked as u32;
+    py.status |= end;
+}
+
+/// The u64 at `offset` in a frame window; userspace checked every offset fits in the window.
+fn window_u64(window: &[u8; PY_FRAME_WINDOW], offset: u32) -> u64 {
+    let at = offset as usize & (PY_FRAME_WINDOW - 8);
+    // SAFETY: `at + 8 <= PY_FRAME_WINDOW`; the window need not be aligned, hence read_unaligned.
+    unsafe { core::ptr::read_unaligned(window.as_ptr().add(at) as *const u64) }
 }
 
 /// `sched/sched_process_fork`: with `FOLLOW_FORKS`, a child of a target becomes a target.

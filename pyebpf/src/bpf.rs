@@ -6,7 +6,7 @@ use aya::maps::{Array, HashMap, MapData, PerCpuArray, RingBuf};
 use aya::programs::perf_event::{PerfEventConfig, PerfEventScope, SamplePolicy, SoftwareEvent};
 use aya::programs::{PerfEvent, TracePoint};
 use aya::{Ebpf, EbpfLoader};
-use pyebpf_common::{config_flags, maps, Config, PyProcConfig, SampleRecord};
+use pyebpf_common::{config_flags, maps, Config, MarkerChain, PyProcConfig, SampleRecord};
 use tokio::io::unix::AsyncFd;
 
 /// The object built by `cargo xtask build`; empty when the crate was built without it.
@@ -58,6 +58,7 @@ pub struct Sampler {
     targets: HashMap<MapData, u32, u8>,
     py_procs: HashMap<MapData, u32, PyProcConfig>,
     py_threads: HashMap<MapData, u32, u64>,
+    py_markers: HashMap<MapData, u32, MarkerChain>,
 }
 
 /// Whether this process may load BPF programs, sample all CPUs and read other processes.
@@ -146,6 +147,7 @@ impl Sampler {
         let lost = PerCpuArray::try_from(ebpf.take_map(maps::LOST).expect("LOST is in the object")).map_err(map_error(maps::LOST))?;
         let py_procs = HashMap::try_from(ebpf.take_map(maps::PY_PROCS).expect("PY_PROCS is in the object")).map_err(map_error(maps::PY_PROCS))?;
         let py_threads = HashMap::try_from(ebpf.take_map(maps::PY_THREADS).expect("PY_THREADS is in the object")).map_err(map_error(maps::PY_THREADS))?;
+        let py_markers = HashMap::try_from(ebpf.take_map(maps::PY_MARKERS).expect("PY_MARKERS is in the object")).map_err(map_error(maps::PY_MARKERS))?;
         Ok(Sampler {
             _ebpf: ebpf,
             // SAFETY: the ring buffer owns its map fd, which stays open and unchanged as long as
@@ -156,18 +158,17 @@ impl Sampler {
             targets,
             py_procs,
             py_threads,
+            py_markers,
         })
     }
 
     /// Waits until samples are available, then moves all of them into `out`.
-    pub async fn read_samples(&mut self, out: &mut Vec<SampleRecord>) -> Result<(), BpfError> {
+    pub async fn read_samples(&mut self, out: &mut Vec<Box<SampleRecord>>) -> Result<(), BpfError> {
         let mut guard = self.samples.readable_mut().await.map_err(BpfError::Poll)?;
         let ring = guard.get_inner_mut();
         while let Some(item) = ring.next() {
-            if item.len() >= size_of::<SampleRecord>() {
-                // SAFETY: the kernel wrote a whole SampleRecord (plain data) into this slot; the
-                // slot need not be aligned for it, hence read_unaligned.
-                out.push(unsafe { std::ptr::read_unaligned(item.as_ptr() as *const SampleRecord) });
+            if let Some(record) = decode_record(&item) {
+                out.push(record);
             }
         }
         guard.clear_ready();
@@ -198,7 +199,33 @@ impl Sampler {
 
     pub fn remove_py_thread(&mut self, tid: u32) {
         let _ = self.py_threads.remove(&tid);
+        self.remove_marker_chain(tid);
     }
+
+    pub fn remove_marker_chain(&mut self, tid: u32) {
+        let _ = self.py_markers.remove(&tid);
+    }
+
+    /// Tells the eBPF program the marker chain userspace established for `tid`.
+    pub fn set_marker_chain(&mut self, tid: u32, chain: &MarkerChain) -> Result<(), BpfError> {
+        self.py_markers.insert(tid, chain, 0).map_err(map_error(maps::PY_MARKERS))
+    }
+}
+
+/// A record as sent: the fixed part, then as many Python frames as it says (the rest stays zero).
+fn decode_record(item: &[u8]) -> Option<Box<SampleRecord>> {
+    if item.len() < SampleRecord::HEADER_LEN || item.len() > size_of::<SampleRecord>() {
+        return None;
+    }
+    let mut record: Box<std::mem::MaybeUninit<SampleRecord>> = Box::new_zeroed();
+    // SAFETY: the item is at most a record long; all-zero bytes are a valid SampleRecord (plain
+    // data), and the copied prefix is what the kernel wrote of one.
+    let record = unsafe {
+        std::ptr::copy_nonoverlapping(item.as_ptr(), record.as_mut_ptr() as *mut u8, item.len());
+        record.assume_init()
+    };
+    let frames = (item.len() - SampleRecord::HEADER_LEN) / size_of::<pyebpf_common::PyFrameRecord>();
+    (record.py.frames_len as usize == frames).then_some(record)
 }
 
 /// The offset of `child_pid` in the fork tracepoint's record, from its format file.

@@ -72,9 +72,22 @@ pub struct RecordArgs {
     #[arg(long = "no-native")]
     pub no_native: bool,
 
-    /// Turn off the frame-chain caches (every Python frame is read from the process); for comparison
+    /// Don't use CPython 3.15's last_profiled_frame marker: the eBPF program walks every Python
+    /// frame chain in full at each sample (for comparison; costs more per sample)
     #[arg(long = "no-cache")]
     pub no_cache: bool,
+
+    /// Never write into a profiled process. Without it, pyebpf writes one field on CPython 3.15:
+    /// the main thread's last_profiled_frame marker, which lets the eBPF program stop its walk
+    /// at frames it already knows (see README, "The 3.15 marker")
+    #[arg(long = "read-only")]
+    pub read_only: bool,
+
+    /// Python frames walked at most per sample; deeper stacks keep their innermost frames and
+    /// are marked truncated
+    #[arg(long = "max-python-frames", value_name = "N", default_value_t = 512,
+          value_parser = clap::value_parser!(u32).range(1..=512))]
+    pub max_python_frames: u32,
 
     /// Print statistics at the end: samples, lost samples, Python frames read and cached, remote reads
     #[arg(long = "stats")]

@@ -1,53 +1,101 @@
 //! Python-aware sampling: tells the eBPF program which threads are Python threads and where their
-//! thread states are, and turns each sample's captured frame pointer into a Python stack.
+//! thread states are, and turns the frame chain it walked at each sample into a Python stack.
+//!
+//! Every frame of a stack comes from the sample itself, or from a marker chain proven unchanged
+//! since (3.15): nothing read later is attributed to a sample. A chain that cannot be completed
+//! from those is cut at the first unproven frame and marked truncated.
+//!
+//! **Marker chains (3.15).** For a thread whose marker pyebpf may write (see `cpython::marker`), it
+//! *establishes* a chain now and then: it reads the thread's current frame `F` and the marker's
+//! sequence number, points the marker at `F`, reads the frames from `F` rootward (down to the
+//! previous chain's marker, whose tail is already proven), then reads the sequence number again.
+//! Unchanged, it proves `F` did not return while its ancestors were read, so they are exactly the
+//! frames that stay frozen until `F` returns; from then on, `k` returns of the marker frame move the
+//! marker `k` positions up that chain and the sequence number by `k`. The eBPF program checks
+//! marker and sequence against the chain's addresses (`PY_MARKERS`) and stops its walk there.
 
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
-use pyebpf_common::{py_status, SampleRecord};
+use pyebpf_common::{py_proc_flags, py_status, MarkerChain, PyFrameRecord, SampleRecord, MARKER_POSITIONS, MAX_PY_FRAMES};
 
 use crate::bpf::Sampler;
-use crate::chain::{walk_chain, CacheMode, CachedChain, Capture, LinkKind, Marker, Walk};
-use crate::merge::PyStackItem;
+use crate::chain::{FrameLink, LinkKind, LinkReader};
 use crate::cpython::memory::ProcessMemory;
-use crate::cpython::PyProcess;
+use crate::cpython::{PyError, PyProcess};
+use crate::merge::PyStackItem;
 use crate::stats::Stats;
 
-/// Frames followed at most per chain; a deeper chain is an error for that sample.
-const MAX_CHAIN_DEPTH: usize = 4096;
 /// How often thread lists are re-read to register new threads and drop dead ones.
 const THREAD_REFRESH: Duration = Duration::from_millis(500);
 /// A sample from an unregistered thread re-reads its process's threads at most this often.
 const UNKNOWN_THREAD_REFRESH: Duration = Duration::from_millis(20);
+/// A chain is re-established when the kernel walked more frames than this to reach the marker.
+const ESTABLISH_AFTER_FRAMES: u32 = 4;
+/// And at most this often per thread, so a thread whose calls come and go costs little.
+const ESTABLISH_INTERVAL: Duration = Duration::from_millis(10);
+
+/// How Python frames are found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SamplingOptions {
+    /// Use the 3.15 marker (off with `--no-cache`: the kernel walks every chain in full).
+    pub marker: bool,
+    /// Never write into a target (`--read-only`).
+    pub read_only: bool,
+    /// Frames the kernel walks at most per sample.
+    pub max_frames: u32,
+}
+
+/// A chain pyebpf proved when it wrote the marker, innermost (the marker frame) first.
+struct EstablishedChain {
+    gen: u64,
+    /// The marker's sequence number when the marker was pointed at `addrs[0]`.
+    seq_base: u64,
+    addrs: Vec<u64>,
+    /// The resolved frame at each position (`None`: a frame Python's own view leaves out).
+    items: Vec<Option<PyStackItem>>,
+}
 
 struct Thread {
     tstate: u64,
-    chain: Option<CachedChain>,
+    /// The newest chain and the one before (samples in flight may still join it).
+    chains: [Option<EstablishedChain>; 2],
+    established_at: Option<Instant>,
+}
+
+impl Thread {
+    fn chain(&self, gen: u64) -> Option<&EstablishedChain> {
+        self.chains.iter().flatten().find(|c| c.gen == gen)
+    }
 }
 
 struct PythonProcess {
     py: PyProcess<ProcessMemory>,
     threads: HashMap<u32, Thread>,
     threads_read: Instant,
-    mode: CacheMode,
+    /// `co_version` of each code object decoded, by address: a different version at the same
+    /// address is another code object.
+    code_versions: HashMap<u64, u32>,
 }
 
 /// The Python side of a sample.
 pub struct PythonStack {
     pub items: Vec<PyStackItem>,
-    pub moved: bool,
+    /// The chain was cut at the first frame that could not be proven.
+    pub truncated: bool,
 }
 
 pub struct PythonSampling {
     processes: HashMap<u32, PythonProcess>,
     /// Processes found not to be CPython 3.13+ (or unreadable); not tried again.
     others: HashSet<u32>,
-    caching: bool,
+    options: SamplingOptions,
+    next_gen: u64,
 }
 
 impl PythonSampling {
-    pub fn new(caching: bool) -> Self {
-        PythonSampling { processes: HashMap::new(), others: HashSet::new(), caching }
+    pub fn new(options: SamplingOptions) -> Self {
+        PythonSampling { processes: HashMap::new(), others: HashSet::new(), options, next_gen: 1 }
     }
 
     /// Attaches to `pid` if it is a CPython 3.13+ process not seen before, and registers its
@@ -80,38 +128,37 @@ impl PythonSampling {
             return false;
         }
         let py = match PyProcess::attach(pid) {
-            Ok(py) => py,
+            Ok(py) if py.fits_frame_window() => py,
+            Ok(_) => {
+                log::debug!("pid {pid}: frame fields beyond the eBPF program's window");
+                self.others.insert(pid);
+                return false;
+            }
             Err(err) => {
                 log::debug!("pid {pid}: not profiled as Python: {err}");
                 self.others.insert(pid);
                 return false;
             }
         };
-        let has_marker = py.bpf_config().tstate_last_profiled_frame != pyebpf_common::NO_OFFSET;
-        let mode = match (self.caching, has_marker) {
-            (false, _) => CacheMode::Off,
-            (true, true) => CacheMode::Marker,
-            (true, false) => CacheMode::AddressBatch,
-        };
         stats.python_processes += 1;
-        self.processes.insert(pid, PythonProcess { py, threads: HashMap::new(), threads_read: Instant::now(), mode });
+        let process = PythonProcess { py, threads: HashMap::new(), threads_read: Instant::now(), code_versions: HashMap::new() };
+        self.processes.insert(pid, process);
         true
     }
 
     fn register(&mut self, pid: u32, sampler: &mut Sampler) {
         let Some(process) = self.processes.get_mut(&pid) else { return };
-        if sampler.set_py_process(pid, &process.py.bpf_config()).is_err() {
+        let mut config = process.py.bpf_config();
+        config.max_frames = self.options.max_frames.min(MAX_PY_FRAMES as u32);
+        if self.options.marker && !self.options.read_only {
+            config.flags |= py_proc_flags::USE_MARKER;
+        }
+        if sampler.set_py_process(pid, &config).is_err() {
             self.processes.remove(&pid);
             self.others.insert(pid);
             return;
         }
         process.refresh_threads(sampler);
-        if process.mode == CacheMode::Marker {
-            // A marker left by an earlier profiler points at frames pyebpf never saw.
-            for thread in process.threads.values() {
-                let _ = process.py.set_last_profiled_frame(thread.tstate, 0);
-            }
-        }
     }
 
     /// Re-reads thread lists now and then; forgets processes that have exited.
@@ -145,42 +192,25 @@ impl PythonSampling {
         if py.status & py_status::FRAME_READ == 0 || py.frame == 0 {
             return None;
         }
-        let thread = process.threads.get_mut(&record.tid)?;
-        let capture = Capture {
-            frame: py.frame,
-            leaf_code: if py.status & py_status::LEAF_READ != 0 { py.code } else { 0 },
-            leaf_instr_ptr: py.instr_ptr,
-            marker: (py.status & py_status::MARKER_READ != 0)
-                .then_some(Marker { frame: py.last_profiled_frame, seq: py.last_profiled_seq }),
-        };
         let before = process.py.remote_counters();
-        let walk = walk_chain(&mut process.py, &capture, thread.chain.as_ref(), process.mode, MAX_CHAIN_DEPTH);
-        let result = match walk {
-            Ok(walk) => {
-                stats.count_walk(&walk);
-                let items = resolve_links(&mut process.py, &walk);
-                if process.mode != CacheMode::Off {
-                    if process.mode == CacheMode::Marker {
-                        let _ = process.py.set_last_profiled_frame(thread.tstate, capture.frame);
-                    }
-                    thread.chain = Some(CachedChain::new(walk.links, capture.marker.map_or(0, |m| m.seq)));
-                }
-                Some(PythonStack { items, moved: walk.moved })
+        let walked = &record.py_frames[..(py.frames_len as usize).min(MAX_PY_FRAMES)];
+        stats.kernel_frames += walked.len() as u64;
+        let (mut items, mut truncated) = process.resolve_walked(walked);
+        if !truncated {
+            truncated = !process.complete_chain(record, &mut items, stats);
+        }
+        stats.truncated_samples += u64::from(truncated);
+        if self.options.marker && !self.options.read_only {
+            let gen = self.next_gen;
+            if process.maybe_establish(record, gen, sampler, stats) {
+                self.next_gen += 1;
             }
-            Err(err) => {
-                log::debug!("pid {} tid {}: {err}", record.tgid, record.tid);
-                stats.chain_errors += 1;
-                thread.chain = None;
-                None
-            }
-        };
+        }
         let after = process.py.remote_counters();
         stats.remote_reads += after.reads - before.reads;
         stats.remote_bytes += after.bytes - before.bytes;
-        if result.is_some() {
-            stats.python_samples += 1;
-        }
-        result
+        stats.python_samples += 1;
+        Some(PythonStack { items, truncated })
     }
 
     /// Code-object cache counters summed over processes, for `--stats`.
@@ -189,7 +219,153 @@ impl PythonSampling {
     }
 }
 
+fn link_of(py: &PyProcess<ProcessMemory>, frame: &PyFrameRecord) -> FrameLink {
+    let kind = if frame.owner() >= py.offsets().entry_owner_min { LinkKind::Entry } else { LinkKind::Code };
+    FrameLink { addr: frame.addr(), previous: 0, code: frame.code, instr_ptr: frame.instr_ptr, kind }
+}
+
 impl PythonProcess {
+    /// The frames the kernel walked, resolved; cut (and `true`) at the first frame whose code
+    /// object cannot be proven to be the one that ran.
+    fn resolve_walked(&mut self, walked: &[PyFrameRecord]) -> (Vec<PyStackItem>, bool) {
+        let mut items = Vec::with_capacity(walked.len());
+        for frame in walked {
+            let link = link_of(&self.py, frame);
+            match self.resolve_link(&link, frame.code_version) {
+                Ok(Some(item)) => items.push(item),
+                Ok(None) => {}
+                Err(err) => {
+                    log::debug!("pid {}: frame {:#x}: {err}", self.py.pid(), link.addr);
+                    return (items, true);
+                }
+            }
+        }
+        (items, false)
+    }
+
+    /// A frame link as a stack item; `Ok(None)` for frames Python's own view leaves out. The code
+    /// object must still be the one with `version`, else the decode would name another function.
+    fn resolve_link(&mut self, link: &FrameLink, version: u32) -> Result<Option<PyStackItem>, PyError> {
+        if link.kind == LinkKind::Entry {
+            return Ok(Some(PyStackItem::SegmentEnd { entry_frame: link.addr }));
+        }
+        if self.code_versions.get(&link.code) != Some(&version) {
+            self.py.forget_code(link.code);
+            self.code_versions.remove(&link.code);
+            let resolved = self.py.frame_info(link)?;
+            // Versions are never reused: the same one now means the object lived since the sample.
+            let now = self.py.code_version(link.code)?;
+            if now != version {
+                self.py.forget_code(link.code);
+                return Err(PyError::Chain(format!("code object {:#x} was freed since the sample", link.code)));
+            }
+            self.code_versions.insert(link.code, now);
+            return Ok(resolved.map(|r| PyStackItem::Frame(r.frame)));
+        }
+        Ok(self.py.frame_info(link)?.map(|r| PyStackItem::Frame(r.frame)))
+    }
+
+    /// Appends the proven rest of the chain; false when the walk ended on something unproven.
+    fn complete_chain(&mut self, record: &SampleRecord, items: &mut Vec<PyStackItem>, stats: &mut Stats) -> bool {
+        let py = &record.py;
+        if py.status & py_status::COMPLETE != 0 {
+            return true;
+        }
+        if py.status & py_status::JOINED == 0 {
+            return false;
+        }
+        let Some(chain) = self.threads.get(&record.tid).and_then(|t| t.chain(py.marker_gen)) else {
+            return false;
+        };
+        let tail = chain.items.get(py.marker_position as usize + 1..).unwrap_or_default();
+        stats.frames_joined += tail.len() as u64;
+        stats.marker_joins += 1;
+        items.extend(tail.iter().flatten().cloned());
+        true
+    }
+
+    /// Establishes a new marker chain for the sampled thread when the kernel had to walk far.
+    fn maybe_establish(&mut self, record: &SampleRecord, gen: u64, sampler: &mut Sampler, stats: &mut Stats) -> bool {
+        let joined_near_leaf = record.py.status & py_status::JOINED != 0 && record.py.frames_len <= ESTABLISH_AFTER_FRAMES;
+        let Some(thread) = self.threads.get(&record.tid) else { return false };
+        if joined_near_leaf
+            || !self.py.marker_writable(thread.tstate)
+            || !self.py.decoded_frames()
+            || thread.established_at.is_some_and(|at| at.elapsed() < ESTABLISH_INTERVAL)
+        {
+            return false;
+        }
+        let tstate = thread.tstate;
+        let established = self.establish(record.tid, tstate, gen);
+        let thread = self.threads.get_mut(&record.tid).expect("looked up above");
+        thread.established_at = Some(Instant::now());
+        match established {
+            Ok(Some(chain)) => {
+                let mut value = MarkerChain { gen, seq_base: chain.seq_base, len: chain.addrs.len().min(MARKER_POSITIONS) as u32, ..Default::default() };
+                for (slot, addr) in value.addrs.iter_mut().zip(&chain.addrs) {
+                    *slot = *addr;
+                }
+                thread.chains.swap(0, 1);
+                thread.chains[0] = Some(chain);
+                stats.markers_established += 1;
+                sampler.set_marker_chain(record.tid, &value).is_ok()
+            }
+            Ok(None) => {
+                stats.marker_races += 1;
+                false
+            }
+            Err(err) => {
+                log::debug!("pid {} tid {}: marker not established: {err}", self.py.pid(), record.tid);
+                stats.marker_races += 1;
+                false
+            }
+        }
+    }
+
+    /// The protocol in the module comment. `Ok(None)`: the thread moved while it was read.
+    fn establish(&mut self, tid: u32, tstate: u64, gen: u64) -> Result<Option<EstablishedChain>, PyError> {
+        let before = self.py.read_marker_state(tstate)?;
+        if before.current_frame == 0 {
+            return Ok(None);
+        }
+        // The previous chain's marker, if it sits where its frames' returns put it: its tail is proven.
+        let anchor = self.threads.get(&tid).and_then(|t| t.chains[0].as_ref()).and_then(|chain| {
+            let position = usize::try_from(before.seq.wrapping_sub(chain.seq_base)).ok()?;
+            (chain.addrs.get(position) == Some(&before.marker))
+                .then(|| (chain.addrs[position + 1..].to_vec(), chain.items[position + 1..].to_vec()))
+        });
+        let anchor_addr = anchor.as_ref().map(|_| before.marker);
+        self.py.set_last_profiled_frame(tstate, before.current_frame)?;
+        let mut addrs = Vec::new();
+        let mut items = Vec::new();
+        let mut addr = before.current_frame;
+        let mut joined = None;
+        let mut anchor = anchor;
+        while addr != 0 {
+            if addrs.len() >= MAX_PY_FRAMES || addrs.contains(&addr) {
+                return Ok(None);
+            }
+            let link = self.py.read_link(addr)?;
+            let version = if link.kind == LinkKind::Code { self.py.code_version(link.code)? } else { 0 };
+            addrs.push(addr);
+            items.push(self.resolve_link(&link, version)?);
+            if Some(addr) == anchor_addr {
+                joined = anchor.take();
+                break;
+            }
+            addr = link.previous;
+        }
+        let after = self.py.read_marker_state(tstate)?;
+        if after.seq != before.seq || after.marker != before.current_frame {
+            return Ok(None);
+        }
+        if let Some((tail_addrs, tail_items)) = joined {
+            addrs.extend(tail_addrs);
+            items.extend(tail_items);
+        }
+        Ok(Some(EstablishedChain { gen, seq_base: before.seq, addrs, items }))
+    }
+
     /// Registers new threads and drops dead ones; false when the process is gone.
     fn refresh_threads(&mut self, sampler: &mut Sampler) -> bool {
         self.threads_read = Instant::now();
@@ -207,21 +383,10 @@ impl PythonProcess {
         for thread in threads {
             let known = self.threads.get(&thread.tid).is_some_and(|t| t.tstate == thread.tstate);
             if !known && sampler.set_py_thread(thread.tid, thread.tstate).is_ok() {
-                self.threads.insert(thread.tid, Thread { tstate: thread.tstate, chain: None });
+                sampler.remove_marker_chain(thread.tid);
+                self.threads.insert(thread.tid, Thread { tstate: thread.tstate, chains: [None, None], established_at: None });
             }
         }
         true
     }
-}
-
-/// Turns frame links into Python frames and segment ends; links that cannot be decoded are left out.
-fn resolve_links(py: &mut PyProcess<ProcessMemory>, walk: &Walk) -> Vec<PyStackItem> {
-    walk.links
-        .iter()
-        .filter_map(|link| match link.kind {
-            LinkKind::Entry => Some(PyStackItem::SegmentEnd { entry_frame: link.addr }),
-            LinkKind::Internal => None,
-            LinkKind::Code => py.frame_info(link).ok().flatten().map(|resolved| PyStackItem::Frame(resolved.frame)),
-        })
-        .collect()
 }

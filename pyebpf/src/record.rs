@@ -10,7 +10,7 @@ use tokio::signal::unix::{signal, SignalKind};
 use crate::bpf::{check_privileges, Sampler, SamplerOptions};
 use crate::cli::RecordArgs;
 use crate::merge::{self, NativeStack};
-use crate::python_sampling::PythonSampling;
+use crate::python_sampling::{PythonSampling, SamplingOptions};
 use crate::output;
 use crate::process::{self, ProcessNames};
 use crate::stack::{Frame, Profile, StackKey};
@@ -29,11 +29,11 @@ pub struct SampleResolver {
 }
 
 impl SampleResolver {
-    pub fn new(caching: bool, no_native: bool) -> Self {
+    pub fn new(options: SamplingOptions, no_native: bool) -> Self {
         SampleResolver {
             symbolizer: Symbolizer::new(),
             names: ProcessNames::default(),
-            python: PythonSampling::new(caching),
+            python: PythonSampling::new(options),
             no_native,
         }
     }
@@ -46,7 +46,7 @@ impl SampleResolver {
         if !(self.no_native && python.is_some()) {
             frames.extend(self.symbolizer.kernel_frames(&record.kernel_stack[..kernel_len]).into_iter().map(Frame::Kernel));
         }
-        let chain_moved = python.as_ref().is_some_and(|p| p.moved);
+        let truncated = python.as_ref().is_some_and(|p| p.truncated);
         match python {
             Some(python) if self.no_native => frames.extend(merge::python_only(&python.items)),
             python => {
@@ -63,7 +63,7 @@ impl SampleResolver {
                 }
             }
         }
-        StackKey { pid: record.tgid, tid: record.tid, comm: self.names.name(record.tgid, &record.comm), frames, chain_moved }
+        StackKey { pid: record.tgid, tid: record.tid, comm: self.names.name(record.tgid, &record.comm), frames, truncated }
     }
 
     /// Attaches to processes already running, before sampling starts.
@@ -108,7 +108,8 @@ pub fn run(args: RecordArgs) -> Result<()> {
 }
 
 async fn record(args: &RecordArgs) -> Result<(Profile, Stats)> {
-    let mut resolver = SampleResolver::new(!args.no_cache, args.no_native);
+    let options = SamplingOptions { marker: !args.no_cache, read_only: args.read_only, max_frames: args.max_python_frames };
+    let mut resolver = SampleResolver::new(options, args.no_native);
     let mut stats = Stats::default();
     resolver.attach_all(if args.all { process::all_pids() } else { args.pid.clone() }, &mut stats);
     let targets = if args.all { None } else { Some(args.pid.clone()) };
@@ -166,11 +167,21 @@ async fn record(args: &RecordArgs) -> Result<(Profile, Stats)> {
     Ok((profile, stats))
 }
 
-fn add_samples(batch: &mut Vec<SampleRecord>, resolver: &mut SampleResolver, sampler: &mut Sampler, profile: &mut Profile, stats: &mut Stats) {
+fn add_samples(batch: &mut Vec<Box<SampleRecord>>, resolver: &mut SampleResolver, sampler: &mut Sampler, profile: &mut Profile, stats: &mut Stats) {
+    if let Some(delay) = test_consumer_delay() {
+        std::thread::sleep(delay);
+    }
     for record in batch.drain(..) {
         stats.samples += 1;
         profile.add(resolver.resolve(&record, sampler, stats), 1);
     }
+}
+
+/// `PYEBPF_TEST_CONSUMER_DELAY_MS`: stalls the consumer before each batch, so tests can show that
+/// stacks stay true when userspace falls behind the sampled threads.
+fn test_consumer_delay() -> Option<Duration> {
+    static DELAY: std::sync::OnceLock<Option<Duration>> = std::sync::OnceLock::new();
+    *DELAY.get_or_init(|| std::env::var("PYEBPF_TEST_CONSUMER_DELAY_MS").ok()?.parse().ok().map(Duration::from_millis))
 }
 
 /// User plus system CPU time of this process so far.

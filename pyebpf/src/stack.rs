@@ -64,9 +64,9 @@ pub struct StackKey {
     pub comm: Arc<str>,
     /// Innermost first.
     pub frames: Vec<Frame>,
-    /// The Python chain read in userspace no longer matched the kernel's capture; only the
-    /// leaf is exact.
-    pub chain_moved: bool,
+    /// The Python chain was cut at the first frame that could not be proven; the frames kept
+    /// are exact, the callers beyond them are missing.
+    pub truncated: bool,
 }
 
 /// Aggregated samples of one recording.

@@ -2,7 +2,6 @@
 
 use std::fmt;
 
-use crate::chain::{CacheOutcome, Walk};
 
 #[derive(Debug, Default, Clone)]
 pub struct Stats {
@@ -10,58 +9,26 @@ pub struct Stats {
     pub lost_samples: u64,
     /// Samples that carried Python frames.
     pub python_samples: u64,
-    /// Python samples whose chain no longer matched the kernel's capture.
-    pub chain_moved: u64,
-    /// Python samples whose chain could not be read (the sample kept its native frames).
-    pub chain_errors: u64,
-    pub frames_read: u64,
-    pub frames_reused: u64,
+    /// Python samples cut at the first frame that could not be proven (depth limit, unreadable
+    /// frame, a code object freed since the sample, no proven chain behind a marker).
+    pub truncated_samples: u64,
+    /// Frames the eBPF program walked at the samples.
+    pub kernel_frames: u64,
+    /// Frames appended from established marker chains (3.15).
+    pub frames_joined: u64,
+    pub marker_joins: u64,
+    pub markers_established: u64,
+    /// Establishments abandoned because the thread moved while it was read.
+    pub marker_races: u64,
     /// Remote reads (`process_vm_readv` calls) and bytes spent on Python samples.
     pub remote_reads: u64,
     pub remote_bytes: u64,
     pub code_cache_hits: u64,
     pub code_cache_misses: u64,
-    pub marker_hits: u64,
-    pub marker_partial_hits: u64,
-    pub marker_misses: u64,
-    /// The address-batch cache (3.13/3.14, and 3.15 where the marker missed).
-    pub batch_hits: u64,
-    pub batch_partial_hits: u64,
-    pub batch_misses: u64,
     /// Python processes attached to.
     pub python_processes: u64,
     /// CPU time pyebpf itself used (user + system), in nanoseconds.
     pub own_cpu_ns: u64,
-}
-
-impl Stats {
-    pub fn count_walk(&mut self, walk: &Walk) {
-        self.frames_read += walk.frames_read;
-        self.frames_reused += walk.frames_reused;
-        self.chain_moved += u64::from(walk.moved);
-        count_outcome(walk.marker, [&mut self.marker_hits, &mut self.marker_partial_hits, &mut self.marker_misses]);
-        count_outcome(walk.batch, [&mut self.batch_hits, &mut self.batch_partial_hits, &mut self.batch_misses]);
-    }
-}
-
-fn count_outcome(outcome: Option<CacheOutcome>, [hits, partial, misses]: [&mut u64; 3]) {
-    match outcome {
-        Some(CacheOutcome::Hit) => *hits += 1,
-        Some(CacheOutcome::PartialHit) => *partial += 1,
-        Some(CacheOutcome::Miss) => *misses += 1,
-        None => {}
-    }
-}
-
-fn write_outcomes(f: &mut fmt::Formatter<'_>, label: &str, hits: u64, partial: u64, misses: u64) -> fmt::Result {
-    let lookups = hits + partial + misses;
-    write!(
-        f,
-        "{label:<28}{hits} hits ({:.1}%), {partial} partial hits ({:.1}%), {misses} misses ({:.1}%)",
-        percent(hits, lookups),
-        percent(partial, lookups),
-        percent(misses, lookups),
-    )
 }
 
 fn per(value: u64, count: u64) -> f64 {
@@ -89,16 +56,14 @@ impl fmt::Display for Stats {
         )?;
         writeln!(f, "python processes:           {}", self.python_processes)?;
         writeln!(f, "python samples:             {py}")?;
-        writeln!(f, "  chain moved:              {} ({:.1}%)", self.chain_moved, percent(self.chain_moved, py))?;
-        writeln!(f, "  chain unreadable:         {}", self.chain_errors)?;
-        writeln!(f, "frames read from memory:    {} ({:.1} per python sample)", self.frames_read, per(self.frames_read, py))?;
-        writeln!(f, "frames served from caches:  {} ({:.1} per python sample)", self.frames_reused, per(self.frames_reused, py))?;
+        writeln!(f, "  truncated:                {} ({:.1}%)", self.truncated_samples, percent(self.truncated_samples, py))?;
+        writeln!(f, "frames walked in the kernel: {} ({:.1} per python sample)", self.kernel_frames, per(self.kernel_frames, py))?;
+        writeln!(f, "frames from marker chains:  {} ({:.1} per python sample)", self.frames_joined, per(self.frames_joined, py))?;
+        writeln!(f, "marker joins:               {} ({:.1}% of python samples)", self.marker_joins, percent(self.marker_joins, py))?;
+        writeln!(f, "markers established:        {} ({} abandoned: the thread moved)", self.markers_established, self.marker_races)?;
         writeln!(f, "remote reads:               {} ({:.2} per python sample)", self.remote_reads, per(self.remote_reads, py))?;
         writeln!(f, "remote bytes:               {} ({:.0} per python sample)", self.remote_bytes, per(self.remote_bytes, py))?;
         let code_lookups = self.code_cache_hits + self.code_cache_misses;
-        writeln!(f, "code object cache hit rate: {:.1}% of {code_lookups}", percent(self.code_cache_hits, code_lookups))?;
-        write_outcomes(f, "last_profiled_frame:", self.marker_hits, self.marker_partial_hits, self.marker_misses)?;
-        writeln!(f)?;
-        write_outcomes(f, "frame chain cache:", self.batch_hits, self.batch_partial_hits, self.batch_misses)
+        write!(f, "code object cache hit rate: {:.1}% of {code_lookups}", percent(self.code_cache_hits, code_lookups))
     }
 }

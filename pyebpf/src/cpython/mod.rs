@@ -21,7 +21,7 @@ use pyebpf_common::{PyProcConfig, NO_OFFSET};
 
 pub use code::{CodeInfo, Location};
 pub use frames::{ResolvedFrame, MAX_DEPTH};
-use memory::{MemCounters, MemError, ProcessMemory, ReadMemory};
+use memory::{MemCounters, MemError, ProcessMemory, ReadExt, ReadMemory};
 pub use offsets::{DebugOffsets, PyVersion};
 pub use threads::PyThread;
 
@@ -72,8 +72,8 @@ pub struct PyProcess<M = ProcessMemory> {
     code_generation: Option<u64>,
     code_hits: u64,
     code_misses: u64,
-    /// Thread states seen in the last `threads()`: the only places a marker may be written.
-    tstates: HashSet<u64>,
+    /// A code object of this process was decoded: its table is CPython's, not a look-alike.
+    decoded: bool,
 }
 
 impl PyProcess<ProcessMemory> {
@@ -101,7 +101,7 @@ impl<M: ReadMemory> PyProcess<M> {
             code_generation: None,
             code_hits: 0,
             code_misses: 0,
-            tstates: HashSet::new(),
+            decoded: false,
         })
     }
 
@@ -137,6 +137,10 @@ impl<M: ReadMemory> PyProcess<M> {
         // Offsets were checked against structure sizes of at most 16 MiB.
         let narrow = |offset: u64| offset as u32;
         PyProcConfig {
+            flags: 0,
+            max_frames: pyebpf_common::MAX_PY_FRAMES as u32,
+            frame_owner: narrow(o.frame_owner),
+            code_version: narrow(o.code_version),
             tstate_current_frame: narrow(o.tstate_current_frame),
             tstate_last_profiled_frame: o.tstate_last_profiled_frame.map_or(NO_OFFSET, narrow),
             tstate_last_profiled_seq: o.tstate_last_profiled_seq.map_or(NO_OFFSET, narrow),
@@ -156,6 +160,28 @@ impl<M: ReadMemory> PyProcess<M> {
         self.code_misses += 1;
         let code = Arc::new(code::read_code(&self.mem, &self.offsets, &mut self.code_types, addr)?);
         self.codes.insert(addr, code.clone());
+        self.decoded = true;
         Ok(code)
+    }
+
+    /// Whether every frame field the eBPF program reads lies in the window it reads per frame.
+    pub fn fits_frame_window(&self) -> bool {
+        let o = &self.offsets;
+        let window = pyebpf_common::PY_FRAME_WINDOW as u64;
+        [o.frame_previous, o.frame_executable, o.frame_instr_ptr].iter().all(|&f| f % 8 == 0 && f + 8 <= window) && o.frame_owner < window
+    }
+
+    pub fn decoded_frames(&self) -> bool {
+        self.decoded
+    }
+
+    /// Drops the cached decode of the code object at `addr` (another may live there now).
+    pub fn forget_code(&mut self, addr: u64) {
+        self.codes.remove(&addr);
+    }
+
+    /// The `co_version` of the code object at `addr` now: with the address, its identity.
+    pub fn code_version(&self, addr: u64) -> Result<u32, PyError> {
+        Ok(self.mem.read_u32(addr.wrapping_add(self.offsets.code_version))?)
     }
 }

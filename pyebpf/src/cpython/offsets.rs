@@ -65,6 +65,9 @@ struct Layout {
     entry_owner_min: u8,
     /// Tag bits of `f_executable` (a `_PyStackRef` since 3.14).
     executable_tag_mask: u64,
+    /// Byte offset of `co_version` in `PyCodeObject`. Not in the debug table: taken from the
+    /// version's `cpython/code.h` (default builds) and checked against real interpreters.
+    code_version: u64,
 }
 
 const LAYOUT_3_13: Layout = Layout {
@@ -77,7 +80,7 @@ const LAYOUT_3_13: Layout = Layout {
     code_size: 34, code_filename: 35, code_qualname: 37, code_linetable: 38, code_firstlineno: 39, code_adaptive: 43,
     object_size: 44, object_type: 45, type_size: 46, type_name: 47, bytes_size: 64, bytes_ob_size: 65, bytes_data: 66,
     unicode_size: 67, unicode_state: 68, unicode_length: 69, unicode_ascii_size: 70, unicode_compact_size: None,
-    entry_owner_min: 3, executable_tag_mask: 0,
+    entry_owner_min: 3, executable_tag_mask: 0, code_version: 92,
 };
 
 const LAYOUT_3_14: Layout = Layout {
@@ -90,7 +93,7 @@ const LAYOUT_3_14: Layout = Layout {
     code_size: 39, code_filename: 40, code_qualname: 42, code_linetable: 43, code_firstlineno: 44, code_adaptive: 48,
     object_size: 50, object_type: 51, type_size: 52, type_name: 53, bytes_size: 74, bytes_ob_size: 75, bytes_data: 76,
     unicode_size: 77, unicode_state: 78, unicode_length: 79, unicode_ascii_size: 80, unicode_compact_size: None,
-    entry_owner_min: 3, executable_tag_mask: 3,
+    entry_owner_min: 3, executable_tag_mask: 3, code_version: 92,
 };
 
 /// 3.15.0b4 and later (b4 inserted `last_profiled_frame_seq`).
@@ -104,7 +107,7 @@ const LAYOUT_3_15: Layout = Layout {
     code_size: 47, code_filename: 48, code_qualname: 50, code_linetable: 51, code_firstlineno: 52, code_adaptive: 56,
     object_size: 58, object_type: 59, type_size: 60, type_name: 61, bytes_size: 86, bytes_ob_size: 87, bytes_data: 88,
     unicode_size: 89, unicode_state: 90, unicode_length: 91, unicode_ascii_size: 92, unicode_compact_size: Some(93),
-    entry_owner_min: 3, executable_tag_mask: 3,
+    entry_owner_min: 3, executable_tag_mask: 3, code_version: 92,
 };
 
 /// A CPython version as `PY_VERSION_HEX` encodes it.
@@ -196,6 +199,10 @@ pub struct DebugOffsets {
     pub unicode_compact_size: u64,
     pub entry_owner_min: u8,
     pub executable_tag_mask: u64,
+    /// Size of `_PyRuntime`: thread states inside it (the main interpreter's initial thread) are
+    /// static memory, never freed.
+    pub runtime_size: u64,
+    pub code_version: u64,
 }
 
 /// Reads and validates the table at `runtime` (the address of `_PyRuntime`).
@@ -242,6 +249,9 @@ pub fn read_debug_offsets(mem: &impl ReadMemory, runtime: u64) -> Result<DebugOf
     };
     let frame = sized(l.frame_size, MAX_OBJECT_SIZE, &[l.frame_previous, l.frame_executable, l.frame_instr_ptr, l.frame_owner])?;
     let code = sized(l.code_size, MAX_OBJECT_SIZE, &[l.code_filename, l.code_qualname, l.code_linetable, l.code_firstlineno, l.code_adaptive])?;
+    if l.code_version + 4 > at(l.code_size) {
+        return Err(PyError::BadOffsets(format!("co_version at {} beyond code size {}", l.code_version, at(l.code_size))));
+    }
     let bytes = sized(l.bytes_size, MAX_OBJECT_SIZE, &[l.bytes_ob_size, l.bytes_data])?;
     let unicode = sized(l.unicode_size, MAX_OBJECT_SIZE, &[l.unicode_state, l.unicode_length, l.unicode_ascii_size])?;
     let unicode_compact_size = match l.unicode_compact_size {
@@ -287,6 +297,8 @@ pub fn read_debug_offsets(mem: &impl ReadMemory, runtime: u64) -> Result<DebugOf
         unicode_compact_size,
         entry_owner_min: l.entry_owner_min,
         executable_tag_mask: l.executable_tag_mask,
+        runtime_size: at(l.runtime_size),
+        code_version: l.code_version,
     })
 }
 

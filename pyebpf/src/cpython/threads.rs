@@ -23,7 +23,7 @@ pub struct PyThread {
 
 impl<M: ReadMemory> PyProcess<M> {
     /// Every thread of every interpreter. Also refreshes the code-object cache when the process
-    /// says code objects may have been freed, and records which thread states may carry a marker.
+    /// says code objects may have been freed.
     pub fn threads(&mut self) -> Result<Vec<PyThread>, PyError> {
         let mut threads = Vec::new();
         let mut seen = HashSet::new();
@@ -40,7 +40,6 @@ impl<M: ReadMemory> PyProcess<M> {
             self.interpreter_threads(interp, &mut seen, &mut threads)?;
             interp = self.mem.read_u64(interp.wrapping_add(self.offsets.interp_next))?;
         }
-        self.tstates = threads.iter().map(|t| t.tstate).collect();
         Ok(threads)
     }
 

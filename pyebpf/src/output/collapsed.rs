@@ -25,8 +25,15 @@ fn merged_lines(profile: &Profile) -> BTreeMap<String, u64> {
     lines
 }
 
+/// Stands right under the process in stacks whose Python chain was cut, so they stay apart.
+const TRUNCATED_FRAME: &str = "[truncated]";
+
 fn render_stack(key: &StackKey) -> String {
     let mut line = sanitize(&format!("{} ({})", key.comm, key.pid));
+    if key.truncated {
+        line.push(';');
+        line.push_str(TRUNCATED_FRAME);
+    }
     for frame in key.frames.iter().rev() {
         line.push(';');
         line.push_str(&sanitize(&frame_name(frame)));

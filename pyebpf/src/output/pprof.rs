@@ -130,9 +130,9 @@ impl Builder {
             self.number_label("tid", key.tid.into()),
             self.string_label("comm", &key.comm),
         ];
-        if key.chain_moved {
-            // The thread moved on before its Python chain was read: only the leaf is exact.
-            label.push(self.string_label("python_chain", "moved"));
+        if key.truncated {
+            // The Python chain was cut where it could not be proven: callers beyond are missing.
+            label.push(self.string_label("python_chain", "truncated"));
         }
         proto::Sample { location_id, value: vec![count, count.saturating_mul(period)], label }
     }
