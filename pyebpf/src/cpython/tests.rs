@@ -57,25 +57,30 @@ fn threads_and_versions_of_each_interpreter() {
 }
 
 #[test]
-fn the_marker_is_written_only_to_listed_3_15_thread_states() {
-    let (_target, mut process) = attach("3.15");
+fn the_marker_is_written_only_into_the_static_main_thread_state_of_3_15() {
+    let (target, mut process) = attach("3.15");
     let threads = process.threads().unwrap();
-    let thread = &threads[0];
-    assert!(matches!(process.set_last_profiled_frame(thread.tstate + 8, thread.current_frame), Err(PyError::WriteRefused(_))));
-    process.set_last_profiled_frame(thread.tstate, thread.current_frame).unwrap();
-    let (frame, _seq) = process.read_last_profiled(thread.tstate).unwrap().expect("3.15 has a marker");
-    assert_eq!(frame, thread.current_frame);
-    process.set_last_profiled_frame(thread.tstate, 0).unwrap();
-    assert_eq!(process.read_last_profiled(thread.tstate).unwrap().map(|(frame, _)| frame), Some(0));
+    let main = threads.iter().find(|t| t.tid == target.0.id()).unwrap();
+    let worker = threads.iter().find(|t| t.tid != target.0.id()).unwrap();
+    assert!(process.marker_writable(main.tstate), "the main thread state lies in _PyRuntime");
+    assert!(!process.marker_writable(worker.tstate), "a worker's thread state is heap memory, freed before its thread exits");
+    let refused = |result: Result<(), PyError>| matches!(result, Err(PyError::WriteRefused(_)));
+    assert!(refused(process.set_last_profiled_frame(main.tstate, main.current_frame)), "written before any frame was decoded");
+    let link = process.walk_frames(main.current_frame).unwrap()[0];
+    process.frame_info(&link).unwrap();
+    assert!(refused(process.set_last_profiled_frame(worker.tstate, worker.current_frame)));
+    process.set_last_profiled_frame(main.tstate, main.current_frame).unwrap();
+    assert_eq!(process.read_marker_state(main.tstate).unwrap().marker, main.current_frame);
+    process.set_last_profiled_frame(main.tstate, 0).unwrap();
+    assert_eq!(process.read_marker_state(main.tstate).unwrap().marker, 0);
 
     for version in ["3.13", "3.14"] {
-        let (_target, mut process) = attach(version);
+        let (target, mut process) = attach(version);
         let threads = process.threads().unwrap();
-        assert!(process.read_last_profiled(threads[0].tstate).unwrap().is_none());
-        assert!(
-            matches!(process.set_last_profiled_frame(threads[0].tstate, 0), Err(PyError::WriteRefused(_))),
-            "a marker write to CPython {version} was not refused"
-        );
+        let main = threads.iter().find(|t| t.tid == target.0.id()).unwrap();
+        assert!(process.read_marker_state(main.tstate).is_err());
+        assert!(!process.marker_writable(main.tstate));
+        assert!(refused(process.set_last_profiled_frame(main.tstate, 0)), "a marker write to CPython {version} was not refused");
     }
 }
 
