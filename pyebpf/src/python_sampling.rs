@@ -14,7 +14,7 @@
 //! marker `k` positions up that chain and the sequence number by `k`. The eBPF program checks
 //! marker and sequence against the chain's addresses (`PY_MARKERS`) and stops its walk there.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
 use pyebpf_common::{py_proc_flags, py_status, MarkerChain, PyFrameRecord, SampleRecord, MARKER_POSITIONS, MAX_PY_FRAMES};
@@ -56,16 +56,19 @@ struct EstablishedChain {
     items: Vec<Option<PyStackItem>>,
 }
 
+/// Chains kept per thread, newest first: samples still in flight when a chain is replaced (a
+/// consumer that fell behind) may have joined an older one.
+const CHAINS_KEPT: usize = 8;
+
 struct Thread {
     tstate: u64,
-    /// The newest chain and the one before (samples in flight may still join it).
-    chains: [Option<EstablishedChain>; 2],
+    chains: VecDeque<EstablishedChain>,
     established_at: Option<Instant>,
 }
 
 impl Thread {
     fn chain(&self, gen: u64) -> Option<&EstablishedChain> {
-        self.chains.iter().flatten().find(|c| c.gen == gen)
+        self.chains.iter().find(|c| c.gen == gen)
     }
 }
 
@@ -305,8 +308,8 @@ impl PythonProcess {
                 for (slot, addr) in value.addrs.iter_mut().zip(&chain.addrs) {
                     *slot = *addr;
                 }
-                thread.chains.swap(0, 1);
-                thread.chains[0] = Some(chain);
+                thread.chains.truncate(CHAINS_KEPT - 1);
+                thread.chains.push_front(chain);
                 stats.markers_established += 1;
                 sampler.set_marker_chain(record.tid, &value).is_ok()
             }
@@ -329,7 +332,7 @@ impl PythonProcess {
             return Ok(None);
         }
         // The previous chain's marker, if it sits where its frames' returns put it: its tail is proven.
-        let anchor = self.threads.get(&tid).and_then(|t| t.chains[0].as_ref()).and_then(|chain| {
+        let anchor = self.threads.get(&tid).and_then(|t| t.chains.front()).and_then(|chain| {
             let position = usize::try_from(before.seq.wrapping_sub(chain.seq_base)).ok()?;
             (chain.addrs.get(position) == Some(&before.marker))
                 .then(|| (chain.addrs[position + 1..].to_vec(), chain.items[position + 1..].to_vec()))
@@ -384,7 +387,7 @@ impl PythonProcess {
             let known = self.threads.get(&thread.tid).is_some_and(|t| t.tstate == thread.tstate);
             if !known && sampler.set_py_thread(thread.tid, thread.tstate).is_ok() {
                 sampler.remove_marker_chain(thread.tid);
-                self.threads.insert(thread.tid, Thread { tstate: thread.tstate, chains: [None, None], established_at: None });
+                self.threads.insert(thread.tid, Thread { tstate: thread.tstate, chains: VecDeque::new(), established_at: None });
             }
         }
         true

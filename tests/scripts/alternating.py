@@ -1,0 +1,55 @@
+"""Two call paths of equal depth, alternating: a_outer -> a_mid -> a_leaf, then b_outer -> b_mid ->
+b_leaf, each leaf spinning for SLICE_MS. A stack holding an a_* and a b_* frame never happened, and
+each path gets half of the time.
+
+Usage: python alternating.py READY_FILE SLICE_MS. Stops after 120 s."""
+import random
+import sys
+import time
+
+SLICE = float(sys.argv[2]) / 1000.0
+# Slices vary by up to 20% either way, alike for both paths, so the loop's period cannot stay in
+# step with the sampling period (which would favour one path); on average each path gets half.
+jitter = random.Random(7)
+
+
+def spin():
+    end = time.perf_counter() + SLICE * jitter.uniform(0.8, 1.2)
+    while time.perf_counter() < end:
+        pass
+
+
+def a_leaf():
+    spin()
+
+
+def a_mid():
+    a_leaf()
+
+
+def a_outer():
+    a_mid()
+
+
+def b_leaf():
+    spin()
+
+
+def b_mid():
+    b_leaf()
+
+
+def b_outer():
+    b_mid()
+
+
+def main():
+    with open(sys.argv[1], "w") as ready:
+        ready.write("ready\n")
+    stop = time.monotonic() + 120
+    while time.monotonic() < stop:
+        a_outer()
+        b_outer()
+
+
+main()

@@ -1,0 +1,172 @@
+//! Stacks are what the thread ran at the sample (issue 8): workloads whose true answer is known,
+//! on every interpreter, with callers that change faster than userspace reads them.
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::Duration;
+
+use pyebpf_tests::{debian_python, pyebpf, pyenv_python, stacks_of, start_ready, total, Stack};
+
+fn python(label: &str) -> PathBuf {
+    match label {
+        "pyenv-3.13.0" => pyenv_python("3.13.0"),
+        debian => debian_python(debian.trim_start_matches("debian-")),
+    }
+}
+
+/// `pyebpf record -o DIR/p.folded ARGS` with `env`; returns (collapsed, stderr).
+fn record_with_env(args: &[&str], env: &[(&str, &str)]) -> (String, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("p.folded");
+    let output = Command::new(pyebpf()).arg("record").arg("-o").arg(&out).args(args).envs(env.iter().copied()).output().unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    assert!(output.status.success(), "pyebpf record {args:?} failed: {stderr}");
+    (std::fs::read_to_string(&out).unwrap(), stderr)
+}
+
+/// The number of samples the kernel dropped, from the summary line `... (N lost)`.
+fn lost(stderr: &str) -> u64 {
+    let line = stderr.lines().find(|l| l.starts_with("pyebpf: wrote")).unwrap_or_else(|| panic!("no summary: {stderr}"));
+    line.rsplit_once('(').unwrap().1.split_whitespace().next().unwrap().parse().unwrap()
+}
+
+fn function_of(frame: &str) -> &str {
+    frame.split_once(" (").map_or(frame, |(name, _)| name)
+}
+
+struct PathCounts {
+    a: u64,
+    b: u64,
+    mixed: u64,
+    truncated: u64,
+    all: u64,
+}
+
+fn path_counts(stacks: &[Stack]) -> PathCounts {
+    let mut counts = PathCounts { a: 0, b: 0, mixed: 0, truncated: 0, all: total(stacks) };
+    for (frames, n) in stacks {
+        let has = |prefix: &str| frames.iter().any(|f| function_of(f).starts_with(prefix) && function_of(f).len() > 2);
+        if frames.iter().any(|f| f == "[truncated]") {
+            counts.truncated += n;
+        }
+        match (has("a_"), has("b_")) {
+            (true, true) => counts.mixed += n,
+            (true, false) => counts.a += n,
+            (false, true) => counts.b += n,
+            (false, false) => {}
+        }
+    }
+    counts
+}
+
+/// Records the alternating two-path workload and checks no stack mixes the paths, each path has
+/// half of the samples within 3 points, and (with `stalled`) that nothing was lost.
+fn check_alternating(label: &str, slice_ms: &str, env: &[(&str, &str)]) {
+    let (child, _dir) = start_ready(&python(label), "alternating.py", &[slice_ms]);
+    std::thread::sleep(Duration::from_millis(200));
+    let pid = child.pid().to_string();
+    // 8 s: long enough that timer jitter averages out of the shares.
+    let (collapsed, stderr) = record_with_env(&["-p", &pid, "-F", "499", "-d", "8", "--no-native"], env);
+    let c = path_counts(&stacks_of(&collapsed, child.pid()));
+    let context = format!("{label}, {slice_ms} ms slices, env {env:?}: a {} b {} mixed {} truncated {} of {}", c.a, c.b, c.mixed, c.truncated, c.all);
+    assert!(c.all >= 1200, "{context}: too few samples");
+    assert_eq!(c.mixed, 0, "{context}: stacks that never happened");
+    assert!(c.truncated * 100 <= c.all, "{context}: more than 1% truncated");
+    let share_a = 100.0 * c.a as f64 / (c.a + c.b) as f64;
+    assert!((share_a - 50.0).abs() <= 3.0, "{context}: path a has {share_a:.1}% of the samples");
+    if !env.is_empty() {
+        assert_eq!(lost(&stderr), 0, "{context}: samples lost while the consumer stalled");
+    }
+}
+
+fn check_alternating_slices(label: &str) {
+    for slice_ms in ["0.5", "2", "10"] {
+        check_alternating(label, slice_ms, &[]);
+    }
+    check_alternating(label, "0.5", &[("PYEBPF_TEST_CONSUMER_DELAY_MS", "100")]);
+}
+
+#[test]
+fn alternating_callers_pyenv_3_13_0() {
+    check_alternating_slices("pyenv-3.13.0");
+}
+
+#[test]
+fn alternating_callers_debian_3_13() {
+    check_alternating_slices("debian-3.13");
+}
+
+#[test]
+fn alternating_callers_debian_3_14() {
+    check_alternating_slices("debian-3.14");
+}
+
+#[test]
+fn alternating_callers_debian_3_15() {
+    check_alternating_slices("debian-3.15");
+}
+
+/// Each of a series of exec'd functions runs 0.15 s and is freed; their code objects' addresses
+/// are reused. A function can collect at most its run time's worth of samples, and only names
+/// the script ran may appear: samples beyond those bounds carry a wrong name.
+fn check_exec_and_free(label: &str) {
+    const RUN_S: f64 = 0.15;
+    const HZ: f64 = 499.0;
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("names");
+    let (child, _ready) = start_ready(&python(label), "exec_and_free.py", &[log.to_str().unwrap(), &RUN_S.to_string()]);
+    let pid = child.pid().to_string();
+    let (collapsed, _) = record_with_env(&["-p", &pid, "-F", "499", "-d", "6", "--no-native"], &[]);
+    drop(child);
+    let ran: Vec<String> = std::fs::read_to_string(&log).unwrap().lines().map(str::to_string).collect();
+    let mut per_name: std::collections::HashMap<String, u64> = Default::default();
+    for (frames, n) in stacks_of(&collapsed, pid.parse().unwrap()) {
+        if let Some(name) = frames.iter().map(|f| function_of(f)).find(|f| f.starts_with("fn_")) {
+            *per_name.entry(name.to_string()).or_default() += n;
+        }
+    }
+    let named: u64 = per_name.values().sum();
+    // 25% above the samples its run time can hold, for timer jitter.
+    let cap = (RUN_S * HZ * 1.25).ceil() as u64;
+    let wrong: u64 = per_name.iter().map(|(name, &n)| if ran.contains(name) { n.saturating_sub(cap) } else { n }).sum();
+    assert!(named >= 1000, "{label}: only {named} samples in exec'd functions");
+    assert!(wrong * 100 <= named, "{label}: {wrong} of {named} samples carry a wrong name: {per_name:?}");
+    assert!(per_name.len() as f64 >= 6.0 / RUN_S * 0.8, "{label}: only {} names seen in 6 s: {per_name:?}", per_name.len());
+}
+
+#[test]
+fn exec_and_free_names_debian_3_13() {
+    check_exec_and_free("debian-3.13");
+}
+
+#[test]
+fn exec_and_free_names_debian_3_14() {
+    check_exec_and_free("debian-3.14");
+}
+
+#[test]
+fn exec_and_free_names_debian_3_15() {
+    check_exec_and_free("debian-3.15");
+}
+
+/// A chain deeper than the kernel walks keeps its innermost frames, marked truncated; another
+/// process recorded at the same time loses nothing.
+#[test]
+fn a_10000_deep_stack_is_truncated_and_marked_and_others_lose_nothing() {
+    let (deep, _d1) = start_ready(&debian_python("3.14"), "sampling_deep.py", &["10000"]);
+    let (other, _d2) = start_ready(&debian_python("3.13"), "alternating.py", &["1"]);
+    let (collapsed, stderr) = record_with_env(&["-a", "-F", "999", "-d", "4", "--no-native"], &[]);
+    assert_eq!(lost(&stderr), 0, "samples lost: {stderr}");
+    let deep_stacks = stacks_of(&collapsed, deep.pid());
+    let deep_all = total(&deep_stacks);
+    assert!(deep_all >= 1000, "only {deep_all} samples of the deep process");
+    for (frames, _) in &deep_stacks {
+        assert_eq!(frames.first().map(String::as_str), Some("[truncated]"), "a 10000-deep stack not marked truncated: {frames:?}");
+        let recurse = frames.iter().filter(|f| function_of(f) == "recurse").count();
+        assert!((500..=512).contains(&recurse), "{recurse} recurse frames kept");
+    }
+    let other_stacks = stacks_of(&collapsed, other.pid());
+    let c = path_counts(&other_stacks);
+    assert!(c.all >= 1000, "the other process got only {} samples", c.all);
+    assert_eq!(c.mixed + c.truncated, 0, "the other process's stacks suffered");
+}
