@@ -45,7 +45,7 @@ fn read_everything<M: ReadMemory>(process: &mut PyProcess<M>) -> usize {
     let Ok(threads) = process.threads() else { return 0 };
     let mut frames = 0;
     for thread in threads {
-        let _ = process.read_last_profiled(thread.tstate);
+        let _ = process.read_marker_state(thread.tstate);
         let Ok(links) = process.walk_frames(thread.current_frame) else { continue };
         for link in &links {
             frames += usize::from(matches!(process.frame_info(link), Ok(Some(_))));
