@@ -246,8 +246,10 @@ fn the_temporary_has_no_name_while_it_is_written() {
         .expect("strace must be installed (cargo xtask test installs it)");
     assert!(status.success());
     let trace = fs::read_to_string(trace).unwrap();
-    let calls: Vec<&str> = trace.lines().map(|line| line.split_once(' ').map_or(line, |(_, call)| call.trim_start())).collect();
-    let opened = calls.iter().position(|call| call.contains("O_TMPFILE")).unwrap_or_else(|| panic!("no O_TMPFILE open:\n{trace}"));
+    let writer = trace.lines().find(|line| line.contains("O_TMPFILE")).and_then(|line| line.split(' ').next()).unwrap_or_else(|| panic!("no O_TMPFILE open:\n{trace}"));
+    // The writing thread's calls, in order (strace -f prefixes each line with the thread id).
+    let calls: Vec<&str> = trace.lines().filter_map(|line| line.strip_prefix(writer)?.strip_prefix(' ')).map(str::trim_start).collect();
+    let opened = calls.iter().position(|call| call.contains("O_TMPFILE")).unwrap();
     let fd = calls[opened].rsplit("= ").next().unwrap();
     let linked = calls.iter().position(|call| call.starts_with("linkat(")).unwrap_or_else(|| panic!("no linkat:\n{trace}"));
     assert!(calls[linked].contains(&format!("/proc/self/fd/{fd}")), "linkat names another file: {}", calls[linked]);
