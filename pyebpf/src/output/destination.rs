@@ -1,6 +1,6 @@
 //! Where `-o PATH` sends the profile, and writing it there without harming what is at PATH.
 //!
-//! - `-` is standard output. Binary pprof is refused when it is a terminal.
+//! - `-` is standard output. Binary pprof is refused on a terminal, be it standard output or a device.
 //! - A character or block device or a FIFO (`/dev/null`, a pipe with a reader) is opened and written
 //!   in place: it is never replaced.
 //! - A regular file, or nothing, is replaced atomically. Symlinks are followed first, so a link stays a
@@ -21,7 +21,7 @@ use std::ffi::{CString, OsStr};
 use std::fs::{self, File, OpenOptions, Permissions};
 use std::io::{self, BufWriter, IsTerminal, Write};
 use std::os::unix::ffi::OsStrExt;
-use std::os::unix::fs::{FileTypeExt, OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -87,7 +87,12 @@ impl Destination {
     pub fn check(&self, format: OutputFormat) -> Result<(), OutputError> {
         match self {
             Destination::Stdout => refuse_binary_on_terminal(&io::stdout(), format, Path::new(STDOUT)),
-            Destination::InPlace(path) => may_write(path, libc::W_OK),
+            Destination::InPlace(path) => {
+                if format == OutputFormat::Pprof && is_terminal_device(path) {
+                    return Err(OutputError::BinaryOnTerminal(path.to_path_buf()));
+                }
+                may_write(path, libc::W_OK)
+            }
             Destination::Replace(path) => {
                 // A new file is renamed into the directory; an existing file must also be writable,
                 // or the user did not mean to have it replaced.
@@ -246,6 +251,15 @@ fn refuse_binary_on_terminal(out: &impl IsTerminal, format: OutputFormat, path: 
         return Err(OutputError::BinaryOnTerminal(path.to_path_buf()));
     }
     Ok(())
+}
+
+/// Whether `path` is a terminal, told from its device number without opening it (the write checks
+/// again on the open file): majors 4 and 5 are the virtual consoles, serial lines and `/dev/tty`,
+/// 136 to 143 the pseudo-terminals (Linux's `devices.txt`).
+fn is_terminal_device(path: &Path) -> bool {
+    fs::metadata(path).is_ok_and(|meta| {
+        meta.file_type().is_char_device() && matches!(libc::major(meta.rdev()), 4 | 5 | 136..=143)
+    })
 }
 
 /// Whether this process may `mode` (`W_OK`, ...) `path`, as `open` would decide (effective ids), without opening it.
