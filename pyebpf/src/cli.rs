@@ -55,7 +55,7 @@ pub struct RecordArgs {
     #[arg(short = 'd', long = "duration", value_name = "SECONDS")]
     pub duration: Option<f64>,
 
-    /// Where to write the profile
+    /// Where to write the profile: a file, `-` (standard output), a device or a FIFO
     #[arg(short = 'o', long = "output", value_name = "PATH", default_value = "profile.pb.gz")]
     pub output: PathBuf,
 

@@ -1,7 +1,8 @@
 //! The processes a recording covers: every process, given PIDs, or a launched command.
 
 use std::collections::HashMap;
-use std::process::{Child, Command};
+use std::os::fd::AsFd;
+use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 
 #[derive(Debug, thiserror::Error)]
@@ -25,13 +26,17 @@ pub fn all_pids() -> Vec<u32> {
     procfs::process::all_processes().map_or_else(|_| Vec::new(), |all| all.filter_map(|p| p.ok().map(|p| p.pid as u32)).collect())
 }
 
-/// Starts `COMMAND [ARGS...]` as pyebpf's child.
-pub fn launch(command: &[String]) -> Result<Child, TargetError> {
+/// Starts `COMMAND [ARGS...]` as pyebpf's child. With `stdout_to_stderr` (the profile goes to
+/// standard output) the command's own output goes to standard error, so it cannot mix into the profile.
+pub fn launch(command: &[String], stdout_to_stderr: bool) -> Result<Child, TargetError> {
     let (program, args) = command.split_first().expect("clap requires a command here");
-    Command::new(program)
-        .args(args)
-        .spawn()
-        .map_err(|source| TargetError::Spawn { command: command.join(" "), source })
+    let spawn_error = |source| TargetError::Spawn { command: command.join(" "), source };
+    let mut launched = Command::new(program);
+    launched.args(args);
+    if stdout_to_stderr {
+        launched.stdout(Stdio::from(std::io::stderr().as_fd().try_clone_to_owned().map_err(spawn_error)?));
+    }
+    launched.spawn().map_err(spawn_error)
 }
 
 /// Process names, read once per process so every thread of a process shares one root frame.

@@ -87,18 +87,18 @@ impl SampleResolver {
 
 pub fn run(args: RecordArgs) -> Result<()> {
     let format = output::resolve_format(&args.output, args.format);
-    output::check_writable(&args.output).with_context(|| format!("cannot write {}", args.output.display()))?;
+    let output_name = output::display_name(&args.output);
+    output::check_writable(&args.output, format).with_context(|| format!("cannot write {output_name}"))?;
     check_privileges()?;
     process::check_pids(&args.pid)?;
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().context("start the async runtime")?;
     let (profile, stats) = runtime.block_on(record(&args))?;
-    output::write_profile(&profile, &args.output, format).with_context(|| format!("cannot write {}", args.output.display()))?;
+    output::write_profile(&profile, &args.output, format).with_context(|| format!("cannot write {output_name}"))?;
     let processes: std::collections::HashSet<u32> = profile.counts.keys().map(|k| k.pid).collect();
     eprintln!(
-        "pyebpf: wrote {} samples of {} processes to {} ({} lost)",
+        "pyebpf: wrote {} samples of {} processes to {output_name} ({} lost)",
         profile.total_samples(),
         processes.len(),
-        args.output.display(),
         stats.lost_samples
     );
     if args.stats {
@@ -123,7 +123,7 @@ async fn record(args: &RecordArgs) -> Result<(Profile, Stats)> {
     let mut child = if args.command.is_empty() {
         None
     } else {
-        let child = process::launch(&args.command)?;
+        let child = process::launch(&args.command, output::is_stdout(&args.output))?;
         sampler.add_target(child.id())?;
         Some(child)
     };

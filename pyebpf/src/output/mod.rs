@@ -1,16 +1,15 @@
 //! Profile writers: collapsed stacks (flamegraph input) and gzip-compressed pprof.
 //!
 //! Both writers name frames the same way (see [`frame_name`]), so a stack reads alike in either
-//! format. Files are written to a temporary file next to the target and renamed over it, so an
-//! interrupted write never leaves a half-written profile behind.
+//! format. Where the profile goes, and how it gets there without harming what is at the path
+//! (`-`, devices, FIFOs, symlinks, atomic replacement of regular files), is [`destination`]'s concern.
 
 mod collapsed;
+mod destination;
 mod pprof;
 
 use std::borrow::Cow;
-use std::fs::{OpenOptions, Permissions};
-use std::io::{self, BufWriter};
-use std::os::unix::fs::PermissionsExt;
+use std::io;
 use std::path::{Path, PathBuf};
 
 use thiserror::Error;
@@ -18,13 +17,19 @@ use thiserror::Error;
 use crate::cli::OutputFormat;
 use crate::stack::{Frame, KernelFrame, NativeFrame, Profile, PythonFrame};
 
+use destination::{Destination, STDOUT};
+
 #[derive(Debug, Error)]
 pub enum OutputError {
-    #[error("output directory {} does not exist", .0.display())]
+    #[error("directory {} does not exist", .0.display())]
     MissingDirectory(PathBuf),
-    #[error("output path {} is a directory", .0.display())]
+    #[error("{} is a directory", .0.display())]
     IsDirectory(PathBuf),
-    #[error("cannot write {}: {source}", path.display())]
+    #[error("{} is a socket; write to a file, a device, a FIFO or `-` (standard output)", .0.display())]
+    Socket(PathBuf),
+    #[error("{} is a terminal and pprof is binary: write to a file, pipe it, or use --format collapsed", display_name(.0))]
+    BinaryOnTerminal(PathBuf),
+    #[error("{}: {source}", path.display())]
     Io { path: PathBuf, source: io::Error },
 }
 
@@ -34,7 +39,21 @@ impl OutputError {
     }
 }
 
-/// The format to write: the explicit choice, else inferred from the file name.
+/// Whether `-o PATH` is standard output.
+pub fn is_stdout(path: &Path) -> bool {
+    path.as_os_str() == STDOUT
+}
+
+/// `-o PATH` as messages name it: `-` is standard output.
+pub fn display_name(path: &Path) -> Cow<'_, str> {
+    if is_stdout(path) {
+        Cow::Borrowed("standard output")
+    } else {
+        path.to_string_lossy()
+    }
+}
+
+/// The format to write: the explicit choice, else inferred from the file name (pprof for `-`).
 pub fn resolve_format(path: &Path, explicit: Option<OutputFormat>) -> OutputFormat {
     explicit.unwrap_or_else(|| format_from_name(path))
 }
@@ -49,53 +68,19 @@ fn format_from_name(path: &Path) -> OutputFormat {
     }
 }
 
-/// Checks, before any sampling, that `path` can be written: its directory exists and accepts a new
-/// file, and `path` is not a directory. Leaves the file system as it found it.
-pub fn check_writable(path: &Path) -> Result<(), OutputError> {
-    let dir = parent_dir(path);
-    if !dir.is_dir() {
-        return Err(OutputError::MissingDirectory(dir.to_path_buf()));
-    }
-    if path.is_dir() {
-        return Err(OutputError::IsDirectory(path.to_path_buf()));
-    }
-    // The profile is written as a new file renamed over `path`, so the directory must take new files;
-    // an existing `path` must also be writable, or the user did not mean to have it replaced.
-    tempfile::Builder::new().prefix(".pyebpf-check").tempfile_in(dir).map_err(OutputError::io(path))?;
-    if path.exists() {
-        OpenOptions::new().append(true).open(path).map_err(OutputError::io(path))?;
-    }
-    Ok(())
+/// Checks, before any sampling, that a profile in `format` can be written to `path`: a directory, a
+/// socket, a missing directory, a read-only place or binary output on a terminal are refused. Opens
+/// and changes nothing.
+pub fn check_writable(path: &Path, format: OutputFormat) -> Result<(), OutputError> {
+    Destination::resolve(path)?.check(format)
 }
 
-/// Writes `profile` to `path` in `format`, atomically.
+/// Writes `profile` to `path` in `format`: regular files atomically, devices, FIFOs and `-` in place.
 pub fn write_profile(profile: &Profile, path: &Path, format: OutputFormat) -> Result<(), OutputError> {
-    let dir = parent_dir(path);
-    let temp = tempfile::Builder::new()
-        .prefix(".pyebpf-")
-        .suffix(".tmp")
-        // The umask still applies, as for any file the user creates.
-        .permissions(Permissions::from_mode(0o644))
-        .tempfile_in(dir)
-        .map_err(OutputError::io(path))?;
-    let mut writer = BufWriter::new(temp);
-    match format {
-        OutputFormat::Collapsed => collapsed::write(profile, &mut writer),
-        OutputFormat::Pprof => pprof::write(profile, &mut writer),
-    }
-    .map_err(OutputError::io(path))?;
-    let temp = writer.into_inner().map_err(|err| OutputError::io(path)(err.into_error()))?;
-    temp.as_file().sync_all().map_err(OutputError::io(path))?;
-    temp.persist(path).map_err(|err| OutputError::io(path)(err.error))?;
-    Ok(())
-}
-
-/// The directory a relative file name like `profile.pb.gz` lives in.
-fn parent_dir(path: &Path) -> &Path {
-    match path.parent() {
-        Some(dir) if !dir.as_os_str().is_empty() => dir,
-        _ => Path::new("."),
-    }
+    Destination::resolve(path)?.write(path, format, |mut out| match format {
+        OutputFormat::Collapsed => collapsed::write(profile, &mut out),
+        OutputFormat::Pprof => pprof::write(profile, &mut out),
+    })
 }
 
 /// How a frame is named in every output format.
@@ -226,6 +211,7 @@ mod tests {
             ("stacks.txt", OutputFormat::Collapsed),
             ("stacks.collapsed", OutputFormat::Collapsed),
             ("profile", OutputFormat::Pprof),
+            ("-", OutputFormat::Pprof),
         ];
         for (name, expected) in cases {
             assert_eq!(resolve_format(Path::new(name), None), expected, "{name}");
@@ -237,7 +223,7 @@ mod tests {
     fn check_writable_leaves_no_file_behind() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("profile.pb.gz");
-        check_writable(&path).unwrap();
+        check_writable(&path, OutputFormat::Pprof).unwrap();
         assert_eq!(fs::read_dir(dir.path()).unwrap().count(), 0, "check_writable left a file");
     }
 
@@ -246,7 +232,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("old.folded");
         fs::write(&path, "a;b 1\n").unwrap();
-        check_writable(&path).unwrap();
+        check_writable(&path, OutputFormat::Collapsed).unwrap();
         assert_eq!(fs::read_to_string(&path).unwrap(), "a;b 1\n");
     }
 
@@ -254,8 +240,8 @@ mod tests {
     fn check_writable_rejects_missing_directories_and_directories() {
         let dir = tempfile::tempdir().unwrap();
         let missing = dir.path().join("no/such/dir/profile.pb.gz");
-        assert!(matches!(check_writable(&missing), Err(OutputError::MissingDirectory(_))));
-        assert!(matches!(check_writable(dir.path()), Err(OutputError::IsDirectory(_))));
+        assert!(matches!(check_writable(&missing, OutputFormat::Pprof), Err(OutputError::MissingDirectory(_))));
+        assert!(matches!(check_writable(dir.path(), OutputFormat::Pprof), Err(OutputError::IsDirectory(_))));
     }
 
     #[test]
