@@ -48,11 +48,15 @@ pub struct SamplerOptions {
     /// Children forked by a target become targets.
     pub follow_forks: bool,
     pub ring_buffer_kb: u32,
+    /// Have the kernel account the sampler's run time (for `--stats`; costs a little per run).
+    pub program_stats: bool,
 }
 
 /// The running sampler. Dropping it detaches the programs.
 pub struct Sampler {
-    _ebpf: Ebpf,
+    ebpf: Ebpf,
+    /// Keeps the kernel's run-time accounting on while held.
+    _program_stats: Option<std::os::fd::OwnedFd>,
     samples: AsyncFd<RingBuf<MapData>>,
     lost: PerCpuArray<MapData, u64>,
     targets: HashMap<MapData, u32, u8>,
@@ -129,6 +133,7 @@ impl Sampler {
             program.load().map_err(BpfError::Program)?;
             program.attach("sched", "sched_process_fork").map_err(BpfError::Program)?;
         }
+        let program_stats = options.program_stats.then(|| aya::sys::enable_stats(aya::sys::Stats::RunTime).ok()).flatten();
         let program: &mut PerfEvent = ebpf.program_mut("sample").expect("sample is in the object").try_into().map_err(BpfError::Program)?;
         program.load().map_err(BpfError::Program)?;
         let cpus = aya::util::online_cpus().map_err(|(_, err)| BpfError::Cpus(err))?;
@@ -149,7 +154,8 @@ impl Sampler {
         let py_threads = HashMap::try_from(ebpf.take_map(maps::PY_THREADS).expect("PY_THREADS is in the object")).map_err(map_error(maps::PY_THREADS))?;
         let py_markers = HashMap::try_from(ebpf.take_map(maps::PY_MARKERS).expect("PY_MARKERS is in the object")).map_err(map_error(maps::PY_MARKERS))?;
         Ok(Sampler {
-            _ebpf: ebpf,
+            ebpf,
+            _program_stats: program_stats,
             // SAFETY: the ring buffer owns its map fd, which stays open and unchanged as long as
             // the AsyncFd owns the ring buffer.
             samples: unsafe { AsyncFd::register_with_interest(samples, tokio::io::Interest::READABLE) }
@@ -173,6 +179,12 @@ impl Sampler {
         }
         guard.clear_ready();
         Ok(())
+    }
+
+    /// Time the sampler program ran in the kernel and how often, with `program_stats`.
+    pub fn program_run_time(&self) -> Option<(std::time::Duration, u64)> {
+        let info = self.ebpf.program("sample")?.info().ok()?;
+        Some((info.run_time(), info.run_count()))
     }
 
     /// Samples dropped in the kernel because the ring buffer was full, summed over CPUs.

@@ -119,6 +119,7 @@ async fn record(args: &RecordArgs) -> Result<(Profile, Stats)> {
         targets,
         follow_forks: !args.command.is_empty(),
         ring_buffer_kb: args.ring_buffer_kb,
+        program_stats: args.stats,
     })?;
     let mut child = if args.command.is_empty() {
         None
@@ -162,6 +163,8 @@ async fn record(args: &RecordArgs) -> Result<(Profile, Stats)> {
     }
     resolver.finish(&mut stats);
     stats.lost_samples = sampler.lost_samples();
+    (stats.program_run_time_ns, stats.program_runs) =
+        sampler.program_run_time().map_or((0, 0), |(time, runs)| (time.as_nanos() as u64, runs));
     stats.own_cpu_ns = own_cpu_ns();
     profile.duration_ns = started.elapsed().as_nanos() as i64;
     Ok((profile, stats))

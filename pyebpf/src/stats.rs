@@ -29,6 +29,10 @@ pub struct Stats {
     pub python_processes: u64,
     /// CPU time pyebpf itself used (user + system), in nanoseconds.
     pub own_cpu_ns: u64,
+    /// Time the eBPF sampler ran in the kernel, on the sampled CPUs, and how many times it ran
+    /// (every tick of every CPU, also those it drops at once).
+    pub program_run_time_ns: u64,
+    pub program_runs: u64,
 }
 
 fn per(value: u64, count: u64) -> f64 {
@@ -53,6 +57,13 @@ impl fmt::Display for Stats {
             "pyebpf CPU time:            {:.1} ms ({:.1} us per sample)",
             self.own_cpu_ns as f64 / 1e6,
             per(self.own_cpu_ns, self.samples) / 1e3
+        )?;
+        writeln!(
+            f,
+            "eBPF program time:          {:.1} ms ({:.2} us per recorded sample, {:.2} us per run)",
+            self.program_run_time_ns as f64 / 1e6,
+            per(self.program_run_time_ns, self.samples) / 1e3,
+            per(self.program_run_time_ns, self.program_runs) / 1e3
         )?;
         writeln!(f, "python processes:           {}", self.python_processes)?;
         writeln!(f, "python samples:             {py}")?;

@@ -39,18 +39,24 @@ fn churn_run(mode: &str, seconds: u32) {
 
     let trace = std::fs::read_to_string(&trace).unwrap();
     let mut writes = 0;
+    let mut addresses = std::collections::HashSet::new();
     for line in trace.lines().filter(|l| l.contains("process_vm_writev(")) {
         let remote = line.rsplit_once("[{iov_base=").unwrap_or_else(|| panic!("unparsed: {line}")).1;
         let addr = u64::from_str_radix(remote.trim_start_matches("0x").split(',').next().unwrap(), 16).unwrap();
-        assert!(line.contains(&format!("process_vm_writev({pid},")), "{mode}: a write into another process: {line}");
         assert!(line.ends_with("= 8") && remote.contains("iov_len=8}"), "{mode}: not one 8-byte write: {line}");
-        assert!(
-            (main_tstate..main_tstate + 4096).contains(&addr),
-            "{mode}: write at {addr:#x}, outside the main thread state at {main_tstate:#x}: {line}"
-        );
-        writes += 1;
+        addresses.insert(addr);
+        if line.contains(&format!("process_vm_writev({pid},")) {
+            assert!(
+                (main_tstate..main_tstate + 4096).contains(&addr),
+                "{mode}: write at {addr:#x}, outside the main thread state at {main_tstate:#x}: {line}"
+            );
+            writes += 1;
+        }
     }
-    assert!(writes > 0, "{mode}: no marker write was traced: the checks above prove nothing");
+    assert!(writes > 0, "{mode}: no marker write to the canary was traced: the checks above prove nothing");
+    // Under -a other 3.15 processes get markers too: in the same (non-PIE) binary, at the same
+    // static address; anything else would be a write somewhere the canary's check cannot vouch for.
+    assert_eq!(addresses.len(), 1, "{mode}: writes at several addresses: {addresses:x?}");
 }
 
 #[test]
