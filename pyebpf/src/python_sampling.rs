@@ -184,8 +184,8 @@ impl PythonSampling {
     }
 
     /// Code-object cache counters summed over processes, for `--stats`.
-    pub fn code_cache_counters(&self) -> (u64, u64) {
-        self.processes.values().map(|p| p.py.code_cache_counters()).fold((0, 0), |(h, m), (ph, pm)| (h + ph, m + pm))
+    pub fn code_cache_counters(&self) -> crate::cpython::CodeCacheCounters {
+        self.processes.values().map(|p| p.py.code_cache_counters()).sum()
     }
 }
 

@@ -85,7 +85,7 @@ fn frames_resolve_step_by_step_and_the_code_cache_hits() {
     let threads = process.threads().unwrap();
     for _ in 0..2 {
         for thread in &threads {
-            let links = process.walk_frames(thread.current_frame).unwrap();
+            let links = process.walk_frames(thread.current_frame).unwrap().links;
             assert!(!links.is_empty());
             let innermost = process.frame_info(&links[0]).unwrap().expect("the innermost frame runs Python code");
             assert_eq!(&*innermost.frame.qualname, "Condition.wait", "{innermost:?}");
@@ -93,8 +93,10 @@ fn frames_resolve_step_by_step_and_the_code_cache_hits() {
             assert_eq!(process.python_frame(links[0].code, links[0].instr_ptr).unwrap(), innermost.frame);
         }
     }
-    let (hits, misses) = process.code_cache_counters();
-    assert!(hits > 0 && misses > 0, "code cache hits {hits}, misses {misses}");
+    let counters = process.code_cache_counters();
+    assert!(counters.hits > 0 && counters.misses > 0, "code cache {counters:?}");
+    assert_eq!(counters.cached_entries, counters.misses, "{counters:?}");
+    assert!(counters.cached_bytes > 0 && counters.evictions == 0, "{counters:?}");
 }
 
 #[test]
