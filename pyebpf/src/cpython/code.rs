@@ -138,4 +138,17 @@ mod tests {
         assert_eq!(linetable_read_len(u64::MAX, u64::MAX), (MAX_LINETABLE, true));
         assert_eq!(linetable_read_len(MAX_LINETABLE as u64, 1 << 20), (MAX_LINETABLE, false));
     }
+
+    #[test]
+    fn a_table_cut_at_the_cap_gives_lines_up_to_the_cut_and_unknown_after() {
+        // One 2-byte entry per code unit, each a line further (code 13, delta +1): 80,000 bytes.
+        let table: Vec<u8> = [0x80 | (13 << 3), 2].repeat(40_000);
+        let (len, cut) = linetable_read_len(table.len() as u64, 40_000);
+        assert!(cut);
+        let read = &table[..len];
+        let last = (MAX_LINETABLE / 2 - 1) as u64;
+        assert_eq!(location_for_index(read, 10, last).and_then(|l| l.line), Some(10 + 1 + last as u32));
+        assert_eq!(location_for_index(read, 10, last + 1), None);
+        assert_eq!(location_for_index(&table, 10, last + 1).and_then(|l| l.line), Some(10 + 2 + last as u32));
+    }
 }
