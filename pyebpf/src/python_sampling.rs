@@ -217,8 +217,8 @@ impl PythonSampling {
     }
 
     /// Code-object cache counters summed over processes, for `--stats`.
-    pub fn code_cache_counters(&self) -> (u64, u64) {
-        self.processes.values().map(|p| p.py.code_cache_counters()).fold((0, 0), |(h, m), (ph, pm)| (h + ph, m + pm))
+    pub fn code_cache_counters(&self) -> crate::cpython::CodeCacheCounters {
+        self.processes.values().map(|p| p.py.code_cache_counters()).sum()
     }
 }
 
@@ -261,6 +261,10 @@ impl PythonProcess {
             if now != version {
                 self.py.forget_code(link.code);
                 return Err(PyError::Chain(format!("code object {:#x} was freed since the sample", link.code)));
+            }
+            if self.code_versions.len() >= crate::cpython::MAX_CACHED_CODES {
+                // Bounded like the code cache: versions are checked again after this.
+                self.code_versions.clear();
             }
             self.code_versions.insert(link.code, now);
             return Ok(resolved.map(|r| PyStackItem::Frame(r.frame)));

@@ -81,7 +81,7 @@ impl SampleResolver {
     }
 
     pub fn finish(&self, stats: &mut Stats) {
-        (stats.code_cache_hits, stats.code_cache_misses) = self.python.code_cache_counters();
+        stats.code_cache = self.python.code_cache_counters();
     }
 }
 

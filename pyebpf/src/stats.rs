@@ -2,6 +2,7 @@
 
 use std::fmt;
 
+use crate::cpython::CodeCacheCounters;
 
 #[derive(Debug, Default, Clone)]
 pub struct Stats {
@@ -23,8 +24,8 @@ pub struct Stats {
     /// Remote reads (`process_vm_readv` calls) and bytes spent on Python samples.
     pub remote_reads: u64,
     pub remote_bytes: u64,
-    pub code_cache_hits: u64,
-    pub code_cache_misses: u64,
+    /// Code-object caches summed over the processes still attached at the end.
+    pub code_cache: CodeCacheCounters,
     /// Python processes attached to.
     pub python_processes: u64,
     /// CPU time pyebpf itself used (user + system), in nanoseconds.
@@ -74,7 +75,12 @@ impl fmt::Display for Stats {
         writeln!(f, "markers established:        {} ({} abandoned: the thread moved)", self.markers_established, self.marker_races)?;
         writeln!(f, "remote reads:               {} ({:.2} per python sample)", self.remote_reads, per(self.remote_reads, py))?;
         writeln!(f, "remote bytes:               {} ({:.0} per python sample)", self.remote_bytes, per(self.remote_bytes, py))?;
-        let code_lookups = self.code_cache_hits + self.code_cache_misses;
-        write!(f, "code object cache hit rate: {:.1}% of {code_lookups}", percent(self.code_cache_hits, code_lookups))
+        let code = &self.code_cache;
+        let code_lookups = code.hits + code.misses;
+        writeln!(f, "code object cache hit rate: {:.1}% of {code_lookups}", percent(code.hits, code_lookups))?;
+        writeln!(f, "code objects cached:        {} ({:.1} MiB)", code.cached_entries, code.cached_bytes as f64 / (1 << 20) as f64)?;
+        writeln!(f, "  evicted (cache budget):   {}", code.evictions)?;
+        writeln!(f, "  line tables cut at 64 KiB: {}", code.truncated_linetables)?;
+        write!(f, "  names cut at 4 KiB:       {}", code.truncated_strings)
     }
 }

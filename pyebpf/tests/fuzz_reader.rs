@@ -46,8 +46,8 @@ fn read_everything<M: ReadMemory>(process: &mut PyProcess<M>) -> usize {
     let mut frames = 0;
     for thread in threads {
         let _ = process.read_marker_state(thread.tstate);
-        let Ok(links) = process.walk_frames(thread.current_frame) else { continue };
-        for link in &links {
+        let Ok(walk) = process.walk_frames(thread.current_frame) else { continue };
+        for link in &walk.links {
             frames += usize::from(matches!(process.frame_info(link), Ok(Some(_))));
             let _ = process.python_frame(link.code, link.instr_ptr);
         }

@@ -1,4 +1,9 @@
 //! Decoding code objects: names, file, first line and the location table.
+//!
+//! A target chooses the sizes of all of these, so each is read within a budget: the location
+//! table up to `MAX_LINETABLE` bytes (and never past what the code's own instructions can use),
+//! names and file names up to `strings::MAX_STRING_BYTES`. A decoded code object thus holds at most
+//! 64 KiB + 2 × 8 KiB of data; what a budget cuts is counted (`CodeCacheCounters`).
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -7,11 +12,17 @@ pub use super::linetable::Location;
 use super::linetable::location_for_index;
 use super::memory::{field_u32, field_u64, ReadExt, ReadMemory};
 use super::offsets::DebugOffsets;
-use super::strings::read_str;
-use super::PyError;
+use super::strings::{read_str, ReadString};
+use super::{CodeCacheCounters, PyError};
 
-/// Largest location table read.
-const MAX_LINETABLE: u64 = 1 << 20;
+/// Most bytes of a location table read: instructions past what they cover get line 0 ("unknown").
+/// CPython's own tables are about 1 to 3 bytes per instruction, so this covers functions of 20,000+
+/// instructions in full.
+pub const MAX_LINETABLE: usize = 64 << 10;
+/// The longest location-table entry CPython writes: a first byte and four varints of at most 33
+/// bits (6 bits a byte). Each entry covers at least one code unit, so a table needs at most this
+/// many bytes per code unit of the code it describes.
+const MAX_ENTRY_BYTES: u64 = 1 + 4 * 6;
 /// The instructions of a code object are 2-byte code units.
 const CODE_UNIT: u64 = 2;
 
@@ -48,16 +59,38 @@ impl CodeInfo {
     }
 }
 
+impl CodeInfo {
+    /// Bytes this decoded code object holds, for the cache's budget.
+    pub fn heap_bytes(&self) -> usize {
+        std::mem::size_of::<Self>() + self.linetable.len() + self.qualname.len() + self.filename.len()
+    }
+}
+
 /// Bytes of a code object that cover every field read from it (offsets are bounded by the checks
-/// on the table, so this stays small even when the table claims a huge structure).
+/// on the table, so this stays small even when the table claims a huge structure). A code object
+/// is a `PyVarObject`, whose `ob_size` (the number of code units) sits where `bytes`' does.
 fn header_len(o: &DebugOffsets) -> usize {
-    let last = [o.object_type, o.code_filename, o.code_qualname, o.code_linetable, o.code_firstlineno].into_iter().max().unwrap_or(0);
+    let last = [o.object_type, o.bytes_ob_size, o.code_filename, o.code_qualname, o.code_linetable, o.code_firstlineno].into_iter().max().unwrap_or(0);
     (last + 8) as usize
 }
 
+/// How much of a location table of `table_size` bytes to read for code of `code_units` units, and
+/// whether `MAX_LINETABLE` cut off part that the code could use.
+fn linetable_read_len(table_size: u64, code_units: u64) -> (usize, bool) {
+    let usable = table_size.min(code_units.saturating_mul(MAX_ENTRY_BYTES));
+    let len = usable.min(MAX_LINETABLE as u64);
+    (len as usize, len < usable)
+}
+
 /// Reads the code object at `addr`, checking first that it is one. `code_types` remembers type
-/// objects already confirmed to be `code`.
-pub fn read_code(mem: &impl ReadMemory, offsets: &DebugOffsets, code_types: &mut HashSet<u64>, addr: u64) -> Result<CodeInfo, PyError> {
+/// objects already confirmed to be `code`; what the budgets cut is counted in `counters`.
+pub fn read_code(
+    mem: &impl ReadMemory,
+    offsets: &DebugOffsets,
+    code_types: &mut HashSet<u64>,
+    addr: u64,
+    counters: &mut CodeCacheCounters,
+) -> Result<CodeInfo, PyError> {
     if addr == 0 || !addr.is_multiple_of(8) {
         return Err(PyError::Malformed(format!("code object address {addr:#x}")));
     }
@@ -74,14 +107,48 @@ pub fn read_code(mem: &impl ReadMemory, offsets: &DebugOffsets, code_types: &mut
     }
     let linetable = field_u64(&header, offsets.code_linetable);
     let size = mem.read_u64(linetable.wrapping_add(offsets.bytes_ob_size))?;
-    if size > MAX_LINETABLE {
-        return Err(PyError::Malformed(format!("location table of {size} bytes")));
-    }
+    let (len, truncated) = linetable_read_len(size, field_u64(&header, offsets.bytes_ob_size));
+    counters.truncated_linetables += u64::from(truncated);
+    let mut name = |field: u64| -> Result<std::sync::Arc<str>, PyError> {
+        let ReadString { text, truncated } = read_str(mem, offsets, field_u64(&header, field))?;
+        counters.truncated_strings += u64::from(truncated);
+        Ok(text.into())
+    };
     Ok(CodeInfo {
-        qualname: read_str(mem, offsets, field_u64(&header, offsets.code_qualname))?.into(),
-        filename: read_str(mem, offsets, field_u64(&header, offsets.code_filename))?.into(),
+        qualname: name(offsets.code_qualname)?,
+        filename: name(offsets.code_filename)?,
         first_line: field_u32(&header, offsets.code_firstlineno),
-        linetable: mem.read_vec(linetable.wrapping_add(offsets.bytes_data), size as usize)?,
+        linetable: mem.read_vec(linetable.wrapping_add(offsets.bytes_data), len)?,
         instructions: addr.wrapping_add(offsets.code_adaptive),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn location_tables_are_read_up_to_what_the_code_can_use_and_the_cap() {
+        // A 1 MiB table on a 10-unit function: only what 10 entries could take is read, uncut.
+        assert_eq!(linetable_read_len(1 << 20, 10), (250, false));
+        // A table shorter than the bound is read whole.
+        assert_eq!(linetable_read_len(40, 10), (40, false));
+        // A large function's table stops at the cap, and that is a cut.
+        assert_eq!(linetable_read_len(1 << 20, 1 << 20), (MAX_LINETABLE, true));
+        assert_eq!(linetable_read_len(u64::MAX, u64::MAX), (MAX_LINETABLE, true));
+        assert_eq!(linetable_read_len(MAX_LINETABLE as u64, 1 << 20), (MAX_LINETABLE, false));
+    }
+
+    #[test]
+    fn a_table_cut_at_the_cap_gives_lines_up_to_the_cut_and_unknown_after() {
+        // One 2-byte entry per code unit, each a line further (code 13, delta +1): 80,000 bytes.
+        let table: Vec<u8> = [0x80 | (13 << 3), 2].repeat(40_000);
+        let (len, cut) = linetable_read_len(table.len() as u64, 40_000);
+        assert!(cut);
+        let read = &table[..len];
+        let last = (MAX_LINETABLE / 2 - 1) as u64;
+        assert_eq!(location_for_index(read, 10, last).and_then(|l| l.line), Some(10 + 1 + last as u32));
+        assert_eq!(location_for_index(read, 10, last + 1), None);
+        assert_eq!(location_for_index(&table, 10, last + 1).and_then(|l| l.line), Some(10 + 2 + last as u32));
+    }
 }

@@ -1,10 +1,18 @@
 //! `pyebpf dump`: every thread's Python stack, as tracebacks or JSON.
+//!
+//! Threads are read and printed one at a time, so what a dump holds is bounded by one thread's
+//! stack (`MAX_DEPTH` frames, the innermost ones, marked truncated past that) whatever the number
+//! of threads. A thread whose stack cannot be read (a looping chain, a malformed code object) is
+//! shown with its error; a process that exits during the dump ends it with an error.
+
+use std::io::{self, Write};
+use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use serde::Serialize;
 
 use super::memory::ReadMemory;
-use super::{runtime, PyError, PyProcess, PyThread};
+use super::{runtime, PyError, PyProcess, PyThread, MAX_DEPTH};
 use crate::cli::DumpArgs;
 
 #[derive(Serialize)]
@@ -14,13 +22,18 @@ struct ThreadDump {
     holds_gil: bool,
     /// Innermost first.
     frames: Vec<FrameDump>,
+    /// The stack is deeper than `MAX_DEPTH` frames: `frames` are its innermost ones.
+    truncated: bool,
+    /// Why the stack could not be read (then `frames` is empty).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    error: Option<String>,
 }
 
 /// One frame, with the fields of Python's `co_qualname`, `co_filename` and `co_positions()`.
 #[derive(Serialize)]
 struct FrameDump {
-    qualname: String,
-    filename: String,
+    qualname: Arc<str>,
+    filename: Arc<str>,
     /// 0 where the location table gives none, as `frame.f_lineno` may.
     line: u32,
     end_line: Option<u32>,
@@ -31,7 +44,8 @@ struct FrameDump {
 pub fn run(args: DumpArgs) -> Result<()> {
     let pid = args.pid;
     let mut process = PyProcess::attach(pid).with_context(|| format!("cannot read process {pid}"))?;
-    let dumps = dump_threads(&mut process).map_err(|err| {
+    let mut out = io::BufWriter::new(io::stdout().lock());
+    dump(&mut process, args.json, &mut out).map_err(|err| {
         // A process that exits while it is read fails at whatever read came next: say what happened.
         let gone = err.chain().any(|cause| cause.downcast_ref::<PyError>().is_some_and(PyError::process_gone));
         if gone || runtime::has_exited(pid) {
@@ -40,32 +54,58 @@ pub fn run(args: DumpArgs) -> Result<()> {
             err
         }
     })?;
-    if args.json {
-        let document = serde_json::json!({ "pid": pid, "python": process.version().to_string(), "threads": dumps });
-        println!("{}", serde_json::to_string_pretty(&document)?);
+    out.flush().context("cannot write the dump")
+}
+
+fn dump<M: ReadMemory>(process: &mut PyProcess<M>, json: bool, out: &mut impl Write) -> Result<()> {
+    let pid = process.pid();
+    let version = process.version().to_string();
+    let threads = process.threads().with_context(|| format!("cannot list the threads of process {pid}"))?;
+    if json {
+        writeln!(out, "{{\n  \"pid\": {pid},\n  \"python\": {},\n  \"threads\": [", serde_json::to_string(&version)?)?;
     } else {
-        print_tracebacks(pid, &process.version().to_string(), &dumps);
+        writeln!(out, "Process {pid}: CPython {version}")?;
+    }
+    for (index, thread) in threads.iter().enumerate() {
+        let dump = dump_thread(process, thread)?;
+        if json {
+            let separator = if index + 1 < threads.len() { "," } else { "" };
+            writeln!(out, "{}{separator}", serde_json::to_string_pretty(&dump)?)?;
+        } else {
+            print_traceback(&dump, out)?;
+        }
+    }
+    if json {
+        writeln!(out, "  ]\n}}")?;
     }
     Ok(())
 }
 
-fn dump_threads<M: ReadMemory>(process: &mut PyProcess<M>) -> Result<Vec<ThreadDump>> {
-    let pid = process.pid();
-    let threads = process.threads().with_context(|| format!("cannot list the threads of process {pid}"))?;
-    threads
-        .iter()
-        .map(|thread| dump_thread(process, thread).with_context(|| format!("cannot read the stack of thread {} of process {pid}", thread.tid)))
-        .collect()
+/// One thread's stack; an error that is this thread's alone is kept in the dump, one that comes
+/// from the process having gone ends it.
+fn dump_thread<M: ReadMemory>(process: &mut PyProcess<M>, thread: &PyThread) -> Result<ThreadDump> {
+    let mut dump = ThreadDump { tid: thread.tid, name: process.thread_name(thread.tid), holds_gil: thread.holds_gil, frames: Vec::new(), truncated: false, error: None };
+    match thread_frames(process, thread.current_frame) {
+        Ok((frames, truncated)) => (dump.frames, dump.truncated) = (frames, truncated),
+        Err(err) if err.process_gone() => {
+            return Err(err).with_context(|| format!("cannot read the stack of thread {} of process {}", thread.tid, process.pid()));
+        }
+        Err(err) => dump.error = Some(err.to_string()),
+    }
+    Ok(dump)
 }
 
-fn dump_thread<M: ReadMemory>(process: &mut PyProcess<M>, thread: &PyThread) -> Result<ThreadDump> {
-    let mut frames = Vec::new();
-    let links = if thread.current_frame == 0 { Vec::new() } else { process.walk_frames(thread.current_frame)? };
-    for link in &links {
+fn thread_frames<M: ReadMemory>(process: &mut PyProcess<M>, current_frame: u64) -> Result<(Vec<FrameDump>, bool), PyError> {
+    if current_frame == 0 {
+        return Ok((Vec::new(), false));
+    }
+    let walk = process.walk_frames(current_frame)?;
+    let mut frames = Vec::with_capacity(walk.links.len());
+    for link in &walk.links {
         if let Some(resolved) = process.frame_info(link)? {
             frames.push(FrameDump {
-                qualname: resolved.frame.qualname.to_string(),
-                filename: resolved.frame.filename.to_string(),
+                qualname: resolved.frame.qualname,
+                filename: resolved.frame.filename,
                 line: resolved.frame.line,
                 end_line: resolved.location.end_line,
                 column: resolved.location.column,
@@ -73,17 +113,21 @@ fn dump_thread<M: ReadMemory>(process: &mut PyProcess<M>, thread: &PyThread) -> 
             });
         }
     }
-    Ok(ThreadDump { tid: thread.tid, name: process.thread_name(thread.tid), holds_gil: thread.holds_gil, frames })
+    Ok((frames, walk.truncated))
 }
 
-fn print_tracebacks(pid: u32, version: &str, threads: &[ThreadDump]) {
-    println!("Process {pid}: CPython {version}");
-    for thread in threads {
-        let name = thread.name.as_deref().unwrap_or("?");
-        println!("\nThread {} ({name}){}", thread.tid, if thread.holds_gil { " [holds the GIL]" } else { "" });
-        println!("Traceback (most recent call last):");
-        for frame in thread.frames.iter().rev() {
-            println!("  File \"{}\", line {}, in {}", frame.filename, frame.line, frame.qualname);
-        }
+fn print_traceback(thread: &ThreadDump, out: &mut impl Write) -> io::Result<()> {
+    let name = thread.name.as_deref().unwrap_or("?");
+    writeln!(out, "\nThread {} ({name}){}", thread.tid, if thread.holds_gil { " [holds the GIL]" } else { "" })?;
+    if let Some(error) = &thread.error {
+        return writeln!(out, "  <stack unreadable: {error}>");
     }
+    writeln!(out, "Traceback (most recent call last):")?;
+    if thread.truncated {
+        writeln!(out, "  ... older frames not shown (the stack is deeper than {MAX_DEPTH} frames)")?;
+    }
+    for frame in thread.frames.iter().rev() {
+        writeln!(out, "  File \"{}\", line {}, in {}", frame.filename, frame.line, frame.qualname)?;
+    }
+    Ok(())
 }

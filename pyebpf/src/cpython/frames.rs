@@ -1,15 +1,25 @@
 //! Interpreter frames: reading one frame at a time (so a caller can stop at a frame it already
 //! knows), resolving a frame to its function and location, and bounded walks of whole chains.
 
-use crate::chain::{walk_chain, CacheMode, Capture, ChainError, FrameLink, LinkKind, LinkReader};
+use std::collections::HashSet;
+
+use crate::chain::{FrameLink, LinkKind, LinkReader};
 use crate::stack::PythonFrame;
 
 use super::code::Location;
 use super::memory::{field_u64, ReadExt, ReadMemory};
 use super::{PyError, PyProcess};
 
-/// Most frames followed in one chain.
+/// Most frames followed in one chain: a deeper chain gives its innermost `MAX_DEPTH` frames.
 pub const MAX_DEPTH: usize = 4096;
+
+/// A thread's frame chain, innermost first.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct FrameWalk {
+    pub links: Vec<FrameLink>,
+    /// The chain goes on past `MAX_DEPTH` frames: `links` are only its innermost ones.
+    pub truncated: bool,
+}
 
 /// A frame resolved to its function and where it is in it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -70,15 +80,26 @@ impl<M: ReadMemory> PyProcess<M> {
         Ok(Some(ResolvedFrame { frame, location }))
     }
 
-    /// The frame chain from `frame`, innermost first, entry frames included; at most `MAX_DEPTH`
-    /// frames, and a chain that loops is an error.
-    pub fn walk_frames(&mut self, frame: u64) -> Result<Vec<FrameLink>, PyError> {
-        let capture = Capture { frame, ..Capture::default() };
-        match walk_chain(self, &capture, None, CacheMode::Off, MAX_DEPTH) {
-            Ok(walk) => Ok(walk.links),
-            Err(ChainError::Read(err)) => Err(err),
-            Err(shape) => Err(PyError::Chain(shape.to_string())),
+    /// The frame chain from `frame`, innermost first, entry frames included: its innermost
+    /// `MAX_DEPTH` frames, marked truncated when it goes on. A chain that loops (within those
+    /// frames) is an error.
+    pub fn walk_frames(&mut self, frame: u64) -> Result<FrameWalk, PyError> {
+        let mut walk = FrameWalk::default();
+        let mut seen = HashSet::new();
+        let mut addr = frame;
+        while addr != 0 {
+            if walk.links.len() == MAX_DEPTH {
+                walk.truncated = true;
+                break;
+            }
+            if !seen.insert(addr) {
+                return Err(PyError::Chain(format!("frame chain loops back to frame {addr:#x}")));
+            }
+            let link = self.read_link(addr)?;
+            addr = link.previous;
+            walk.links.push(link);
         }
+        Ok(walk)
     }
 }
 
@@ -88,13 +109,5 @@ impl<M: ReadMemory> LinkReader for PyProcess<M> {
     fn read_link(&mut self, addr: u64) -> Result<FrameLink, PyError> {
         let buf = self.mem.read_vec(addr, self.frame_read_len())?;
         Ok(self.link_from(addr, &buf))
-    }
-
-    fn read_links(&mut self, addrs: &[u64]) -> Result<Vec<FrameLink>, PyError> {
-        let len = self.frame_read_len();
-        let mut buffers = vec![vec![0u8; len]; addrs.len()];
-        let mut requests: Vec<(u64, &mut [u8])> = addrs.iter().copied().zip(buffers.iter_mut().map(Vec::as_mut_slice)).collect();
-        let filled = self.mem.read_many(&mut requests);
-        Ok(addrs.iter().zip(&buffers).take(filled).map(|(&addr, buf)| self.link_from(addr, buf)).collect())
     }
 }

@@ -1,7 +1,20 @@
 //! Reading CPython 3.13+ processes from outside, through `process_vm_readv` and the
 //! `_Py_DebugOffsets` table: threads, interpreter frame chains and code objects.
+//!
+//! Everything read is sized by the target, so every read and everything kept has a budget:
+//! - per code object: its location table up to 64 KiB (`code::MAX_LINETABLE`; later instructions
+//!   get line 0), each name up to 4 KiB of characters (`strings::MAX_STRING_BYTES`; cut names end
+//!   with "…"): at most about 80 KiB decoded;
+//! - per process: at most 16,384 decoded code objects and 32 MiB (`code_cache::MAX_ENTRIES`,
+//!   `code_cache::MAX_BYTES`), evicted in CLOCK order past either;
+//! - in total: 32 MiB times the number of processes attached, which the caller bounds;
+//! - per walk: `MAX_DEPTH` frames (the innermost ones), 4,096 threads and 64 interpreters per
+//!   process (`threads`).
+//!
+//! What the budgets drop is counted in `CodeCacheCounters`, which `record --stats` prints.
 
 mod code;
+mod code_cache;
 pub mod dump;
 mod frames;
 mod linetable;
@@ -14,13 +27,17 @@ mod strings;
 mod tests;
 mod threads;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
+use std::iter::Sum;
+use std::ops::Add;
 use std::sync::Arc;
 
 use pyebpf_common::{PyProcConfig, NO_OFFSET};
 
 pub use code::{CodeInfo, Location};
-pub use frames::{ResolvedFrame, MAX_DEPTH};
+use code_cache::BoundedCache;
+pub use code_cache::MAX_ENTRIES as MAX_CACHED_CODES;
+pub use frames::{FrameWalk, ResolvedFrame, MAX_DEPTH};
 use memory::{MemCounters, MemError, ProcessMemory, ReadExt, ReadMemory};
 pub use offsets::{DebugOffsets, PyVersion};
 pub use threads::PyThread;
@@ -60,18 +77,55 @@ impl PyError {
     }
 }
 
+/// The code-object cache of a process, and what the budgets dropped.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CodeCacheCounters {
+    pub hits: u64,
+    pub misses: u64,
+    /// Code objects evicted to keep the cache within its bounds.
+    pub evictions: u64,
+    /// Location tables read only up to `MAX_LINETABLE`.
+    pub truncated_linetables: u64,
+    /// Names and file names read only up to `MAX_STRING_BYTES`.
+    pub truncated_strings: u64,
+    /// Code objects and bytes the cache holds now.
+    pub cached_entries: u64,
+    pub cached_bytes: u64,
+}
+
+impl Add for CodeCacheCounters {
+    type Output = Self;
+
+    fn add(self, other: Self) -> Self {
+        CodeCacheCounters {
+            hits: self.hits + other.hits,
+            misses: self.misses + other.misses,
+            evictions: self.evictions + other.evictions,
+            truncated_linetables: self.truncated_linetables + other.truncated_linetables,
+            truncated_strings: self.truncated_strings + other.truncated_strings,
+            cached_entries: self.cached_entries + other.cached_entries,
+            cached_bytes: self.cached_bytes + other.cached_bytes,
+        }
+    }
+}
+
+impl Sum for CodeCacheCounters {
+    fn sum<I: Iterator<Item = Self>>(iter: I) -> Self {
+        iter.fold(Self::default(), Add::add)
+    }
+}
+
 /// An attached CPython process.
 pub struct PyProcess<M = ProcessMemory> {
     pid: u32,
     mem: M,
     offsets: DebugOffsets,
     runtime: u64,
-    codes: HashMap<u64, Arc<CodeInfo>>,
+    codes: BoundedCache<Arc<CodeInfo>>,
     /// Type objects already confirmed to be `code`.
     code_types: HashSet<u64>,
     code_generation: Option<u64>,
-    code_hits: u64,
-    code_misses: u64,
+    code_counters: CodeCacheCounters,
     /// A code object of this process was decoded: its table is CPython's, not a look-alike.
     decoded: bool,
 }
@@ -96,11 +150,10 @@ impl<M: ReadMemory> PyProcess<M> {
             mem,
             offsets,
             runtime,
-            codes: HashMap::new(),
+            codes: BoundedCache::new(code_cache::MAX_ENTRIES, code_cache::MAX_BYTES),
             code_types: HashSet::new(),
             code_generation: None,
-            code_hits: 0,
-            code_misses: 0,
+            code_counters: CodeCacheCounters::default(),
             decoded: false,
         })
     }
@@ -126,9 +179,9 @@ impl<M: ReadMemory> PyProcess<M> {
         self.mem.counters()
     }
 
-    /// Code-object cache hits and misses.
-    pub fn code_cache_counters(&self) -> (u64, u64) {
-        (self.code_hits, self.code_misses)
+    /// The code-object cache's hits, misses and size, and what the budgets dropped.
+    pub fn code_cache_counters(&self) -> CodeCacheCounters {
+        CodeCacheCounters { cached_entries: self.codes.len() as u64, cached_bytes: self.codes.bytes() as u64, ..self.code_counters }
     }
 
     /// What the eBPF program needs to read this process's threads at sample time.
@@ -151,15 +204,16 @@ impl<M: ReadMemory> PyProcess<M> {
         }
     }
 
-    /// The decoded code object at `addr` (cached by address until the code-object generation moves).
+    /// The decoded code object at `addr` (cached by address until the code-object generation moves
+    /// or the cache's budget evicts it).
     pub fn code(&mut self, addr: u64) -> Result<Arc<CodeInfo>, PyError> {
-        if let Some(code) = self.codes.get(&addr) {
-            self.code_hits += 1;
-            return Ok(code.clone());
+        if let Some(code) = self.codes.get(addr) {
+            self.code_counters.hits += 1;
+            return Ok(code);
         }
-        self.code_misses += 1;
-        let code = Arc::new(code::read_code(&self.mem, &self.offsets, &mut self.code_types, addr)?);
-        self.codes.insert(addr, code.clone());
+        self.code_counters.misses += 1;
+        let code = Arc::new(code::read_code(&self.mem, &self.offsets, &mut self.code_types, addr, &mut self.code_counters)?);
+        self.code_counters.evictions += self.codes.insert(addr, code.clone(), code.heap_bytes());
         self.decoded = true;
         Ok(code)
     }
@@ -177,7 +231,7 @@ impl<M: ReadMemory> PyProcess<M> {
 
     /// Drops the cached decode of the code object at `addr` (another may live there now).
     pub fn forget_code(&mut self, addr: u64) {
-        self.codes.remove(&addr);
+        self.codes.remove(addr);
     }
 
     /// The `co_version` of the code object at `addr` now: with the address, its identity.

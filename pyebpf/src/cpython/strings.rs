@@ -4,17 +4,28 @@ use super::memory::{field_u32, field_u64, ReadExt, ReadMemory};
 use super::offsets::DebugOffsets;
 use super::PyError;
 
-/// Longest name or file name read, in characters.
-const MAX_CHARS: u64 = 4096;
+/// Most bytes of character data read per string (4,096 ASCII or Latin-1 characters, 2,048 UCS-2,
+/// 1,024 UCS-4): a target chooses its names' lengths, so a longer name is cut there. The decoded
+/// text is then at most 8 KiB of UTF-8.
+pub const MAX_STRING_BYTES: usize = 4096;
+/// Ends a name cut at `MAX_STRING_BYTES`.
+pub const TRUNCATION_MARK: char = '…';
 
-/// Reads the `str` at `addr`.
-pub fn read_str(mem: &impl ReadMemory, offsets: &DebugOffsets, addr: u64) -> Result<String, PyError> {
+/// A string as read: cut at the budget when `truncated` (the text then ends with `TRUNCATION_MARK`).
+#[derive(Debug, PartialEq, Eq)]
+pub struct ReadString {
+    pub text: String,
+    pub truncated: bool,
+}
+
+/// Reads the `str` at `addr`, at most `MAX_STRING_BYTES` of its characters.
+pub fn read_str(mem: &impl ReadMemory, offsets: &DebugOffsets, addr: u64) -> Result<ReadString, PyError> {
     if addr == 0 {
         return Err(PyError::Malformed("null string".into()));
     }
     let header = mem.read_vec(addr, (offsets.unicode_state.max(offsets.unicode_length) + 8) as usize)?;
     let length = field_u64(&header, offsets.unicode_length);
-    if length > MAX_CHARS {
+    if i64::try_from(length).is_err() {
         return Err(PyError::Malformed(format!("string of {length} characters")));
     }
     let state = field_u32(&header, offsets.unicode_state);
@@ -31,11 +42,22 @@ pub fn read_str(mem: &impl ReadMemory, offsets: &DebugOffsets, addr: u64) -> Res
         1 | 2 | 4 => kind as usize,
         other => return Err(PyError::Malformed(format!("string kind {other}"))),
     };
-    let raw = mem.read_vec(data, length as usize * width)?;
-    let chars: Option<String> = match width {
+    let chars = usize::try_from(length).unwrap_or(usize::MAX).min(MAX_STRING_BYTES / width);
+    let raw = mem.read_vec(data, chars * width)?;
+    let mut text = decode(&raw, width).ok_or_else(|| PyError::Malformed("string with an invalid code point".into()))?;
+    let truncated = chars as u64 != length;
+    if truncated {
+        text.push(TRUNCATION_MARK);
+    }
+    Ok(ReadString { text, truncated })
+}
+
+/// Characters stored `width` bytes each (PEP 393's kinds: UCS-2 never holds surrogate pairs, so
+/// cutting between any two units cuts between characters).
+fn decode(raw: &[u8], width: usize) -> Option<String> {
+    match width {
         1 => Some(raw.iter().map(|&b| char::from(b)).collect()),
         2 => raw.chunks_exact(2).map(|c| char::from_u32(u16::from_le_bytes([c[0], c[1]]) as u32)).collect(),
         _ => raw.chunks_exact(4).map(|c| char::from_u32(u32::from_le_bytes([c[0], c[1], c[2], c[3]]))).collect(),
-    };
-    chars.ok_or_else(|| PyError::Malformed("string with an invalid code point".into()))
+    }
 }

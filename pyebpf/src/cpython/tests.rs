@@ -20,12 +20,17 @@ impl Drop for Target {
 
 /// Starts Debian's `python3.X` with two threads waiting, and attaches once it is ready.
 fn attach(version: &str) -> (Target, PyProcess) {
+    let code = "import sys, threading\nhold = threading.Event()\nthreading.Thread(target=hold.wait, daemon=True).start()\nopen(sys.argv[1], 'w').close()\nhold.wait()";
+    attach_running(version, code)
+}
+
+/// Starts Debian's `python3.X -c CODE READY_FILE`, and attaches once CODE creates READY_FILE.
+fn attach_running(version: &str, code: &str) -> (Target, PyProcess) {
     let prefix = PathBuf::from(std::env::var("PYEBPF_PYTHONS").expect("PYEBPF_PYTHONS must name the test Pythons' prefix (cargo xtask test sets it)"));
     let python = prefix.join(format!("usr/bin/python{version}"));
     assert!(python.exists(), "test interpreter missing: {}", python.display());
     let dir = tempfile::tempdir().unwrap();
     let ready = dir.path().join("ready");
-    let code = "import sys, threading\nhold = threading.Event()\nthreading.Thread(target=hold.wait, daemon=True).start()\nopen(sys.argv[1], 'w').close()\nhold.wait()";
     let target = Target(Command::new(&python).args(["-c", code]).arg(&ready).stdin(Stdio::null()).spawn().unwrap());
     let started = Instant::now();
     while !ready.exists() {
@@ -66,7 +71,7 @@ fn the_marker_is_written_only_into_the_static_main_thread_state_of_3_15() {
     assert!(!process.marker_writable(worker.tstate), "a worker's thread state is heap memory, freed before its thread exits");
     let refused = |result: Result<(), PyError>| matches!(result, Err(PyError::WriteRefused(_)));
     assert!(refused(process.set_last_profiled_frame(main.tstate, main.current_frame)), "written before any frame was decoded");
-    let link = process.walk_frames(main.current_frame).unwrap()[0];
+    let link = process.walk_frames(main.current_frame).unwrap().links[0];
     process.frame_info(&link).unwrap();
     assert!(refused(process.set_last_profiled_frame(worker.tstate, worker.current_frame)));
     process.set_last_profiled_frame(main.tstate, main.current_frame).unwrap();
@@ -90,7 +95,7 @@ fn frames_resolve_step_by_step_and_the_code_cache_hits() {
     let threads = process.threads().unwrap();
     for _ in 0..2 {
         for thread in &threads {
-            let links = process.walk_frames(thread.current_frame).unwrap();
+            let links = process.walk_frames(thread.current_frame).unwrap().links;
             assert!(!links.is_empty());
             let innermost = process.frame_info(&links[0]).unwrap().expect("the innermost frame runs Python code");
             assert_eq!(&*innermost.frame.qualname, "Condition.wait", "{innermost:?}");
@@ -98,8 +103,10 @@ fn frames_resolve_step_by_step_and_the_code_cache_hits() {
             assert_eq!(process.python_frame(links[0].code, links[0].instr_ptr).unwrap(), innermost.frame);
         }
     }
-    let (hits, misses) = process.code_cache_counters();
-    assert!(hits > 0 && misses > 0, "code cache hits {hits}, misses {misses}");
+    let counters = process.code_cache_counters();
+    assert!(counters.hits > 0 && counters.misses > 0, "code cache {counters:?}");
+    assert_eq!(counters.cached_entries, counters.misses, "{counters:?}");
+    assert!(counters.cached_bytes > 0 && counters.evictions == 0, "{counters:?}");
 }
 
 #[test]
@@ -112,4 +119,41 @@ fn a_process_gone_between_reads_gives_errors() {
     assert!(err.process_gone(), "{err}");
     assert!(matches!(process.threads(), Err(PyError::Memory(_))));
     assert!(process.code(threads[0].current_frame).is_err());
+}
+
+/// A function whose location table is past the 64 KiB budget, and names past the 4 KiB one.
+const OVERSIZED: &str = r#"
+import sys, threading
+hold = threading.Event()
+namespace = {"hold": hold}
+exec("def big():\n" + "    x = 1\n" * 40000 + "    hold.wait()\n", namespace)
+exec("def " + "n" * 10000 + "():\n    hold.wait()\n", namespace)
+exec("def " + "\U00020000" * 2000 + "():\n    hold.wait()\n", namespace)
+for function in list(namespace.values())[1:]:
+    if callable(function):
+        threading.Thread(target=function, daemon=True).start()
+assert len(namespace["big"].__code__.co_linetable) > 64 << 10
+open(sys.argv[1], 'w').close()
+hold.wait()
+"#;
+
+#[test]
+fn location_tables_and_names_are_cut_at_their_budgets() {
+    let (_target, mut process) = attach_running("3.14", OVERSIZED);
+    let mut frames = Vec::new();
+    for thread in process.threads().unwrap() {
+        for link in process.walk_frames(thread.current_frame).unwrap().links {
+            frames.extend(process.frame_info(&link).unwrap());
+        }
+    }
+    let big = frames.iter().find(|f| &*f.frame.qualname == "big").expect("big() is on a stack");
+    assert_eq!(big.frame.first_line, 1);
+    assert_eq!(big.frame.line, 0, "a line past the read part of the table is unknown: {big:?}");
+    let ascii = frames.iter().find(|f| f.frame.qualname.starts_with('n')).expect("the long ASCII name is on a stack");
+    assert_eq!(&*ascii.frame.qualname, format!("{}…", "n".repeat(4096)));
+    assert_eq!(ascii.frame.line, 2, "a short table is read whole: {:?}", ascii.location);
+    let wide = frames.iter().find(|f| f.frame.qualname.starts_with('\u{20000}')).expect("the long UCS-4 name is on a stack");
+    assert_eq!(&*wide.frame.qualname, format!("{}…", "\u{20000}".repeat(1024)));
+    let counters = process.code_cache_counters();
+    assert_eq!((counters.truncated_linetables, counters.truncated_strings), (1, 2), "{counters:?}");
 }
