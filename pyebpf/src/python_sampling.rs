@@ -294,8 +294,11 @@ impl PythonProcess {
     /// Establishes a new marker chain for the sampled thread when the kernel had to walk far.
     fn maybe_establish(&mut self, record: &SampleRecord, gen: u64, sampler: &mut Sampler, stats: &mut Stats) -> bool {
         let joined_near_leaf = record.py.status & py_status::JOINED != 0 && record.py.frames_len <= ESTABLISH_AFTER_FRAMES;
+        // A chain deeper than the kernel walks could only be proven by reading all of it here.
+        let too_deep = record.py.status & py_status::TOO_DEEP != 0;
         let Some(thread) = self.threads.get(&record.tid) else { return false };
         if joined_near_leaf
+            || too_deep
             || !self.py.marker_writable(thread.tstate)
             || !self.py.decoded_frames()
             || thread.established_at.is_some_and(|at| at.elapsed() < ESTABLISH_INTERVAL)
