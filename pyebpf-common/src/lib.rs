@@ -48,7 +48,9 @@ pub struct Config {
     /// Offset of `child_pid` in the `sched_process_fork` tracepoint record (read from its format
     /// file: it moved between kernel versions).
     pub fork_child_pid_offset: u32,
-    pub _pad: u32,
+    /// Pending bytes in the ring buffer from which a sample wakes the reader; below, the reader
+    /// polls on its own timer.
+    pub wakeup_bytes: u32,
 }
 
 /// Bits of [`PyCapture::status`].

@@ -23,8 +23,6 @@ use pyebpf_common::{
     MARKER_POSITIONS, MAX_KERNEL_FRAMES, MAX_PY_FRAMES, MAX_USER_FRAMES, NO_OFFSET, PY_FRAME_WINDOW,
 };
 
-/// `bpf_get_stack` flag for the user stack.
-const BPF_F_USER_STACK: u64 = 1 << 8;
 
 /// Userspace sets the real size at load time (`--ring-buffer-kb`).
 #[map(name = "SAMPLES")]
@@ -55,6 +53,9 @@ static PY_MARKERS: HashMap<u32, MarkerChain> = HashMap::with_max_entries(65536, 
 static SCRATCH: PerCpuArray<SampleRecord> = PerCpuArray::with_max_entries(1, 0);
 
 const BPF_F_NO_PREALLOC: u32 = 1;
+const BPF_RB_NO_WAKEUP: u64 = 1;
+const BPF_RB_FORCE_WAKEUP: u64 = 2;
+const BPF_RB_AVAIL_DATA: u64 = 0;
 
 #[perf_event]
 pub fn sample(ctx: PerfEventContext) -> u32 {
@@ -78,15 +79,11 @@ pub fn sample(ctx: PerfEventContext) -> u32 {
         (*record).time_ns = bpf_ktime_get_ns();
         (*record).comm = bpf_get_current_comm().unwrap_or([0; 16]);
         capture_python(tgid, tid, &mut (*record).py, &mut (*record).py_frames);
-        let (sp, bp) = user_sp_bp(&ctx);
+        let (ip, sp, bp) = user_regs(&ctx);
         (*record).user_sp = sp;
-        (*record).frame_bases_len = walk_frame_bases(bp, sp, &mut (*record).user_frame_bases);
-        (*record).user_len = stack_len(bpf_get_stack(
-            ctx.as_ptr(),
-            (*record).user_stack.as_mut_ptr() as *mut c_void,
-            (MAX_USER_FRAMES * size_of::<u64>()) as u32,
-            BPF_F_USER_STACK,
-        ));
+        let (user_len, bases_len) = walk_user_stack(ip, sp, bp, &mut (*record).user_stack, &mut (*record).user_frame_bases);
+        (*record).user_len = user_len;
+        (*record).frame_bases_len = bases_len;
         (*record).kernel_len = if config.flags & config_flags::KERNEL_STACK != 0 {
             stack_len(bpf_get_stack(
                 ctx.as_ptr(),
@@ -103,7 +100,10 @@ pub fn sample(ctx: PerfEventContext) -> u32 {
     let len = SampleRecord::sent_len(if frames > MAX_PY_FRAMES { MAX_PY_FRAMES } else { frames });
     // SAFETY: `len` is at most the record's size.
     let bytes = unsafe { core::slice::from_raw_parts(record as *const u8, len) };
-    if SAMPLES.output::<[u8]>(bytes, 0).is_err() {
+    // Waking the reader costs more than the rest of the sample (an interrupt, a VM exit in a
+    // guest): it is woken only once a batch is pending, and otherwise polls on a short timer.
+    let flags = if SAMPLES.query(BPF_RB_AVAIL_DATA) >= config.wakeup_bytes as u64 { BPF_RB_FORCE_WAKEUP } else { BPF_RB_NO_WAKEUP };
+    if SAMPLES.output::<[u8]>(bytes, flags).is_err() {
         if let Some(lost) = LOST.get_ptr_mut(0) {
             // SAFETY: per-CPU slot, and this program cannot preempt itself on one CPU.
             unsafe { *lost += 1 };
@@ -123,50 +123,67 @@ fn stack_len(bytes: i64) -> u32 {
 
 /// `pt_regs` field offsets on x86_64.
 const PT_REGS_BP: usize = 4 * 8;
+const PT_REGS_IP: usize = 16 * 8;
 const PT_REGS_CS: usize = 17 * 8;
 const PT_REGS_SP: usize = 19 * 8;
 
-/// The user stack and frame pointers of the sampled thread, also when the sample hit it in the
-/// kernel (then they come from the registers saved at kernel entry).
-fn user_sp_bp(ctx: &PerfEventContext) -> (u64, u64) {
+/// The user instruction, stack and frame pointers of the sampled thread, also when the sample hit
+/// it in the kernel (then they come from the registers saved at kernel entry).
+fn user_regs(ctx: &PerfEventContext) -> (u64, u64, u64) {
     let regs = ctx.as_ptr() as *const u8;
     // SAFETY: the context starts with the interrupted registers.
     let cs = unsafe { *(regs.add(PT_REGS_CS) as *const u64) };
     if cs & 3 == 3 {
         // SAFETY: as above.
-        return unsafe { (*(regs.add(PT_REGS_SP) as *const u64), *(regs.add(PT_REGS_BP) as *const u64)) };
+        return unsafe {
+            (
+                *(regs.add(PT_REGS_IP) as *const u64),
+                *(regs.add(PT_REGS_SP) as *const u64),
+                *(regs.add(PT_REGS_BP) as *const u64),
+            )
+        };
     }
     // SAFETY: the current task is valid during the program; its saved user registers are read
     // with a checked kernel read.
     unsafe {
         let saved = bpf_task_pt_regs(bpf_get_current_task_btf()) as *const u8;
         if saved.is_null() {
-            return (0, 0);
+            return (0, 0, 0);
         }
-        let sp = bpf_probe_read_kernel(saved.add(PT_REGS_SP) as *const u64).unwrap_or(0);
-        let bp = bpf_probe_read_kernel(saved.add(PT_REGS_BP) as *const u64).unwrap_or(0);
-        (sp, bp)
+        let read = |offset: usize| bpf_probe_read_kernel(saved.add(offset) as *const u64).unwrap_or(0);
+        (read(PT_REGS_IP), read(PT_REGS_SP), read(PT_REGS_BP))
     }
 }
 
-/// Follows the saved frame-pointer chain as the kernel's user unwinder does, recording each
-/// frame's base; stops where the chain leaves the stack or stops growing towards its root.
-fn walk_frame_bases(mut bp: u64, sp: u64, bases: &mut [u64; MAX_USER_FRAMES]) -> u32 {
-    let mut len = 0;
+/// Unwinds the user stack through saved frame pointers, as the kernel's own user unwinder does,
+/// in one pass that records each frame's return address and its frame base (the merge places
+/// Python segments by the bases): one 16-byte read per frame. Stops where the chain leaves the
+/// stack or stops growing towards its root. Returns (return addresses, frame bases) recorded.
+fn walk_user_stack(ip: u64, sp: u64, mut bp: u64, stack: &mut [u64; MAX_USER_FRAMES], bases: &mut [u64; MAX_USER_FRAMES]) -> (u32, u32) {
+    if ip == 0 {
+        return (0, 0);
+    }
+    stack[0] = ip;
+    let mut frames = 1;
+    let mut based = 0;
     let mut floor = sp;
-    for slot in bases.iter_mut() {
+    for (base, ret) in bases.iter_mut().zip(stack[1..].iter_mut()) {
         if bp < floor || bp & 7 != 0 {
             break;
         }
-        *slot = bp;
-        len += 1;
-        floor = bp + 16;
-        match read_u64(bp) {
-            Some(next) => bp = next,
-            None => break,
+        *base = bp;
+        based += 1;
+        // SAFETY: a checked user read of the saved frame pointer and return address.
+        let Ok(frame) = (unsafe { bpf_probe_read_user(bp as *const [u64; 2]) }) else { break };
+        if frame[1] == 0 {
+            break;
         }
+        *ret = frame[1];
+        frames += 1;
+        floor = bp + 16;
+        bp = frame[0];
     }
-    len
+    (frames, based)
 }
 
 fn read_u64(addr: u64) -> Option<u64> {

@@ -122,7 +122,7 @@ impl Sampler {
         } else {
             0
         };
-        let config = Config { own_tgid: std::process::id(), flags, fork_child_pid_offset, _pad: 0 };
+        let config = Config { own_tgid: std::process::id(), flags, fork_child_pid_offset, wakeup_bytes: kb * 1024 / 4 };
         let mut config_map: Array<_, Config> =
             Array::try_from(ebpf.map_mut(maps::CONFIG).expect("CONFIG is in the object")).map_err(map_error(maps::CONFIG))?;
         config_map.set(0, config, 0).map_err(map_error(maps::CONFIG))?;
@@ -168,16 +168,16 @@ impl Sampler {
         })
     }
 
-    /// Waits until samples are available, then moves all of them into `out`.
+    /// Waits until a batch of samples is pending, or at most [`POLL_INTERVAL`], then moves all
+    /// pending samples into `out`.
     pub async fn read_samples(&mut self, out: &mut Vec<Box<SampleRecord>>) -> Result<(), BpfError> {
-        let mut guard = self.samples.readable_mut().await.map_err(BpfError::Poll)?;
-        let ring = guard.get_inner_mut();
-        while let Some(item) = ring.next() {
-            if let Some(record) = decode_record(&item) {
-                out.push(record);
-            }
+        if let Ok(woken) = tokio::time::timeout(POLL_INTERVAL, self.samples.readable_mut()).await {
+            let mut guard = woken.map_err(BpfError::Poll)?;
+            drain(guard.get_inner_mut(), out);
+            guard.clear_ready();
+            return Ok(());
         }
-        guard.clear_ready();
+        drain(self.samples.get_mut(), out);
         Ok(())
     }
 
@@ -221,6 +221,18 @@ impl Sampler {
     /// Tells the eBPF program the marker chain userspace established for `tid`.
     pub fn set_marker_chain(&mut self, tid: u32, chain: &MarkerChain) -> Result<(), BpfError> {
         self.py_markers.insert(tid, chain, 0).map_err(map_error(maps::PY_MARKERS))
+    }
+}
+
+/// How long samples may wait in the ring buffer before the reader looks: the kernel wakes the
+/// reader only once a quarter of the buffer is pending.
+const POLL_INTERVAL: std::time::Duration = std::time::Duration::from_millis(10);
+
+fn drain(ring: &mut RingBuf<MapData>, out: &mut Vec<Box<SampleRecord>>) {
+    while let Some(item) = ring.next() {
+        if let Some(record) = decode_record(&item) {
+            out.push(record);
+        }
     }
 }
 
