@@ -147,11 +147,14 @@ fn native_hashing_frames_sit_under_their_python_caller_on_3_15() {
 
     let (python_only, _) = record(&["-p", &pid, "-F", "199", "-d", "2", "--no-native"]);
     let stacks = stacks_of(&python_only, workload.pid());
-    assert!(total(&stacks) > 100);
+    let all = total(&stacks);
+    assert!(all > 100, "only {all} samples");
     for (frames, _) in &stacks {
         assert!(frames.iter().all(|f| any_python_frame(f)), "--no-native left a native frame: {frames:?}");
-        assert!(frames.iter().any(|f| is_python_frame(f, "hash_caller")), "{frames:?}");
     }
+    // The loop around the calls runs too, briefly: nearly every sample is inside one.
+    let in_caller = count_where(&stacks, |frames| frames.iter().any(|f| is_python_frame(f, "hash_caller")));
+    assert!(in_caller * 100 >= all * 95, "{in_caller} of {all} samples inside hash_caller:\n{python_only}");
 }
 
 /// A number from the `--stats` line starting with `label`: the `index`-th number on it.

@@ -3,8 +3,9 @@
 //!
 //! For each test interpreter, a fixed CPU workload 100 frames deep runs alone, under
 //! `pyebpf record` and under py-spy, in interleaved rounds; the workload times its own work, so
-//! start-up is not counted. pyebpf's `--stats` gives its own CPU time and remote reads per sample,
-//! with and without its frame caches.
+//! start-up is not counted. pyebpf's `--stats` gives its own CPU time and the eBPF sampler's time
+//! per sample, with and without the 3.15 marker. A second table gives the sampler's in-kernel time
+//! per sample for stacks 5 and 100 frames deep.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -32,7 +33,7 @@ pub fn bench(root: &Path, pyebpf: PathBuf, pythons: &Path) -> Result<()> {
         out: root.join("target/bench"),
     };
     std::fs::create_dir_all(&setup.out)?;
-    println!("| interpreter | alone (s) | pyebpf (s, ratio) | py-spy (s, ratio) | pyebpf CPU per sample | remote reads per sample: cached / --no-cache |");
+    println!("| interpreter | alone (s) | pyebpf (s, ratio) | py-spy (s, ratio) | pyebpf CPU per sample | eBPF time per sample: default / --no-cache |");
     println!("|---|---|---|---|---|---|");
     for version in ["3.13", "3.14", "3.15"] {
         let python = pythons.join(format!("usr/bin/python{version}"));
@@ -63,9 +64,54 @@ pub fn bench(root: &Path, pyebpf: PathBuf, pythons: &Path) -> Result<()> {
             pyebpf / base,
             py_spy / base,
             stat_value(&stats, "pyebpf CPU time:", "per sample"),
-            stat_value(&stats, "remote reads:", "per python sample"),
-            stat_value(&uncached, "remote reads:", "per python sample"),
+            kernel_time(&stats),
+            kernel_time(&uncached),
         );
+    }
+    kernel_cost(&setup, pythons, root)
+}
+
+/// The eBPF sampler's own time per sample, from `--stats`.
+fn kernel_time(stats: &str) -> String {
+    stats
+        .lines()
+        .find(|l| l.starts_with("eBPF program time:"))
+        .and_then(|l| l.split_once('(').map(|(_, rest)| rest.split(" per recorded sample").next().unwrap_or("?").to_string()))
+        .unwrap_or_else(|| "?".into())
+}
+
+/// In-kernel time per sample of a thread spinning DEPTH frames deep, recorded at 999 Hz.
+fn kernel_cost(setup: &Setup, pythons: &Path, root: &Path) -> Result<()> {
+    println!();
+    println!("| interpreter | depth | eBPF time per sample | with --no-cache | share of one CPU at 99 Hz |");
+    println!("|---|---|---|---|---|");
+    for version in ["3.13", "3.14", "3.15"] {
+        for depth in ["5", "100"] {
+            let ready = setup.out.join("ready");
+            let _ = std::fs::remove_file(&ready);
+            let mut target = Command::new(pythons.join(format!("usr/bin/python{version}")))
+                .arg(root.join("tests/scripts/sampling_deep.py"))
+                .arg(&ready)
+                .arg(depth)
+                .spawn()?;
+            while !ready.exists() {
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            let pid = target.id().to_string();
+            let record = |extra: &[&str]| -> Result<String> {
+                let output = Command::new(&setup.pyebpf)
+                    .args(["record", "-p", &pid, "-F", "999", "-d", "4", "--stats", "-o"])
+                    .arg(setup.out.join("kernel.folded"))
+                    .args(extra)
+                    .output()?;
+                Ok(kernel_time(&String::from_utf8_lossy(&output.stderr)))
+            };
+            let (default, uncached) = (record(&[])?, record(&["--no-cache"])?);
+            target.kill()?;
+            target.wait()?;
+            let us: f64 = default.trim_end_matches(" us").parse().unwrap_or(f64::NAN);
+            println!("| {version} | {depth} | {default} | {uncached} | {:.3}% |", us * 99.0 / 1e4);
+        }
     }
     Ok(())
 }
