@@ -252,6 +252,9 @@ impl PythonProcess {
         if link.kind == LinkKind::Entry {
             return Ok(Some(PyStackItem::SegmentEnd { entry_frame: link.addr }));
         }
+        if link.code == 0 {
+            return Ok(None);
+        }
         if self.code_versions.get(&link.code) != Some(&version) {
             self.py.forget_code(link.code);
             self.code_versions.remove(&link.code);

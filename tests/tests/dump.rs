@@ -144,3 +144,38 @@ fn dump_of_a_process_exiting_mid_read_is_a_clear_error() {
         assert!(outcomes.get("ok").is_some_and(|&n| n > 0), "no dump succeeded before the exit: {outcomes:?}");
     }
 }
+
+/// A thread running `fib(22)` changes its stack all the time: a dump still reads it whole (it
+/// tries again from the new current frame when a read lands on a frame that just went away).
+fn check_dump_of_a_busy_thread(python: &Path) {
+    let (target, _dir) = start_ready(python, "busy_recursion.py", &[]);
+    let mut whole = 0;
+    let mut failures = Vec::new();
+    for _ in 0..100 {
+        let output = dump(target.pid(), true);
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        let parsed: Option<Value> = serde_json::from_str(&stdout).ok();
+        let main = parsed.as_ref().and_then(|p| p["threads"].as_array()?.iter().find(|t| t["tid"] == target.pid()).cloned());
+        let read_whole = output.status.success()
+            && main.as_ref().is_some_and(|t| {
+                let names: Vec<&str> = t["frames"].as_array().unwrap().iter().filter_map(|f| f["qualname"].as_str()).collect();
+                t.get("error").is_none() && names.last() == Some(&"<module>") && names.first() == Some(&"fib")
+            });
+        if read_whole {
+            whole += 1;
+        } else {
+            failures.push(format!("{}{}", stdout, String::from_utf8_lossy(&output.stderr)));
+        }
+    }
+    assert!(whole >= 99, "{}: {whole} of 100 dumps read the busy stack whole; first failure:\n{}", python.display(), failures[0]);
+}
+
+#[test]
+fn dump_of_a_busy_thread_debian_3_14() {
+    check_dump_of_a_busy_thread(&debian_python("3.14"));
+}
+
+#[test]
+fn dump_of_a_busy_thread_debian_3_15() {
+    check_dump_of_a_busy_thread(&debian_python("3.15"));
+}

@@ -2,8 +2,10 @@
 //!
 //! Threads are read and printed one at a time, so what a dump holds is bounded by one thread's
 //! stack (`MAX_DEPTH` frames, the innermost ones, marked truncated past that) whatever the number
-//! of threads. A thread whose stack cannot be read (a looping chain, a malformed code object) is
-//! shown with its error; a process that exits during the dump ends it with an error.
+//! of threads. A running thread's stack changes while it is read (a frame returns, its code object
+//! is freed), so a read that fails is tried again from the thread's new current frame; a thread
+//! whose stack still cannot be read (a looping chain, a malformed code object) is shown with what
+//! was read up to the bad frame and the error. A process that exits during the dump ends it.
 
 use std::io::{self, Write};
 use std::sync::Arc;
@@ -24,7 +26,7 @@ struct ThreadDump {
     frames: Vec<FrameDump>,
     /// The stack is deeper than `MAX_DEPTH` frames: `frames` are its innermost ones.
     truncated: bool,
-    /// Why the stack could not be read (then `frames` is empty).
+    /// Why the stack could not be read past `frames`.
     #[serde(skip_serializing_if = "Option::is_none")]
     error: Option<String>,
 }
@@ -83,46 +85,71 @@ fn dump<M: ReadMemory>(process: &mut PyProcess<M>, json: bool, out: &mut impl Wr
 
 /// One thread's stack; an error that is this thread's alone is kept in the dump, one that comes
 /// from the process having gone ends it.
+/// Reads of one thread's stack before its error is shown.
+const READ_ATTEMPTS: usize = 5;
+
 fn dump_thread<M: ReadMemory>(process: &mut PyProcess<M>, thread: &PyThread) -> Result<ThreadDump> {
     let mut dump = ThreadDump { tid: thread.tid, name: process.thread_name(thread.tid), holds_gil: thread.holds_gil, frames: Vec::new(), truncated: false, error: None };
-    match thread_frames(process, thread.current_frame) {
-        Ok((frames, truncated)) => (dump.frames, dump.truncated) = (frames, truncated),
-        Err(err) if err.process_gone() => {
+    let mut current_frame = thread.current_frame;
+    for attempt in 1..=READ_ATTEMPTS {
+        let (frames, truncated, error) = thread_frames(process, current_frame);
+        (dump.frames, dump.truncated) = (frames, truncated);
+        let Some(err) = error else {
+            dump.error = None;
+            break;
+        };
+        if err.process_gone() {
             return Err(err).with_context(|| format!("cannot read the stack of thread {} of process {}", thread.tid, process.pid()));
         }
-        Err(err) => dump.error = Some(err.to_string()),
+        dump.error = Some(err.to_string());
+        if attempt < READ_ATTEMPTS {
+            // Let the thread move on from whatever it was in the middle of.
+            std::thread::sleep(std::time::Duration::from_millis(1));
+            match process.current_frame(thread.tstate) {
+                Ok(frame) => current_frame = frame,
+                Err(err) if err.process_gone() => return Err(err).context("cannot read a thread state"),
+                Err(_) => break,
+            }
+        }
     }
     Ok(dump)
 }
 
-fn thread_frames<M: ReadMemory>(process: &mut PyProcess<M>, current_frame: u64) -> Result<(Vec<FrameDump>, bool), PyError> {
+/// The frames read from `current_frame`, the truncation mark, and the error that stopped the read
+/// early, if one did (the frames before it are kept).
+fn thread_frames<M: ReadMemory>(process: &mut PyProcess<M>, current_frame: u64) -> (Vec<FrameDump>, bool, Option<PyError>) {
     if current_frame == 0 {
-        return Ok((Vec::new(), false));
+        return (Vec::new(), false, None);
     }
-    let walk = process.walk_frames(current_frame)?;
+    let walk = match process.walk_frames(current_frame) {
+        Ok(walk) => walk,
+        Err(err) => return (Vec::new(), false, Some(err)),
+    };
     let mut frames = Vec::with_capacity(walk.links.len());
     for link in &walk.links {
-        if let Some(resolved) = process.frame_info(link)? {
-            frames.push(FrameDump {
+        match process.frame_info(link) {
+            Ok(Some(resolved)) => frames.push(FrameDump {
                 qualname: resolved.frame.qualname,
                 filename: resolved.frame.filename,
                 line: resolved.frame.line,
                 end_line: resolved.location.end_line,
                 column: resolved.location.column,
                 end_column: resolved.location.end_column,
-            });
+            }),
+            Ok(None) => {}
+            Err(err) => return (frames, walk.truncated, Some(err)),
         }
     }
-    Ok((frames, walk.truncated))
+    (frames, walk.truncated, None)
 }
 
 fn print_traceback(thread: &ThreadDump, out: &mut impl Write) -> io::Result<()> {
     let name = thread.name.as_deref().unwrap_or("?");
     writeln!(out, "\nThread {} ({name}){}", thread.tid, if thread.holds_gil { " [holds the GIL]" } else { "" })?;
-    if let Some(error) = &thread.error {
-        return writeln!(out, "  <stack unreadable: {error}>");
-    }
     writeln!(out, "Traceback (most recent call last):")?;
+    if let Some(error) = &thread.error {
+        writeln!(out, "  <older frames unreadable: {error}>")?;
+    }
     if thread.truncated {
         writeln!(out, "  ... older frames not shown (the stack is deeper than {MAX_DEPTH} frames)")?;
     }

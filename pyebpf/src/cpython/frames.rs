@@ -63,7 +63,8 @@ impl<M: ReadMemory> PyProcess<M> {
     /// What a frame link runs and where: `None` for entry frames and for frames the interpreter
     /// pushes for itself, which Python's own view of the stack leaves out too.
     pub fn frame_info(&mut self, link: &FrameLink) -> Result<Option<ResolvedFrame>, PyError> {
-        if link.kind != LinkKind::Code {
+        // A frame without a code object is being set up or torn down: not a Python call yet/any more.
+        if link.kind != LinkKind::Code || link.code == 0 {
             return Ok(None);
         }
         let info = self.code(link.code)?;

@@ -43,6 +43,11 @@ impl<M: ReadMemory> PyProcess<M> {
         Ok(threads)
     }
 
+    /// The innermost frame `tstate` runs now.
+    pub fn current_frame(&self, tstate: u64) -> Result<u64, PyError> {
+        Ok(self.mem.read_u64(tstate.wrapping_add(self.offsets.tstate_current_frame))?)
+    }
+
     /// The name the kernel gives a thread of this process (`/proc/PID/task/TID/comm`); kept out of
     /// `threads()` so a sampler refreshing its thread list opens no files.
     pub fn thread_name(&self, tid: u32) -> Option<String> {
