@@ -64,3 +64,22 @@ pub fn comm_to_string(comm: &[u8]) -> String {
     let end = comm.iter().position(|&b| b == 0).unwrap_or(comm.len());
     String::from_utf8_lossy(&comm[..end]).into_owned()
 }
+
+/// For a process in a PID namespace other than pyebpf's (a container), its threads' ids as the
+/// process sees them mapped to the host's; `None` when it shares pyebpf's namespace.
+pub fn namespace_tids(pid: u32) -> Option<HashMap<u32, u32>> {
+    let ns = |path: String| std::fs::read_link(path).ok();
+    let theirs = ns(format!("/proc/{pid}/ns/pid"))?;
+    if Some(&theirs) == ns("/proc/self/ns/pid".into()).as_ref() {
+        return None;
+    }
+    let tasks = procfs::process::Process::new(pid as i32).ok()?.tasks().ok()?;
+    let map = tasks
+        .filter_map(|task| {
+            let ids = task.ok()?.status().ok()?.nspid?;
+            // NSpid lists the id in each namespace from the host's down to the process's own.
+            Some((*ids.last()? as u32, *ids.first()? as u32))
+        })
+        .collect();
+    Some(map)
+}

@@ -1,0 +1,58 @@
+//! A Python in its own PID and mount namespaces (a container), whose interpreter is visible only
+//! inside them: its thread ids there are not the host's, and its files are reached through
+//! /proc/PID/root.
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use pyebpf_tests::{record_collapsed, script, stacks_of, total, Killed};
+
+/// Starts `alternating.py` under Debian's python3.14 bind-mounted at a path that exists only in a
+/// new mount namespace, in a new PID namespace; returns the child and the host PID of the Python.
+fn start_contained(dir: &std::path::Path) -> (Killed, u32) {
+    let prefix = std::env::var("PYEBPF_PYTHONS").expect("PYEBPF_PYTHONS names the test Pythons' prefix (cargo xtask test sets it)");
+    let inside = "/run/pyebpf-test-container-python";
+    let ready = dir.join("ready");
+    let shell = format!(
+        "mkdir -p {inside} && mount --bind {prefix} {inside} && exec {inside}/usr/bin/python3.14 {} {} 1",
+        script("alternating.py").display(),
+        ready.display()
+    );
+    let child = Killed(
+        Command::new("unshare")
+            .args(["--pid", "--mount", "--fork", "--mount-proc", "--propagation", "private", "sh", "-c", &shell])
+            .stdin(Stdio::null())
+            .spawn()
+            .expect("unshare (util-linux) must be installed"),
+    );
+    let started = Instant::now();
+    while !ready.exists() {
+        assert!(started.elapsed() < Duration::from_secs(30), "the contained Python did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(!std::path::Path::new(inside).join("usr").exists(), "the interpreter is visible outside its namespace: the test proves nothing");
+    // The Python is the forked child of unshare, the child of the process spawned.
+    let children = std::fs::read_to_string(format!("/proc/{}/task/{}/children", child.pid(), child.pid())).unwrap();
+    let python: u32 = children.split_whitespace().next().expect("unshare's child").parse().unwrap();
+    let status = std::fs::read_to_string(format!("/proc/{python}/status")).unwrap();
+    let nspid = status.lines().find(|l| l.starts_with("NSpid:")).unwrap();
+    assert_eq!(nspid.split_whitespace().count(), 3, "not in a nested PID namespace: {nspid}");
+    (child, python)
+}
+
+fn check_python_share(mode: &[&str], python: u32) {
+    let (collapsed, stderr) = record_collapsed(&[mode, &["-F", "499", "-d", "3"]].concat());
+    let stacks = stacks_of(&collapsed, python);
+    let all = total(&stacks);
+    let with_python = stacks.iter().filter(|(frames, _)| frames.iter().any(|f| f.starts_with("a_leaf (") || f.starts_with("b_leaf ("))).map(|(_, n)| n).sum::<u64>();
+    assert!(all >= 200, "{mode:?}: only {all} samples of the contained Python: {stderr}");
+    assert!(with_python * 100 >= all * 95, "{mode:?}: {with_python} of {all} samples have Python frames");
+}
+
+#[test]
+fn a_contained_python_gets_python_frames_under_p_and_a() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_child, python) = start_contained(dir.path());
+    check_python_share(&["-p", &python.to_string()], python);
+    check_python_share(&["-a"], python);
+}
