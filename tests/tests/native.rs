@@ -5,7 +5,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use pyebpf_tests::{assert_one_line_error, count_where, pyebpf, record_collapsed, run_pyebpf, stacks_of, total, Killed};
+use pyebpf_tests::{
+    assert_one_line_error, count_where, pyebpf, pyebpf_without_tracefs, record_collapsed, record_collapsed_without_tracefs, run_pyebpf, stacks_of,
+    total, wait_for_file, without_tracefs, Killed,
+};
 
 /// Spins in leaf_fn under main → outer_fn → middle_fn (for argv[1] seconds, default forever);
 /// with argv[2] = "syscalls" the leaf makes system calls instead.
@@ -165,11 +168,109 @@ fn command_mode_follows_children_and_ends_with_the_command() {
     let binary = compile_spin(dir.path(), "spin");
     let script = format!("{0} 1 & {0} 2; wait", binary.display());
     let started = Instant::now();
-    let (collapsed, _) = record_collapsed(&["-d", "60", "--", "sh", "-c", &script]);
+    let (collapsed, _) = record_collapsed_without_tracefs(&["-d", "60", "--", "sh", "-c", &script]);
     assert!(started.elapsed() < Duration::from_secs(10), "pyebpf did not stop when the command ended");
     let spinners: std::collections::HashSet<&str> =
         collapsed.lines().filter(|l| l.starts_with("spin (") && l.contains("leaf_fn")).map(|l| l.split(';').next().unwrap()).collect();
     assert_eq!(spinners.len(), 2, "both children of the command should be sampled:\n{collapsed}");
+}
+
+#[test]
+fn tests_without_tracefs_do_not_see_a_tracefs_mounted_on_the_host() {
+    // The "host" here is a private namespace with tracefs and debugfs mounted, as a developer's
+    // machine may have them; the wrapper must hide both before running its program.
+    let check = "mount -t tracefs tracefs /sys/kernel/tracing && mount -t debugfs debugfs /sys/kernel/debug \
+                 && test -e /sys/kernel/tracing/events && test -e /sys/kernel/debug/tracing/events && exec \"$@\"";
+    let wrapped_shell = without_tracefs("sh".as_ref());
+    let output = Command::new("unshare")
+        .args(["--mount", "--propagation", "private", "sh", "-c", check, "sh"])
+        .arg(wrapped_shell.get_program())
+        .args(wrapped_shell.get_args())
+        .args(["-c", "ls /sys/kernel/tracing /sys/kernel/debug | wc -w"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{stderr}");
+    assert_eq!(String::from_utf8_lossy(&output.stdout).trim(), "0", "tracefs or debugfs still mounted: {stderr}");
+}
+
+#[test]
+fn pid_mode_ends_and_writes_when_the_process_exits() {
+    let dir = tempfile::tempdir().unwrap();
+    // Spins for 1 s, then exits (and stays an unreaped zombie of this test until dropped).
+    let spinner = spin(dir.path(), &["1"]);
+    let started = Instant::now();
+    let (collapsed, stderr) = record_collapsed_without_tracefs(&["-p", &spinner.pid().to_string(), "-d", "30"]);
+    let took = started.elapsed();
+    assert!(took < Duration::from_secs(5), "pyebpf ran {took:?} after its only target exited after 1 s");
+    let stacks = stacks_of(&collapsed, spinner.pid());
+    let leaf = count_where(&stacks, |frames| frames.iter().any(|f| f == "leaf_fn"));
+    assert!(leaf >= 30, "{leaf} samples in leaf_fn for ~0.9 s at 99 Hz: {stderr}\n{collapsed}");
+}
+
+/// Starts `record -d 30 -- COMMAND` without tracefs, sends `signal` to pyebpf once COMMAND has
+/// written `ready`, and checks that COMMAND got the signal (it writes `got`), exited, and pyebpf
+/// wrote the profile and exited 0 soon after. Returns the collapsed profile.
+fn command_gets_the_signal(signal: i32, command: &[&str], dir: &Path) -> String {
+    let out = dir.join("profile.folded");
+    let mut recorder = pyebpf_without_tracefs()
+        .args(["record", "-d", "30", "-o"])
+        .arg(&out)
+        .arg("--")
+        .args(command)
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_for_file(&dir.join("ready"), "the command");
+    std::thread::sleep(Duration::from_millis(500));
+    // SAFETY: signalling our own child.
+    assert_eq!(unsafe { libc::kill(recorder.id() as i32, signal) }, 0);
+    let signalled = Instant::now();
+    let status = loop {
+        if let Some(status) = recorder.try_wait().unwrap() {
+            break status;
+        }
+        if signalled.elapsed() > Duration::from_secs(10) {
+            let _ = recorder.kill();
+            let _ = recorder.wait();
+            panic!("pyebpf still ran 10 s after signal {signal}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(recorder.stderr.as_mut().unwrap(), &mut stderr).unwrap();
+    assert!(status.success(), "pyebpf exited with {status} after signal {signal}: {stderr}");
+    assert!(signalled.elapsed() < Duration::from_secs(5), "pyebpf took {:?} to finish", signalled.elapsed());
+    let got = std::fs::read_to_string(dir.join("got")).unwrap_or_else(|_| panic!("the command did not get signal {signal}: {stderr}"));
+    assert!(!got.is_empty());
+    std::fs::read_to_string(&out).unwrap()
+}
+
+#[test]
+fn sigterm_goes_to_the_command_and_pyebpf_writes_after_it_exits() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = format!(
+        "trap 'echo term > {0}/got; exit 0' TERM; touch {0}/ready; while :; do :; done",
+        dir.path().display()
+    );
+    let collapsed = command_gets_the_signal(libc::SIGTERM, &["sh", "-c", &script], dir.path());
+    let shell_samples: u64 = collapsed.lines().filter(|l| l.starts_with("sh (")).filter_map(|l| l.rsplit_once(' ')?.1.parse::<u64>().ok()).sum();
+    assert!(shell_samples >= 30, "{shell_samples} samples of the spinning shell in ~0.5 s at 99 Hz:\n{collapsed}");
+}
+
+#[test]
+fn sigint_goes_to_a_python_command_as_keyboard_interrupt() {
+    let dir = tempfile::tempdir().unwrap();
+    let program = "import pathlib, sys\n\
+                   d = pathlib.Path(sys.argv[1])\n\
+                   (d / 'ready').touch()\n\
+                   try:\n    while True: pass\n\
+                   except KeyboardInterrupt:\n    (d / 'got').write_text('KeyboardInterrupt')\n";
+    let dir_arg = dir.path().to_str().unwrap();
+    let collapsed = command_gets_the_signal(libc::SIGINT, &["python3", "-c", program, dir_arg], dir.path());
+    assert_eq!(std::fs::read_to_string(dir.path().join("got")).unwrap(), "KeyboardInterrupt");
+    let python_samples: u64 = collapsed.lines().filter(|l| l.starts_with("python3 (")).filter_map(|l| l.rsplit_once(' ')?.1.parse::<u64>().ok()).sum();
+    assert!(python_samples >= 30, "{python_samples} samples of the spinning Python in ~0.5 s at 99 Hz:\n{collapsed}");
 }
 
 #[test]
