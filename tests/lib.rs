@@ -70,11 +70,45 @@ pub fn run_pyebpf(args: &[&str]) -> Output {
     Command::new(pyebpf()).args(args).output().unwrap()
 }
 
+/// Unmounts tracefs (and debugfs, which mounts it again on access) in the caller's fresh mount
+/// namespace, fails with 99 if it is still visible, then runs its arguments.
+const WITHOUT_TRACEFS: &str = "for m in /sys/kernel/debug/tracing /sys/kernel/tracing /sys/kernel/debug; do \
+        while umount \"$m\" 2>/dev/null; do :; done; \
+    done; \
+    if [ -e /sys/kernel/tracing/events ] || [ -e /sys/kernel/debug/tracing/events ]; then \
+        echo 'tracefs still visible' >&2; exit 99; \
+    fi; \
+    exec \"$@\"";
+
+/// `pyebpf`, run in a private mount namespace where tracefs is not mounted: what follows the
+/// kernel's events must work on a machine without tracefs, and a test of it cannot pass because
+/// someone mounted tracefs on the host. The process is pyebpf itself (the wrappers exec it).
+pub fn pyebpf_without_tracefs() -> Command {
+    without_tracefs(pyebpf().as_os_str())
+}
+
+/// `program`, run in a private mount namespace where tracefs is not mounted (see
+/// [`pyebpf_without_tracefs`]).
+pub fn without_tracefs(program: &std::ffi::OsStr) -> Command {
+    let mut command = Command::new("unshare");
+    command.args(["--mount", "--propagation", "private", "sh", "-c", WITHOUT_TRACEFS, "sh"]).arg(program);
+    command
+}
+
 /// Runs `pyebpf record -o DIR/profile.folded ARGS` and returns (collapsed text, stderr).
 pub fn record_collapsed(args: &[&str]) -> (String, String) {
+    record_collapsed_by(Command::new(pyebpf()), args)
+}
+
+/// [`record_collapsed`] with tracefs unmounted ([`pyebpf_without_tracefs`]).
+pub fn record_collapsed_without_tracefs(args: &[&str]) -> (String, String) {
+    record_collapsed_by(pyebpf_without_tracefs(), args)
+}
+
+fn record_collapsed_by(mut pyebpf: Command, args: &[&str]) -> (String, String) {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("profile.folded");
-    let output = Command::new(pyebpf()).arg("record").arg("-o").arg(&out).args(args).output().unwrap();
+    let output = pyebpf.arg("record").arg("-o").arg(&out).args(args).output().unwrap();
     let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
     assert!(output.status.success(), "pyebpf record {args:?} failed: {stderr}");
     (std::fs::read_to_string(&out).unwrap(), stderr)

@@ -45,9 +45,9 @@ pub struct Config {
     /// pyebpf's own tgid: its samples are dropped in the kernel.
     pub own_tgid: u32,
     pub flags: u32,
-    /// Offset of `child_pid` in the `sched_process_fork` tracepoint record (read from its format
-    /// file: it moved between kernel versions).
-    pub fork_child_pid_offset: u32,
+    /// Byte offset of `tgid` in the kernel's `struct task_struct` (from the kernel's BTF: the
+    /// layout differs between kernel builds).
+    pub task_tgid_offset: u32,
     /// Pending bytes in the ring buffer from which a sample wakes the reader; below, the reader
     /// polls on its own timer.
     pub wakeup_bytes: u32,

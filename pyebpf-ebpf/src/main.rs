@@ -13,9 +13,9 @@ use aya_ebpf::{
         bpf_get_stack, bpf_ktime_get_ns, bpf_probe_read_kernel, bpf_probe_read_user, bpf_probe_read_user_buf,
         bpf_task_pt_regs,
     },
-    macros::{map, perf_event, tracepoint},
+    macros::{btf_tracepoint, map, perf_event},
     maps::{Array, HashMap, PerCpuArray, RingBuf},
-    programs::{PerfEventContext, TracePointContext},
+    programs::{BtfTracePointContext, PerfEventContext},
     EbpfContext,
 };
 use pyebpf_common::{
@@ -293,9 +293,10 @@ fn window_u64(window: &[u8; PY_FRAME_WINDOW], offset: u32) -> u64 {
     unsafe { core::ptr::read_unaligned(window.as_ptr().add(at) as *const u64) }
 }
 
-/// `sched/sched_process_fork`: with `FOLLOW_FORKS`, a child of a target becomes a target.
-#[tracepoint]
-pub fn follow_fork(ctx: TracePointContext) -> u32 {
+/// `sched_process_fork` (BTF-typed, so no tracefs is needed): with `FOLLOW_FORKS`, a child of a
+/// target becomes a target. Its arguments are the parent's and the child's `task_struct`.
+#[btf_tracepoint(function = "sched_process_fork")]
+pub fn follow_fork(ctx: BtfTracePointContext) -> u32 {
     let Some(config) = CONFIG.get(0) else { return 0 };
     if config.flags & config_flags::FOLLOW_FORKS == 0 {
         return 0;
@@ -304,9 +305,10 @@ pub fn follow_fork(ctx: TracePointContext) -> u32 {
     if TARGETS.get_ptr(parent_tgid).is_none() {
         return 0;
     }
-    // SAFETY: the offset comes from the tracepoint's own format file.
-    if let Ok(child) = unsafe { ctx.read_at::<i32>(config.fork_child_pid_offset as usize) } {
-        let _ = TARGETS.insert(child as u32, 1, 0);
+    let child: *const u8 = ctx.arg(1);
+    // SAFETY: the offset comes from the kernel's BTF; the read is checked by the kernel.
+    if let Ok(child_tgid) = unsafe { bpf_probe_read_kernel(child.add(config.task_tgid_offset as usize) as *const i32) } {
+        let _ = TARGETS.insert(child_tgid as u32, 1, 0);
     }
     0
 }

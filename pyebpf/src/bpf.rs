@@ -4,8 +4,9 @@ use std::mem::size_of;
 
 use aya::maps::{Array, HashMap, MapData, PerCpuArray, RingBuf};
 use aya::programs::perf_event::{PerfEventConfig, PerfEventScope, SamplePolicy, SoftwareEvent};
-use aya::programs::{PerfEvent, TracePoint};
+use aya::programs::{BtfTracePoint, PerfEvent};
 use aya::{Ebpf, EbpfLoader};
+use crate::kernel_btf::{Btf, VMLINUX_BTF};
 use pyebpf_common::{config_flags, maps, Config, MarkerChain, PyProcConfig, SampleRecord};
 use tokio::io::unix::AsyncFd;
 
@@ -28,8 +29,10 @@ pub enum BpfError {
     Map { name: &'static str, source: aya::maps::MapError },
     #[error("cannot list online CPUs: {0}")]
     Cpus(std::io::Error),
-    #[error("cannot read the sched_process_fork tracepoint format: {0}")]
-    ForkFormat(String),
+    #[error(transparent)]
+    KernelBtf(#[from] crate::kernel_btf::BtfError),
+    #[error("cannot parse the kernel's BTF ({VMLINUX_BTF}): {0}")]
+    AyaBtf(#[source] aya::BtfError),
     #[error("cannot poll the sample ring buffer: {0}")]
     Poll(std::io::Error),
 }
@@ -99,7 +102,12 @@ impl Sampler {
         if kb < 4 || !kb.is_power_of_two() {
             return Err(BpfError::RingBufferSize(kb));
         }
+        // Every program reads kernel types (the current task, fork's task_structs), so a kernel
+        // without BTF is reported here, in one line, rather than as a verifier log.
+        let kernel_btf = Btf::from_kernel()?;
+        let aya_btf = aya::Btf::from_sys_fs().map_err(BpfError::AyaBtf)?;
         let mut ebpf = EbpfLoader::new()
+            .btf(Some(&aya_btf))
             .map_max_entries(maps::SAMPLES, kb * 1024)
             .load(EBPF_OBJECT)
             .map_err(|err| if is_permission_error(&err) { BpfError::NotPermitted } else { BpfError::Load(err) })?;
@@ -116,22 +124,22 @@ impl Sampler {
                 targets.insert(pid, 1, 0).map_err(map_error(maps::TARGETS))?;
             }
         }
-        let fork_child_pid_offset = if options.follow_forks {
+        let task_tgid_offset = if options.follow_forks {
             flags |= config_flags::FOLLOW_FORKS;
-            fork_child_pid_offset()?
+            kernel_btf.member_offset("task_struct", "tgid")?
         } else {
             0
         };
-        let config = Config { own_tgid: std::process::id(), flags, fork_child_pid_offset, wakeup_bytes: kb * 1024 / 4 };
+        let config = Config { own_tgid: std::process::id(), flags, task_tgid_offset, wakeup_bytes: kb * 1024 / 4 };
         let mut config_map: Array<_, Config> =
             Array::try_from(ebpf.map_mut(maps::CONFIG).expect("CONFIG is in the object")).map_err(map_error(maps::CONFIG))?;
         config_map.set(0, config, 0).map_err(map_error(maps::CONFIG))?;
 
         if options.follow_forks {
-            let program: &mut TracePoint =
+            let program: &mut BtfTracePoint =
                 ebpf.program_mut("follow_fork").expect("follow_fork is in the object").try_into().map_err(BpfError::Program)?;
-            program.load().map_err(BpfError::Program)?;
-            program.attach("sched", "sched_process_fork").map_err(BpfError::Program)?;
+            program.load("sched_process_fork", &aya_btf).map_err(BpfError::Program)?;
+            program.attach().map_err(BpfError::Program)?;
         }
         let program_stats = options.program_stats.then(|| aya::sys::enable_stats(aya::sys::Stats::RunTime).ok()).flatten();
         let program: &mut PerfEvent = ebpf.program_mut("sample").expect("sample is in the object").try_into().map_err(BpfError::Program)?;
@@ -250,41 +258,4 @@ fn decode_record(item: &[u8]) -> Option<Box<SampleRecord>> {
     };
     let frames = (item.len() - SampleRecord::HEADER_LEN) / size_of::<pyebpf_common::PyFrameRecord>();
     (record.py.frames_len as usize == frames).then_some(record)
-}
-
-/// The offset of `child_pid` in the fork tracepoint's record, from its format file.
-fn fork_child_pid_offset() -> Result<u32, BpfError> {
-    const FORMATS: [&str; 2] = [
-        "/sys/kernel/tracing/events/sched/sched_process_fork/format",
-        "/sys/kernel/debug/tracing/events/sched/sched_process_fork/format",
-    ];
-    let format = FORMATS
-        .iter()
-        .find_map(|path| std::fs::read_to_string(path).ok())
-        .ok_or_else(|| BpfError::ForkFormat("tracefs is not mounted".into()))?;
-    parse_field_offset(&format, "child_pid").ok_or_else(|| BpfError::ForkFormat("no child_pid field".into()))
-}
-
-/// Finds `offset:N;` on the line declaring `field` in a tracepoint format description.
-fn parse_field_offset(format: &str, field: &str) -> Option<u32> {
-    let line = format.lines().find(|line| {
-        line.split(';').next().and_then(|decl| decl.split_whitespace().last()) == Some(field)
-    })?;
-    let offset = line.split(';').find_map(|part| part.trim().strip_prefix("offset:"))?;
-    offset.parse().ok()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::parse_field_offset;
-
-    #[test]
-    fn finds_a_field_offset_in_a_tracepoint_format() {
-        let format = "\tfield:__data_loc char[] parent_comm;\toffset:8;\tsize:4;\tsigned:0;\n\
-                      \tfield:pid_t parent_pid;\toffset:12;\tsize:4;\tsigned:1;\n\
-                      \tfield:pid_t child_pid;\toffset:20;\tsize:4;\tsigned:1;\n";
-        assert_eq!(parse_field_offset(format, "child_pid"), Some(20));
-        assert_eq!(parse_field_offset(format, "parent_pid"), Some(12));
-        assert_eq!(parse_field_offset(format, "pid"), None);
-    }
 }

@@ -42,7 +42,7 @@ pub struct RecordArgs {
     #[arg(short = 'a', long = "all")]
     pub all: bool,
 
-    /// Profile this process (repeat for several)
+    /// Profile this process (repeat for several), until it exits
     #[arg(short = 'p', long = "pid", value_name = "PID")]
     pub pid: Vec<u32>,
 
@@ -51,7 +51,7 @@ pub struct RecordArgs {
           value_parser = clap::value_parser!(u64).range(1..=10_000))]
     pub frequency: u64,
 
-    /// Stop after this many seconds (default: until Ctrl-C, or until COMMAND exits)
+    /// Stop after this many seconds (default: until Ctrl-C, or until COMMAND or every -p process exits)
     #[arg(short = 'd', long = "duration", value_name = "SECONDS")]
     pub duration: Option<f64>,
 
@@ -97,7 +97,8 @@ pub struct RecordArgs {
     #[arg(long = "ring-buffer-kb", value_name = "KIB", default_value_t = 4096)]
     pub ring_buffer_kb: u32,
 
-    /// Launch COMMAND and profile it and its children until it exits
+    /// Launch COMMAND and profile it and its children until it exits; SIGINT/SIGTERM are passed
+    /// to it first (a second one stops pyebpf while it runs)
     #[arg(last = true, value_name = "COMMAND")]
     pub command: Vec<String>,
 }

@@ -4,6 +4,7 @@ pub mod bpf;
 pub mod chain;
 pub mod cli;
 pub mod cpython;
+pub mod kernel_btf;
 pub mod merge;
 pub mod output;
 pub mod process;

@@ -1,7 +1,8 @@
-//! The processes a recording covers: every process, given PIDs, or a launched command.
+//! The processes a recording covers: every process, given PIDs (watched until they exit), or a
+//! launched command.
 
 use std::collections::HashMap;
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 
@@ -9,16 +10,52 @@ use std::sync::Arc;
 pub enum TargetError {
     #[error("no such process: {0}")]
     NoSuchProcess(u32),
+    #[error("cannot watch process {pid}: {source}")]
+    Watch { pid: u32, source: std::io::Error },
     #[error("cannot start `{command}`: {source}")]
     Spawn { command: String, source: std::io::Error },
 }
 
-/// Checks that every PID names a running process.
-pub fn check_pids(pids: &[u32]) -> Result<(), TargetError> {
-    match pids.iter().find(|pid| !std::path::Path::new(&format!("/proc/{pid}")).exists()) {
-        Some(&pid) => Err(TargetError::NoSuchProcess(pid)),
-        None => Ok(()),
+/// The processes given with `-p`, held by pidfds: a pidfd refers to its process only, so a PID
+/// reused after the process exited is never mistaken for it.
+pub struct Watched {
+    pidfds: Vec<OwnedFd>,
+}
+
+impl Watched {
+    /// Opens every PID; fails on the first that names no running process.
+    pub fn open(pids: &[u32]) -> Result<Watched, TargetError> {
+        let pidfds = pids.iter().map(|&pid| pidfd_open(pid)).collect::<Result<_, _>>()?;
+        Ok(Watched { pidfds })
     }
+
+    /// Whether processes were given and all of them have exited.
+    pub fn all_exited(&self) -> bool {
+        !self.pidfds.is_empty() && self.pidfds.iter().all(has_exited)
+    }
+}
+
+fn pidfd_open(pid: u32) -> Result<OwnedFd, TargetError> {
+    let Ok(raw_pid) = libc::pid_t::try_from(pid) else { return Err(TargetError::NoSuchProcess(pid)) };
+    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, raw_pid, 0) };
+    if fd < 0 {
+        let err = std::io::Error::last_os_error();
+        return Err(match err.raw_os_error() {
+            Some(libc::ESRCH) | Some(libc::EINVAL) => TargetError::NoSuchProcess(pid),
+            _ => TargetError::Watch { pid, source: err },
+        });
+    }
+    // SAFETY: the descriptor was just created and nothing else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// A pidfd becomes readable when its process exits (also while it is an unreaped zombie).
+fn has_exited(pidfd: &OwnedFd) -> bool {
+    let mut poll = libc::pollfd { fd: pidfd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+    // SAFETY: one valid pollfd, zero timeout.
+    let ready = unsafe { libc::poll(&mut poll, 1, 0) };
+    ready > 0 && poll.revents & libc::POLLIN != 0
 }
 
 /// Every process running now.
@@ -26,17 +63,45 @@ pub fn all_pids() -> Vec<u32> {
     procfs::process::all_processes().map_or_else(|_| Vec::new(), |all| all.filter_map(|p| p.ok().map(|p| p.pid as u32)).collect())
 }
 
-/// Starts `COMMAND [ARGS...]` as pyebpf's child. With `stdout_to_stderr` (the profile goes to
-/// standard output) the command's own output goes to standard error, so it cannot mix into the profile.
-pub fn launch(command: &[String], stdout_to_stderr: bool) -> Result<Child, TargetError> {
-    let (program, args) = command.split_first().expect("clap requires a command here");
-    let spawn_error = |source| TargetError::Spawn { command: command.join(" "), source };
-    let mut launched = Command::new(program);
-    launched.args(args);
-    if stdout_to_stderr {
-        launched.stdout(Stdio::from(std::io::stderr().as_fd().try_clone_to_owned().map_err(spawn_error)?));
+/// The launched `COMMAND`: the first SIGINT or SIGTERM pyebpf gets is passed on to it, as perf and
+/// py-spy do, and the recording goes on until it exits.
+pub struct Launched {
+    child: Child,
+    signalled: bool,
+}
+
+impl Launched {
+    /// Starts `COMMAND [ARGS...]` as pyebpf's child. With `stdout_to_stderr` (the profile goes to
+    /// standard output) the command's own output goes to standard error, so it cannot mix into
+    /// the profile.
+    pub fn start(command: &[String], stdout_to_stderr: bool) -> Result<Launched, TargetError> {
+        let (program, args) = command.split_first().expect("clap requires a command here");
+        let spawn_error = |source| TargetError::Spawn { command: command.join(" "), source };
+        let mut launched = Command::new(program);
+        launched.args(args);
+        if stdout_to_stderr {
+            launched.stdout(Stdio::from(std::io::stderr().as_fd().try_clone_to_owned().map_err(spawn_error)?));
+        }
+        let child = launched.spawn().map_err(spawn_error)?;
+        Ok(Launched { child, signalled: false })
     }
-    launched.spawn().map_err(spawn_error)
+
+    /// Passes `signal` to the command unless one was passed already (a command that ignored it
+    /// should not keep pyebpf from stopping); returns whether it was passed.
+    pub fn pass_signal(&mut self, signal: i32) -> bool {
+        if self.signalled {
+            return false;
+        }
+        self.signalled = true;
+        // SAFETY: kill has no memory preconditions; the child is not reaped before `exited`
+        // says so, so its PID still names it.
+        unsafe { libc::kill(self.child.id() as libc::pid_t, signal) == 0 }
+    }
+
+    /// Whether the command has exited (it is reaped then).
+    pub fn exited(&mut self) -> bool {
+        !matches!(self.child.try_wait(), Ok(None))
+    }
 }
 
 /// Process names, read once per process so every thread of a process shares one root frame.

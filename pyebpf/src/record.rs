@@ -1,4 +1,5 @@
-//! `pyebpf record`: sample until the duration ends, a signal arrives or the command exits, resolve
+//! `pyebpf record`: sample until the duration ends, a signal arrives, the command or every given
+//! process exits (a launched command gets the first signal and is waited for), resolve
 //! every sample to a stack while its process is alive, then write the profile.
 
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -12,7 +13,7 @@ use crate::cli::RecordArgs;
 use crate::merge::{self, NativeStack};
 use crate::python_sampling::{PythonSampling, SamplingOptions};
 use crate::output;
-use crate::process::{self, ProcessNames};
+use crate::process::{self, Launched, ProcessNames, Watched};
 use crate::stack::{Frame, Profile, StackKey};
 use crate::stats::Stats;
 use crate::symbolize::Symbolizer;
@@ -90,9 +91,9 @@ pub fn run(args: RecordArgs) -> Result<()> {
     let output_name = output::display_name(&args.output);
     output::check_writable(&args.output, format).with_context(|| format!("cannot write {output_name}"))?;
     check_privileges()?;
-    process::check_pids(&args.pid)?;
+    let watched = Watched::open(&args.pid)?;
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().context("start the async runtime")?;
-    let (profile, stats) = runtime.block_on(record(&args))?;
+    let (profile, stats) = runtime.block_on(record(&args, &watched))?;
     output::write_profile(&profile, &args.output, format).with_context(|| format!("cannot write {output_name}"))?;
     let processes: std::collections::HashSet<u32> = profile.counts.keys().map(|k| k.pid).collect();
     eprintln!(
@@ -107,7 +108,11 @@ pub fn run(args: RecordArgs) -> Result<()> {
     Ok(())
 }
 
-async fn record(args: &RecordArgs) -> Result<(Profile, Stats)> {
+async fn record(args: &RecordArgs, watched: &Watched) -> Result<(Profile, Stats)> {
+    // Installed before the command starts, so a signal never finds pyebpf without its handlers,
+    // and the command starts with these signals at their defaults (exec resets handled signals).
+    let mut interrupt = signal(SignalKind::interrupt()).context("install the SIGINT handler")?;
+    let mut terminate = signal(SignalKind::terminate()).context("install the SIGTERM handler")?;
     let options = SamplingOptions { marker: !args.no_cache, read_only: args.read_only, max_frames: args.max_python_frames };
     let mut resolver = SampleResolver::new(options, args.no_native);
     let mut stats = Stats::default();
@@ -121,12 +126,13 @@ async fn record(args: &RecordArgs) -> Result<(Profile, Stats)> {
         ring_buffer_kb: args.ring_buffer_kb,
         program_stats: args.stats,
     })?;
-    let mut child = if args.command.is_empty() {
+    let mut command = if args.command.is_empty() {
         None
     } else {
-        let child = process::launch(&args.command, output::is_stdout(&args.output))?;
-        sampler.add_target(child.id())?;
-        Some(child)
+        // pyebpf itself is a target for the fork hook (its own samples are still dropped), so the
+        // command is one from its fork on and cannot start children before it is registered.
+        sampler.add_target(std::process::id())?;
+        Some(Launched::start(&args.command, output::is_stdout(&args.output))?)
     };
 
     resolver.register_all(&mut sampler);
@@ -134,8 +140,6 @@ async fn record(args: &RecordArgs) -> Result<(Profile, Stats)> {
     let started = Instant::now();
     profile.start_unix_ns = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as i64);
     let deadline = args.duration.map(|secs| tokio::time::Instant::now() + Duration::from_secs_f64(secs.max(0.0)));
-    let mut interrupt = signal(SignalKind::interrupt()).context("install the SIGINT handler")?;
-    let mut terminate = signal(SignalKind::terminate()).context("install the SIGTERM handler")?;
     let mut tick = tokio::time::interval(TICK);
     let mut batch = Vec::new();
     let mut lost_reported = 0;
@@ -145,13 +149,13 @@ async fn record(args: &RecordArgs) -> Result<(Profile, Stats)> {
                 read?;
                 add_samples(&mut batch, &mut resolver, &mut sampler, &mut profile, &mut stats);
             }
-            _ = interrupt.recv() => break,
-            _ = terminate.recv() => break,
+            _ = interrupt.recv() => if !pass_to_command(&mut command, libc::SIGINT) { break },
+            _ = terminate.recv() => if !pass_to_command(&mut command, libc::SIGTERM) { break },
             _ = sleep_until(deadline) => break,
             _ = tick.tick() => {
                 lost_reported = report_lost(&sampler, lost_reported);
                 resolver.upkeep(&mut sampler);
-                if child_exited(&mut child) {
+                if command.as_mut().is_some_and(Launched::exited) || watched.all_exited() {
                     break;
                 }
             }
@@ -216,6 +220,8 @@ fn report_lost(sampler: &Sampler, reported: u64) -> u64 {
     lost
 }
 
-fn child_exited(child: &mut Option<std::process::Child>) -> bool {
-    child.as_mut().is_some_and(|c| !matches!(c.try_wait(), Ok(None)))
+/// With a command running, the first stop signal goes to it and the recording waits for it to
+/// exit; returns whether the signal was passed on (otherwise the recording stops now).
+fn pass_to_command(command: &mut Option<Launched>, signal: i32) -> bool {
+    command.as_mut().is_some_and(|command| command.pass_signal(signal))
 }

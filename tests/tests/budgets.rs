@@ -26,6 +26,8 @@ struct Measured {
 fn run_measured(args: &[&str]) -> Measured {
     let dir = tempfile::tempdir().unwrap();
     let (out_path, err_path) = (dir.path().join("stdout"), dir.path().join("stderr"));
+    // Reaped below with wait4, which Child::wait cannot do (it needs the rusage).
+    #[allow(clippy::zombie_processes)]
     let child = Command::new(pyebpf()).args(args).stdout(File::create(&out_path).unwrap()).stderr(File::create(&err_path).unwrap()).spawn().unwrap();
     let pid = child.id() as libc::pid_t;
     let mut status = 0;
@@ -65,7 +67,7 @@ fn check_shared_linetable_target(python: &Path) {
     assert_eq!(dump.code, Some(0), "dump failed: {}", dump.stderr);
     assert!(dump.max_rss < MAX_RSS, "dump reached {:.1} MiB", mib(dump.max_rss));
     let dumped: Value = serde_json::from_str(&dump.stdout).unwrap();
-    let main = dumped["threads"].as_array().unwrap().iter().find(|t| t["tid"].to_string() == pid).expect("the main thread is dumped");
+    let main = dumped["threads"].as_array().unwrap().iter().find(|t| t["tid"].as_u64().map(|tid| tid.to_string()) == Some(pid.clone())).expect("the main thread is dumped");
     let names: Vec<&str> = main["frames"].as_array().unwrap().iter().map(|f| f["qualname"].as_str().unwrap()).collect();
     for name in ["f0", "f1500", &format!("f{}", CHAIN - 1)] {
         assert!(names.contains(&name), "the chain's {name} is missing from the dump");
@@ -110,13 +112,13 @@ fn check_deep_stack(python: &Path) {
     let dumped: Value = serde_json::from_str(&json.stdout).unwrap();
     let threads = dumped["threads"].as_array().unwrap();
     assert_eq!(threads.len(), 2, "{dumped:#}");
-    let main = threads.iter().find(|t| t["tid"].to_string() == pid).expect("the main thread is dumped");
+    let main = threads.iter().find(|t| t["tid"].as_u64().map(|tid| tid.to_string()) == Some(pid.clone())).expect("the main thread is dumped");
     let frames: Vec<&str> = main["frames"].as_array().unwrap().iter().map(|f| f["qualname"].as_str().unwrap()).collect();
     assert_eq!(frames.len(), 4096, "frames of the 10,000-deep thread under {}", python.display());
     assert_eq!(frames[0], "leaf", "the innermost frame is not first");
     assert!(frames[1..].iter().all(|&f| f == "recurse"), "frames other than recurse below leaf: the outermost ones were kept");
     assert_eq!(main["truncated"], Value::Bool(true));
-    let other = threads.iter().find(|t| t["tid"].to_string() != pid).unwrap();
+    let other = threads.iter().find(|t| t["tid"].as_u64().map(|tid| tid.to_string()) != Some(pid.clone())).unwrap();
     assert_eq!(other["truncated"], Value::Bool(false));
     assert!(other["frames"].as_array().unwrap().iter().any(|f| f["qualname"] == "shallow"), "{other:#}");
 

@@ -1,11 +1,15 @@
 //! Issue 2 end to end: the sampler, `record` targets, signals, lost samples, errors and outputs,
 //! on real C programs.
 
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use pyebpf_tests::{assert_one_line_error, count_where, pyebpf, record_collapsed, run_pyebpf, stacks_of, total, Killed};
+use pyebpf_tests::{
+    assert_one_line_error, count_where, pyebpf, pyebpf_without_tracefs, record_collapsed, record_collapsed_without_tracefs, run_pyebpf, stacks_of,
+    total, wait_for_file, without_tracefs, Killed, debian_python,
+};
 
 /// Spins in leaf_fn under main → outer_fn → middle_fn (for argv[1] seconds, default forever);
 /// with argv[2] = "syscalls" the leaf makes system calls instead.
@@ -165,11 +169,169 @@ fn command_mode_follows_children_and_ends_with_the_command() {
     let binary = compile_spin(dir.path(), "spin");
     let script = format!("{0} 1 & {0} 2; wait", binary.display());
     let started = Instant::now();
-    let (collapsed, _) = record_collapsed(&["-d", "60", "--", "sh", "-c", &script]);
+    let (collapsed, _) = record_collapsed_without_tracefs(&["-d", "60", "--", "sh", "-c", &script]);
     assert!(started.elapsed() < Duration::from_secs(10), "pyebpf did not stop when the command ended");
     let spinners: std::collections::HashSet<&str> =
         collapsed.lines().filter(|l| l.starts_with("spin (") && l.contains("leaf_fn")).map(|l| l.split(';').next().unwrap()).collect();
     assert_eq!(spinners.len(), 2, "both children of the command should be sampled:\n{collapsed}");
+}
+
+#[test]
+fn tests_without_tracefs_do_not_see_a_tracefs_mounted_on_the_host() {
+    // The "host" here is a private namespace with tracefs and debugfs mounted, as a developer's
+    // machine may have them; the wrapper must hide both before running its program.
+    let check = "mount -t tracefs tracefs /sys/kernel/tracing && mount -t debugfs debugfs /sys/kernel/debug \
+                 && test -e /sys/kernel/tracing/events && test -e /sys/kernel/debug/tracing/events && exec \"$@\"";
+    let wrapped_shell = without_tracefs("sh".as_ref());
+    let output = Command::new("unshare")
+        .args(["--mount", "--propagation", "private", "sh", "-c", check, "sh"])
+        .arg(wrapped_shell.get_program())
+        .args(wrapped_shell.get_args())
+        .args(["-c", "find /sys/kernel/tracing /sys/kernel/debug -mindepth 1 -maxdepth 1 | wc -l"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{stderr}");
+    assert_eq!(String::from_utf8_lossy(&output.stdout).trim(), "0", "tracefs or debugfs still mounted: {stderr}");
+}
+
+#[test]
+fn pid_mode_ends_and_writes_when_the_process_exits() {
+    let dir = tempfile::tempdir().unwrap();
+    // Spins for 1 s, then exits (and stays an unreaped zombie of this test until dropped).
+    let spinner = spin(dir.path(), &["1"]);
+    let started = Instant::now();
+    let (collapsed, stderr) = record_collapsed_without_tracefs(&["-p", &spinner.pid().to_string(), "-d", "30"]);
+    let took = started.elapsed();
+    assert!(took < Duration::from_secs(5), "pyebpf ran {took:?} after its only target exited after 1 s");
+    // The exited spinner is an unreaped zombie: its CPU time is still readable.
+    let cpu = cpu_seconds(spinner.pid());
+    let stacks = stacks_of(&collapsed, spinner.pid());
+    let leaf = count_where(&stacks, |frames| frames.iter().any(|f| f == "leaf_fn"));
+    // A floor that holds on a loaded machine: the spinner's 1 s is wall time, not CPU time.
+    assert!(leaf >= 5, "{leaf} samples in leaf_fn; the spinner ran {cpu:.2} s on a CPU in all: {stderr}\n{collapsed}");
+}
+
+/// A process the test did not start itself (a command pyebpf launched), held by a pidfd: a
+/// failing test kills it rather than leave it spinning, and never hits a reused PID.
+struct Grandchild(OwnedFd);
+
+impl Grandchild {
+    fn open(pid: u32) -> Grandchild {
+        // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+        assert!(fd >= 0, "pidfd_open({pid}): {}", std::io::Error::last_os_error());
+        // SAFETY: a descriptor just created, owned by nobody else.
+        Grandchild(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+    }
+
+    fn exited(&self) -> bool {
+        let mut poll = libc::pollfd { fd: self.0.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        // SAFETY: one valid pollfd, zero timeout.
+        unsafe { libc::poll(&mut poll, 1, 0) == 1 }
+    }
+}
+
+impl Drop for Grandchild {
+    fn drop(&mut self) {
+        // SAFETY: pidfd_send_signal on our own pidfd; harmless once the process has exited.
+        unsafe { libc::syscall(libc::SYS_pidfd_send_signal, self.0.as_raw_fd(), libc::SIGKILL, std::ptr::null::<libc::siginfo_t>(), 0) };
+    }
+}
+
+/// Starts `record -d 30 -- COMMAND` without tracefs, sends `signal` to pyebpf once COMMAND has
+/// written its PID to `ready`, and checks that COMMAND got the signal (it writes `got`) and
+/// exited, and that pyebpf then wrote the profile and exited 0 soon after. Returns the profile.
+fn command_gets_the_signal(signal: i32, command: &[&str], dir: &Path) -> String {
+    let out = dir.join("profile.folded");
+    let stderr_path = dir.join("stderr");
+    let mut recorder = pyebpf_without_tracefs()
+        .args(["record", "-d", "30", "-o"])
+        .arg(&out)
+        .arg("--")
+        .args(command)
+        // A file, not a pipe: a command left running would hold a pipe open.
+        .stderr(std::fs::File::create(&stderr_path).unwrap())
+        .spawn()
+        .unwrap();
+    wait_for_file(&dir.join("ready"), "the command");
+    let command_pid: u32 = std::fs::read_to_string(dir.join("ready")).unwrap().trim().parse().unwrap();
+    let command = Grandchild::open(command_pid);
+    std::thread::sleep(Duration::from_secs(1));
+    // SAFETY: signalling our own child.
+    assert_eq!(unsafe { libc::kill(recorder.id() as i32, signal) }, 0);
+    let signalled = Instant::now();
+    let status = loop {
+        if let Some(status) = recorder.try_wait().unwrap() {
+            break status;
+        }
+        if signalled.elapsed() > Duration::from_secs(10) {
+            let _ = recorder.kill();
+            let _ = recorder.wait();
+            panic!("pyebpf still ran 10 s after signal {signal}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let stderr = std::fs::read_to_string(&stderr_path).unwrap();
+    assert!(status.success(), "pyebpf exited with {status} after signal {signal}: {stderr}");
+    assert!(signalled.elapsed() < Duration::from_secs(5), "pyebpf took {:?} to finish", signalled.elapsed());
+    assert!(command.exited(), "pyebpf finished while its command still ran: {stderr}");
+    let got = std::fs::read_to_string(dir.join("got")).unwrap_or_else(|_| panic!("the command did not get signal {signal}: {stderr}"));
+    assert!(!got.is_empty());
+    std::fs::read_to_string(&out).unwrap()
+}
+
+/// Samples whose root is `COMM (PID)` for this comm.
+fn samples_of_comm(collapsed: &str, comm: &str) -> u64 {
+    let root = format!("{comm} (");
+    collapsed.lines().filter(|l| l.starts_with(&root)).filter_map(|l| l.rsplit_once(' ')?.1.parse::<u64>().ok()).sum()
+}
+
+#[test]
+fn sigterm_goes_to_the_command_and_pyebpf_writes_after_it_exits() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = format!(
+        "trap 'echo term > {0}/got; exit 0' TERM; echo $$ > {0}/pid; mv {0}/pid {0}/ready; while :; do :; done",
+        dir.path().display()
+    );
+    let collapsed = command_gets_the_signal(libc::SIGTERM, &["sh", "-c", &script], dir.path());
+    let shell_samples = samples_of_comm(&collapsed, "sh");
+    assert!(shell_samples >= 5, "{shell_samples} samples of the spinning shell in ~1 s at 99 Hz:\n{collapsed}");
+}
+
+#[test]
+fn sigint_goes_to_a_python_command_as_keyboard_interrupt() {
+    let dir = tempfile::tempdir().unwrap();
+    // The loop body has a line of its own: 3.11 does not catch an interrupt in `while True: pass`.
+    let program = "import os, pathlib, sys\n\
+                   d = pathlib.Path(sys.argv[1])\n\
+                   (d / 'pid').write_text(str(os.getpid()))\n\
+                   (d / 'pid').rename(d / 'ready')\n\
+                   try:\n    while True:\n        sum(range(100))\n\
+                   except KeyboardInterrupt:\n    (d / 'got').write_text('KeyboardInterrupt')\n";
+    let python = debian_python("3.13");
+    let command = [python.to_str().unwrap(), "-c", program, dir.path().to_str().unwrap()];
+    let collapsed = command_gets_the_signal(libc::SIGINT, &command, dir.path());
+    assert_eq!(std::fs::read_to_string(dir.path().join("got")).unwrap(), "KeyboardInterrupt");
+    let python_samples = samples_of_comm(&collapsed, "python3.13");
+    assert!(python_samples >= 5, "{python_samples} samples of the spinning Python in ~1 s at 99 Hz:\n{collapsed}");
+}
+
+#[test]
+fn a_kernel_without_btf_is_one_clear_line() {
+    // The kernel's BTF hidden under an empty tmpfs, in a private mount namespace.
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("p.folded");
+    let output = Command::new("unshare")
+        .args(["--mount", "--propagation", "private", "sh", "-c", "mount -t tmpfs none /sys/kernel/btf && exec \"$@\"", "sh"])
+        .arg(pyebpf())
+        .args(["record", "-d", "1", "-o"])
+        .arg(&out)
+        .args(["--", "true"])
+        .output()
+        .unwrap();
+    assert_one_line_error(&output, "this kernel has no BTF (/sys/kernel/btf/vmlinux is missing)");
+    assert!(!out.exists(), "a failed recording left a file");
 }
 
 #[test]
