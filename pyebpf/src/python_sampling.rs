@@ -294,7 +294,8 @@ impl PythonProcess {
         true
     }
 
-    /// Establishes a new marker chain for the sampled thread when the kernel had to walk far.
+    /// Establishes a new marker chain for the sampled thread when the kernel had to walk far;
+    /// true when `gen` was used.
     fn maybe_establish(&mut self, record: &SampleRecord, gen: u64, sampler: &mut Sampler, stats: &mut Stats) -> bool {
         let joined_near_leaf = record.py.status & py_status::JOINED != 0 && record.py.frames_len <= ESTABLISH_AFTER_FRAMES;
         // A chain deeper than the kernel walks could only be proven by reading all of it here.
@@ -309,6 +310,9 @@ impl PythonProcess {
             return false;
         }
         let tstate = thread.tstate;
+        // While the marker moves, the eBPF program must not join the old chain: a marker moved
+        // by returns of the new marker frame could land on an address the old chain also holds.
+        sampler.remove_marker_chain(record.tid);
         let established = self.establish(record.tid, tstate, gen);
         let thread = self.threads.get_mut(&record.tid).expect("looked up above");
         thread.established_at = Some(Instant::now());
@@ -321,7 +325,10 @@ impl PythonProcess {
                 thread.chains.truncate(CHAINS_KEPT - 1);
                 thread.chains.push_front(chain);
                 stats.markers_established += 1;
-                sampler.set_marker_chain(record.tid, &value).is_ok()
+                if let Err(err) = sampler.set_marker_chain(record.tid, &value) {
+                    log::debug!("tid {}: {err}", record.tid);
+                }
+                true
             }
             Ok(None) => {
                 stats.marker_races += 1;
