@@ -46,6 +46,8 @@ pub use threads::PyThread;
 pub enum PyError {
     #[error("process {0} does not exist (or has exited)")]
     NoProcess(u32),
+    #[error("permission denied (reading another user's process needs root or CAP_SYS_PTRACE)")]
+    PermissionDenied(u32),
     #[error("process {0} is not a CPython process (no python3 executable or libpython3 mapped)")]
     NotPython(u32),
     #[error("no _Py_DebugOffsets in _PyRuntime: CPython older than 3.13?")]
@@ -135,6 +137,7 @@ impl PyProcess<ProcessMemory> {
         let runtime = runtime::find_runtime(pid)?;
         Self::with_memory(pid, ProcessMemory::new(pid), runtime.address).map_err(|err| match err {
             PyError::Memory(err) if err.process_gone() || runtime::has_exited(pid) => PyError::NoProcess(pid),
+            PyError::Memory(err) if err.permission_denied() => PyError::PermissionDenied(pid),
             PyError::NoDebugOffsets => runtime.version.map_or(PyError::NoDebugOffsets, PyError::UnsupportedVersion),
             other => other,
         })

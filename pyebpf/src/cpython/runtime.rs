@@ -43,8 +43,8 @@ pub fn find_runtime(pid: u32) -> Result<Runtime, PyError> {
     if has_exited(pid) {
         return Err(PyError::NoProcess(pid));
     }
-    let process = Process::new(pid as i32).map_err(|_| PyError::NoProcess(pid))?;
-    let maps = process.maps().map_err(|_| PyError::NoProcess(pid))?;
+    let process = Process::new(pid as i32).map_err(|err| process_error(pid, err))?;
+    let maps = process.maps().map_err(|err| process_error(pid, err))?;
     let mut candidates: Vec<(PathBuf, u64)> = Vec::new();
     for map in maps.iter() {
         if let MMapPath::Path(path) = &map.pathname {
@@ -62,6 +62,14 @@ pub fn find_runtime(pid: u32) -> Result<Runtime, PyError> {
         }
     }
     Err(PyError::NotPython(pid))
+}
+
+/// Why `/proc/PID` could not be read: the process is gone, or it is not ours to read.
+fn process_error(pid: u32, err: procfs::ProcError) -> PyError {
+    match err {
+        procfs::ProcError::PermissionDenied(_) => PyError::PermissionDenied(pid),
+        _ => PyError::NoProcess(pid),
+    }
 }
 
 /// `_PyRuntime`'s address if this ELF file defines it, given where its first page is mapped, and

@@ -7,6 +7,7 @@
 mod collapsed;
 mod destination;
 mod pprof;
+mod rotate;
 
 use std::borrow::Cow;
 use std::io;
@@ -29,13 +30,15 @@ pub enum OutputError {
     Socket(PathBuf),
     #[error("{} is a terminal and pprof is binary: write to a file, pipe it, or use --format collapsed", display_name(.0))]
     BinaryOnTerminal(PathBuf),
-    #[error("{}: {source}", path.display())]
-    Io { path: PathBuf, source: io::Error },
+    #[error("--rotate writes a new file every period: {} is not a regular file, give -o a file name", display_name(.0))]
+    CannotRotate(PathBuf),
+    #[error("{}: {cause}", path.display())]
+    Io { path: PathBuf, cause: io::Error },
 }
 
 impl OutputError {
     fn io(path: &Path) -> impl FnOnce(io::Error) -> OutputError + '_ {
-        move |source| OutputError::Io { path: path.to_path_buf(), source }
+        move |cause| OutputError::Io { path: path.to_path_buf(), cause }
     }
 }
 
@@ -81,6 +84,38 @@ pub fn write_profile(profile: &Profile, path: &Path, format: OutputFormat) -> Re
         OutputFormat::Collapsed => collapsed::write(profile, &mut out),
         OutputFormat::Pprof => pprof::write(profile, &mut out),
     })
+}
+
+/// Where a recording's profiles go: `-o PATH`, or with `--rotate` a new file per period, named
+/// after PATH and the period's start (see [`rotate`]).
+pub struct ProfileSink {
+    path: PathBuf,
+    format: OutputFormat,
+    rotating: bool,
+}
+
+impl ProfileSink {
+    /// Checks, before any sampling, that profiles can be written as asked (see [`check_writable`]).
+    pub fn new(path: &Path, format: Option<OutputFormat>, rotating: bool) -> Result<ProfileSink, OutputError> {
+        let format = resolve_format(path, format);
+        let destination = Destination::resolve(path)?;
+        if rotating && !matches!(destination, Destination::Replace(_)) {
+            return Err(OutputError::CannotRotate(path.to_path_buf()));
+        }
+        destination.check(format)?;
+        Ok(ProfileSink { path: path.to_path_buf(), format, rotating })
+    }
+
+    /// Writes one complete profile; returns the name it went to, as messages show it.
+    pub fn write(&self, profile: &Profile) -> Result<String, OutputError> {
+        if !self.rotating {
+            write_profile(profile, &self.path, self.format)?;
+            return Ok(display_name(&self.path).into_owned());
+        }
+        let path = rotate::free_name(&self.path, profile.start_unix_ns)?;
+        write_profile(profile, &path, self.format)?;
+        Ok(path.to_string_lossy().into_owned())
+    }
 }
 
 /// How a frame is named in every output format.

@@ -1,0 +1,195 @@
+//! Issue 13 end to end: bad values, closed standard error, SIGHUP, `--rotate`, bounded memory in a
+//! long run, and hostile targets.
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use pyebpf_tests::{assert_one_line_error, debian_python, pyebpf, run_pyebpf, stacks_of, total, Killed};
+
+/// A Python process spinning in `spin` forever, under Debian's 3.14.
+fn python_spinner() -> Killed {
+    let child = Command::new(debian_python("3.14"))
+        .args(["-c", "def spin():\n    while True: pass\nspin()"])
+        .stdin(Stdio::null())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    Killed(child)
+}
+
+fn files_in(dir: &Path) -> Vec<PathBuf> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().path()).collect();
+    files.sort();
+    files
+}
+
+#[test]
+fn bad_values_fail_before_sampling_with_one_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("p.folded");
+    let out = out.to_str().unwrap();
+    let cases: &[(&[&str], &str)] = &[
+        (&["-d", "inf"], "--duration"),
+        (&["-d", "1e20"], "--duration"),
+        (&["-d", "NaN"], "--duration"),
+        (&["--duration=-1"], "--duration"),
+        (&["-d", "0"], "--duration"),
+        (&["-d", "soon"], "--duration"),
+        (&["--ring-buffer-kb", "4194304"], "--ring-buffer-kb"),
+        (&["--ring-buffer-kb", "4294967296"], "--ring-buffer-kb"),
+        (&["--ring-buffer-kb", "1000"], "power of two"),
+        (&["-F", "0"], "--frequency"),
+        (&["-F", "1000000"], "--frequency"),
+        (&["-F", "99999999999999999999999"], "--frequency"),
+        (&["--rotate", "0"], "--rotate"),
+        (&["--rotate", "1e3"], "--rotate"),
+    ];
+    for (args, expected) in cases {
+        let started = Instant::now();
+        let mut all = vec!["record", "-a", "-o", out];
+        all.extend_from_slice(args);
+        let output = run_pyebpf(&all);
+        assert_one_line_error(&output, expected);
+        assert_ne!(output.status.code(), Some(101), "{args:?} panicked");
+        assert!(started.elapsed() < Duration::from_secs(2), "{args:?} sampled before failing");
+        assert!(files_in(dir.path()).is_empty(), "{args:?} left a file");
+    }
+    // --rotate writes new files next to a file name; standard output cannot be rotated.
+    assert_one_line_error(&run_pyebpf(&["record", "-a", "-d", "1", "--rotate", "1", "-o", "-"]), "--rotate");
+    assert_one_line_error(&run_pyebpf(&["record", "-a", "-d", "1", "--rotate", "1", "-o", "/dev/null"]), "--rotate");
+}
+
+/// `pyebpf` copied where an unprivileged user can run it.
+fn runnable_by_anyone(dir: &Path) -> PathBuf {
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let bin = dir.join("pyebpf");
+    std::fs::copy(pyebpf(), &bin).unwrap();
+    std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).unwrap();
+    bin
+}
+
+fn as_nobody(bin: &Path, args: &[&str]) -> Output {
+    Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"])
+        .arg(bin)
+        .args(args)
+        .output()
+        .expect("setpriv (util-linux) must be installed")
+}
+
+#[test]
+fn dump_of_a_process_that_cannot_be_read_says_permission_denied() {
+    let dir = tempfile::tempdir().unwrap();
+    let bin = runnable_by_anyone(dir.path());
+    assert_one_line_error(&as_nobody(&bin, &["dump", "-p", "1"]), "permission denied");
+    let spinner = python_spinner();
+    let output = as_nobody(&bin, &["dump", "-p", &spinner.pid().to_string()]);
+    assert_one_line_error(&output, "permission denied");
+    assert!(!String::from_utf8_lossy(&output.stderr).contains("does not exist"), "{output:?}");
+    // A process that is really gone still says so.
+    let gone = {
+        let mut child = Command::new("true").spawn().unwrap();
+        child.wait().unwrap();
+        child.id()
+    };
+    assert_one_line_error(&run_pyebpf(&["dump", "-p", &gone.to_string()]), "does not exist");
+}
+
+#[test]
+fn a_write_error_says_its_cause_once() {
+    let _spinner = python_spinner();
+    let output = run_pyebpf(&["record", "-a", "-d", "0.5", "--format", "collapsed", "-o", "/dev/full"]);
+    assert_one_line_error(&output, "No space left on device");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(stderr.matches("No space left on device").count(), 1, "{stderr}");
+}
+
+/// Runs `sh -c 'exec pyebpf ARGS REDIRECTION'`.
+fn with_stderr(redirection: &str, args: &[&str]) -> Output {
+    let script = format!("exec \"$0\" \"$@\" {redirection}");
+    Command::new("sh").arg("-c").arg(script).arg(pyebpf()).args(args).output().unwrap()
+}
+
+#[test]
+fn closed_or_broken_stderr_never_panics() {
+    let _spinner = python_spinner();
+    let dir = tempfile::tempdir().unwrap();
+    // Closed, then a pipe nobody reads (`2>&-` vs a pipe whose reader exited).
+    for (name, redirection) in [("closed.folded", "2>&-"), ("broken.folded", "2>&1 | true")] {
+        let out = dir.path().join(name);
+        let out = out.to_str().unwrap();
+        let script = format!("\"$0\" \"$@\" {redirection}; echo rc=$?");
+        let shell = |args: &[&str]| Command::new("bash").arg("-c").arg(&script).arg(pyebpf()).args(args).output().unwrap();
+        let recorded = shell(&["record", "-a", "-d", "1", "--stats", "-o", out]);
+        let rc = String::from_utf8_lossy(&recorded.stdout).trim().to_string();
+        if redirection == "2>&-" {
+            assert_eq!(rc, "rc=0", "{redirection}: {recorded:?}");
+        }
+        let text = std::fs::read_to_string(out).unwrap_or_else(|err| panic!("{redirection}: no profile: {err}"));
+        assert!(text.lines().count() > 0, "{redirection}: empty profile");
+        // An error with nowhere to go still exits with its own status, not a panic's 101.
+        let failed = with_stderr("2>&-", &["record", "-a", "-d", "inf", "-o", out]);
+        assert_eq!(failed.status.code(), Some(2), "{failed:?}");
+        let failed = with_stderr("2>&-", &["dump", "-p", "4194304"]);
+        assert_eq!(failed.status.code(), Some(1), "{failed:?}");
+    }
+}
+
+#[test]
+fn sighup_still_writes_the_profile() {
+    let spinner = python_spinner();
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("hup.folded");
+    let mut recorder = Command::new(pyebpf()).args(["record", "-a", "-o"]).arg(&out).stderr(Stdio::piped()).spawn().unwrap();
+    std::thread::sleep(Duration::from_millis(1500));
+    // SAFETY: signalling our own child.
+    assert_eq!(unsafe { libc::kill(recorder.id() as i32, libc::SIGHUP) }, 0);
+    let status = recorder.wait().unwrap();
+    assert!(status.success(), "pyebpf exited with {status} after SIGHUP");
+    let text = std::fs::read_to_string(&out).unwrap();
+    let stacks = stacks_of(&text, spinner.pid());
+    assert!(total(&stacks) > 0, "no samples of the spinner:\n{text}");
+    assert!(stacks.iter().any(|(frames, _)| frames.iter().any(|f| f.starts_with("spin (<string>"))), "no Python frame:\n{text}");
+}
+
+#[test]
+fn rotate_writes_a_complete_profile_every_period() {
+    let spinner = python_spinner();
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("p.folded");
+    let output = Command::new(pyebpf())
+        .args(["record", "-a", "-F", "199", "--rotate", "1", "-d", "3.5", "-o"])
+        .arg(&out)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{stderr}");
+    assert!(!out.exists(), "--rotate wrote the unrotated name too");
+    let files = files_in(dir.path());
+    assert!((3..=4).contains(&files.len()), "{} files: {files:?}\n{stderr}", files.len());
+    let mut spinner_samples = Vec::new();
+    for file in &files {
+        let name = file.file_name().unwrap().to_string_lossy().into_owned();
+        // p.YYYYMMDDTHHMMSS.folded
+        let stamp = name.strip_prefix("p.").and_then(|rest| rest.strip_suffix(".folded")).unwrap_or_else(|| panic!("{name}"));
+        assert!(stamp.len() == 15 && stamp.as_bytes()[8] == b'T' && stamp.chars().filter(char::is_ascii_digit).count() == 14, "{name}");
+        assert!(stderr.contains(&name), "no `wrote` line for {name}: {stderr}");
+        let text = std::fs::read_to_string(file).unwrap();
+        for line in text.lines() {
+            let (_, count) = line.rsplit_once(' ').unwrap_or_else(|| panic!("{name}: bad line {line:?}"));
+            assert!(count.parse::<u64>().is_ok_and(|n| n > 0), "{name}: bad count in {line:?}");
+        }
+        let stacks = stacks_of(&text, spinner.pid());
+        assert!(stacks.iter().any(|(frames, _)| frames.iter().any(|f| f.starts_with("spin (<string>"))), "{name}: no Python frame");
+        spinner_samples.push(total(&stacks));
+    }
+    // Each full period holds at most a second of the spinner (199 Hz, a little slack for timers):
+    // the aggregate restarts every period. On a busy machine the spinner gets less than a CPU, but
+    // every full period gets a like share of it.
+    let full = &spinner_samples[..spinner_samples.len() - 1];
+    let mean = full.iter().sum::<u64>() / full.len() as u64;
+    assert!(full.iter().all(|&n| n <= 230 && n * 2 >= mean), "samples per period: {spinner_samples:?}");
+    assert!(spinner_samples.iter().all(|&n| n > 0), "samples per period: {spinner_samples:?}");
+}
