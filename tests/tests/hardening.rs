@@ -252,3 +252,124 @@ fn memory_stays_bounded_while_processes_come_and_go() {
     let busy = text.lines().filter(|line| line.contains("busy (<string>")).count();
     assert!(busy > 0, "no Python frame of a short-lived process");
 }
+
+/// A C program named `python3.15` whose `.PyRuntime` section (and `_PyRuntime` symbol) holds
+/// the whole static image of Debian 3.15's: a well-formed debug-offsets table (cookie `xdebugpy`,
+/// version 3.15.2) whose pointers lead nowhere in this process.
+fn fake_python(dir: &Path) -> PathBuf {
+    let image = dir.join("runtime.bin");
+    let python = debian_python("3.15");
+    let status = Command::new("objcopy").args(["-O", "binary", "--only-section=.PyRuntime"]).arg(&python).arg(&image).status().unwrap();
+    assert!(status.success());
+    assert!(std::fs::read(&image).unwrap().starts_with(b"xdebugpy"), "3.15's .PyRuntime does not start with its debug offsets");
+    let object = dir.join("runtime.o");
+    let status = Command::new("objcopy")
+        .current_dir(dir)
+        .args(["-I", "binary", "-O", "elf64-x86-64", "-B", "i386:x86-64"])
+        .args(["--rename-section", ".data=.PyRuntime,alloc,load,data,contents"])
+        .args(["--redefine-sym", "_binary_runtime_bin_start=_PyRuntime", "runtime.bin", "runtime.o"])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let source = dir.join("fake.c");
+    std::fs::write(&source, "extern char _PyRuntime[];\nvolatile unsigned long sink;\nint main(void) { for (;;) sink += (unsigned long)_PyRuntime[sink & 7]; }\n").unwrap();
+    let fake_dir = dir.join("fake");
+    std::fs::create_dir(&fake_dir).unwrap();
+    let binary = fake_dir.join("python3.15");
+    let status = Command::new("gcc")
+        .args(["-O1", "-Wl,--export-dynamic", "-Wl,-z,noexecstack", "-o"])
+        .arg(&binary)
+        .arg(&source)
+        .arg(&object)
+        .status()
+        .expect("gcc must be installed");
+    assert!(status.success());
+    binary
+}
+
+/// Target PIDs of the `process_vm_writev` calls in an `strace -f -o` log.
+fn written_pids(log: &str) -> Vec<u32> {
+    log.lines()
+        .filter_map(|line| line.split_once("process_vm_writev(")?.1.split(',').next()?.trim().parse().ok())
+        .collect()
+}
+
+#[test]
+fn hostile_targets_are_survived_and_never_written() {
+    let mut hostile = Vec::new();
+    let mut keep = Vec::new();
+    for version in ["3.14", "3.15"] {
+        for mode in ["frame_loop", "long_name", "thread_cycle"] {
+            let (child, dir) = pyebpf_tests::start_ready(&debian_python(version), "hostile.py", &[mode]);
+            hostile.push((format!("{version} {mode}"), child));
+            keep.push(dir);
+        }
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let fake = Killed(Command::new(fake_python(dir.path())).spawn().unwrap());
+    // The normal workload, on 3.15 so that pyebpf does write its marker into it: strace sees writes.
+    let normal = Killed(
+        Command::new(debian_python("3.15"))
+            .args(["-c", "def normal_spin(n):\n    if n: return normal_spin(n - 1)\n    while True: pass\nnormal_spin(12)"])
+            .stdin(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    let out = dir.path().join("hostile.folded");
+    let log = dir.path().join("strace.log");
+    let output = Command::new("strace")
+        .args(["-f", "--seccomp-bpf", "-e", "trace=process_vm_writev", "-o"])
+        .arg(&log)
+        .arg(pyebpf())
+        .args(["record", "-a", "-F", "499", "-d", "4", "-o"])
+        .arg(&out)
+        .output()
+        .expect("strace must be installed");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    let mut lines: Vec<&str> = stderr.lines().filter(|line| !line.trim().is_empty()).collect();
+    let count = lines.len();
+    lines.sort_unstable();
+    lines.dedup();
+    assert_eq!(lines.len(), count, "a line repeated: {stderr}");
+
+    let text = std::fs::read_to_string(&out).unwrap();
+    let normal_stacks = stacks_of(&text, normal.pid());
+    let with_python = |stacks: &[(Vec<String>, u64)]| {
+        stacks.iter().filter(|(frames, _)| frames.iter().any(|f| f.starts_with("normal_spin (<string>"))).map(|(_, n)| n).sum::<u64>()
+    };
+    assert!(with_python(&normal_stacks) * 2 > total(&normal_stacks), "the normal workload lost its Python frames:\n{normal_stacks:?}");
+    for (name, child) in &mut hostile {
+        assert!(matches!(child.0.try_wait(), Ok(None)), "{name} died");
+        assert!(total(&stacks_of(&text, child.pid())) > 0, "no samples of {name}");
+    }
+    assert!(total(&stacks_of(&text, fake.pid())) > 0, "no samples of the fake python");
+
+    let strace_log = std::fs::read_to_string(&log).unwrap();
+    let written = written_pids(&strace_log);
+    assert!(written.contains(&normal.pid()), "strace saw no marker write into the normal 3.15 workload:\n{strace_log}");
+    for (name, child) in &hostile {
+        assert!(!written.contains(&child.pid()), "pyebpf wrote into {name}:\n{strace_log}");
+    }
+    assert!(!written.contains(&fake.pid()), "pyebpf wrote into the fake python:\n{strace_log}");
+    // `dump` names what is wrong with each, instead of garbage or a hang.
+    for (name, child) in &hostile {
+        let expected = if name.ends_with("frame_loop") {
+            "frame chain loops"
+        } else if name.ends_with("long_name") {
+            "beyond the process's memory"
+        } else {
+            "looping"
+        };
+        let dumped = run_pyebpf(&["dump", "-p", &child.pid().to_string()]);
+        let text = format!("{}{}", String::from_utf8_lossy(&dumped.stdout), String::from_utf8_lossy(&dumped.stderr));
+        assert!(text.contains(expected), "dump of {name} lacks `{expected}`: {text}");
+    }
+    eprintln!("process_vm_writev calls: {} (targets {:?})", written.len(), {
+        let mut targets = written.clone();
+        targets.dedup();
+        targets
+    });
+}
