@@ -4,7 +4,8 @@
 
 use std::path::{Path, PathBuf};
 
-use object::{Object, ObjectSection, ObjectSegment, ObjectSymbol};
+use object::read::ReadCache;
+use object::{Object, ObjectSection, ObjectSegment, ObjectSymbol, ReadRef};
 use procfs::process::{MMapPath, Process};
 
 use super::offsets::PyVersion;
@@ -78,8 +79,10 @@ fn runtime_in_file(file: &Path, mapped_at: u64) -> Option<(u64, Option<PyVersion
     if std::fs::metadata(file).ok()?.len() > MAX_ELF_SIZE {
         return None;
     }
-    let data = std::fs::read(file).ok()?;
-    let elf = object::File::parse(&*data).ok()?;
+    // Read on demand: headers and symbol tables only, not the whole (often 8 MB) interpreter, for
+    // every process attached.
+    let data = ReadCache::new(std::fs::File::open(file).ok()?);
+    let elf = object::File::parse(&data).ok()?;
     let runtime = elf
         .section_by_name(".PyRuntime")
         .map(|section| section.address())
@@ -96,7 +99,7 @@ fn runtime_in_file(file: &Path, mapped_at: u64) -> Option<(u64, Option<PyVersion
 }
 
 /// The constant `Py_Version` (`PY_VERSION_HEX`) as the file stores it.
-fn py_version(elf: &object::File) -> Option<PyVersion> {
+fn py_version<'data, R: ReadRef<'data>>(elf: &object::File<'data, R>) -> Option<PyVersion> {
     let symbol = elf.dynamic_symbols().chain(elf.symbols()).find(|symbol| symbol.name() == Ok("Py_Version") && symbol.is_definition())?;
     let section = elf.section_by_index(symbol.section_index()?).ok()?;
     let bytes = section.data_range(symbol.address(), 4).ok()??;
