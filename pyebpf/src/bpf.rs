@@ -19,14 +19,14 @@ pub enum BpfError {
     NoObject,
     #[error("permission denied: pyebpf needs root (or CAP_BPF, CAP_PERFMON and CAP_SYS_PTRACE)")]
     NotPermitted,
-    #[error("--ring-buffer-kb must be a power of two of at least 4, not {0}")]
+    #[error("--ring-buffer-kb must be a power of two from 4 to {max}, not {0}", max = crate::cli::MAX_RING_BUFFER_KB)]
     RingBufferSize(u32),
     #[error("cannot load the eBPF sampler (is BPF available in this kernel?): {0}")]
-    Load(#[source] aya::EbpfError),
+    Load(aya::EbpfError),
     #[error("cannot attach the eBPF sampler: {0}")]
-    Program(#[source] aya::programs::ProgramError),
-    #[error("eBPF map {name}: {source}")]
-    Map { name: &'static str, source: aya::maps::MapError },
+    Program(aya::programs::ProgramError),
+    #[error("eBPF map {name}: {cause}")]
+    Map { name: &'static str, cause: aya::maps::MapError },
     #[error("cannot list online CPUs: {0}")]
     Cpus(std::io::Error),
     #[error(transparent)]
@@ -38,7 +38,7 @@ pub enum BpfError {
 }
 
 fn map_error(name: &'static str) -> impl FnOnce(aya::maps::MapError) -> BpfError {
-    move |source| BpfError::Map { name, source }
+    move |cause| BpfError::Map { name, cause }
 }
 
 /// What to sample.
@@ -99,7 +99,7 @@ impl Sampler {
             return Err(BpfError::NoObject);
         }
         let kb = options.ring_buffer_kb;
-        if kb < 4 || !kb.is_power_of_two() {
+        if !(4..=crate::cli::MAX_RING_BUFFER_KB).contains(&kb) || !kb.is_power_of_two() {
             return Err(BpfError::RingBufferSize(kb));
         }
         // Every program reads kernel types (the current task, fork's task_structs), so a kernel

@@ -1,6 +1,7 @@
 //! Command-line interface definitions.
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
@@ -52,8 +53,8 @@ pub struct RecordArgs {
     pub frequency: u64,
 
     /// Stop after this many seconds (default: until Ctrl-C, or until COMMAND or every -p process exits)
-    #[arg(short = 'd', long = "duration", value_name = "SECONDS")]
-    pub duration: Option<f64>,
+    #[arg(short = 'd', long = "duration", value_name = "SECONDS", value_parser = parse_duration)]
+    pub duration: Option<Duration>,
 
     /// Where to write the profile: a file, `-` (standard output), a device or a FIFO
     #[arg(short = 'o', long = "output", value_name = "PATH", default_value = "profile.pb.gz")]
@@ -63,6 +64,13 @@ pub struct RecordArgs {
     /// .folded/.txt -> collapsed; otherwise pprof]
     #[arg(long = "format", value_enum)]
     pub format: Option<OutputFormat>,
+
+    /// Write a complete profile every SECONDS and start a new one, so a long run never risks more
+    /// than one period: each goes to the output's name with the period's UTC start inserted before
+    /// the extension (`profile.20261123T120000.pb.gz`); the last, partial period is written at exit
+    #[arg(long = "rotate", value_name = "SECONDS",
+          value_parser = clap::value_parser!(u64).range(1..=MAX_SECONDS))]
+    pub rotate: Option<u64>,
 
     /// Capture kernel stacks too (frames end in `_[k]` in collapsed output)
     #[arg(long = "kernel")]
@@ -94,13 +102,38 @@ pub struct RecordArgs {
     pub stats: bool,
 
     /// Size of the kernel-to-user sample ring buffer, in KiB (a power of two, at least 4)
-    #[arg(long = "ring-buffer-kb", value_name = "KIB", default_value_t = 4096)]
+    #[arg(long = "ring-buffer-kb", value_name = "KIB", default_value_t = 4096, value_parser = parse_ring_buffer_kb)]
     pub ring_buffer_kb: u32,
 
     /// Launch COMMAND and profile it and its children until it exits; SIGINT/SIGTERM are passed
     /// to it first (a second one stops pyebpf while it runs)
     #[arg(last = true, value_name = "COMMAND")]
     pub command: Vec<String>,
+}
+
+/// The longest `--duration` and `--rotate`: a year.
+const MAX_SECONDS: u64 = 365 * 24 * 3600;
+
+/// The largest ring buffer: its pages stay locked in kernel memory for the whole recording.
+pub const MAX_RING_BUFFER_KB: u32 = 256 * 1024;
+
+/// `--duration`: a finite number of seconds above zero, at most [`MAX_SECONDS`].
+fn parse_duration(text: &str) -> Result<Duration, String> {
+    let seconds: f64 = text.trim().parse().map_err(|_| "not a number of seconds".to_string())?;
+    if !seconds.is_finite() || seconds <= 0.0 || seconds > MAX_SECONDS as f64 {
+        return Err(format!("must be a number of seconds above 0 and at most {MAX_SECONDS} (a year)"));
+    }
+    Ok(Duration::from_secs_f64(seconds))
+}
+
+/// `--ring-buffer-kb`: a power of two from 4 to [`MAX_RING_BUFFER_KB`].
+fn parse_ring_buffer_kb(text: &str) -> Result<u32, String> {
+    let bad = || format!("must be a power of two from 4 to {MAX_RING_BUFFER_KB} (256 MiB)");
+    let kb: u32 = text.trim().parse().map_err(|_| bad())?;
+    if !(4..=MAX_RING_BUFFER_KB).contains(&kb) || !kb.is_power_of_two() {
+        return Err(bad());
+    }
+    Ok(kb)
 }
 
 #[derive(Args, Debug)]
@@ -112,4 +145,27 @@ pub struct DumpArgs {
     /// Print JSON instead of tracebacks
     #[arg(long = "json")]
     pub json: bool,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_are_finite_positive_and_bounded() {
+        assert_eq!(parse_duration("1.5"), Ok(Duration::from_millis(1500)));
+        assert_eq!(parse_duration("31536000"), Ok(Duration::from_secs(MAX_SECONDS)));
+        for bad in ["inf", "-inf", "NaN", "1e20", "-1", "0", "0.0", "", "x", "31536001"] {
+            assert!(parse_duration(bad).is_err(), "{bad:?} accepted");
+        }
+    }
+
+    #[test]
+    fn ring_buffer_sizes_are_bounded_powers_of_two() {
+        assert_eq!(parse_ring_buffer_kb("4"), Ok(4));
+        assert_eq!(parse_ring_buffer_kb("262144"), Ok(262_144));
+        for bad in ["0", "2", "3", "4095", "524288", "4194304", "4294967296", "-4", "x"] {
+            assert!(parse_ring_buffer_kb(bad).is_err(), "{bad:?} accepted");
+        }
+    }
 }

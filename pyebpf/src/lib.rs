@@ -10,6 +10,7 @@ pub mod output;
 pub mod process;
 pub mod python_sampling;
 pub mod record;
+pub mod report;
 pub mod stack;
 pub mod stats;
 pub mod symbolize;

@@ -1,19 +1,25 @@
 //! The processes a recording covers: every process, given PIDs (watched until they exit), or a
 //! launched command.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::cpython::runtime;
+
+/// How often processes seen in samples are checked for having exited.
+const EXIT_CHECK_INTERVAL: Duration = Duration::from_secs(2);
 
 #[derive(Debug, thiserror::Error)]
 pub enum TargetError {
     #[error("no such process: {0}")]
     NoSuchProcess(u32),
-    #[error("cannot watch process {pid}: {source}")]
-    Watch { pid: u32, source: std::io::Error },
-    #[error("cannot start `{command}`: {source}")]
-    Spawn { command: String, source: std::io::Error },
+    #[error("cannot watch process {pid}: {cause}")]
+    Watch { pid: u32, cause: std::io::Error },
+    #[error("cannot start `{command}`: {cause}")]
+    Spawn { command: String, cause: std::io::Error },
 }
 
 /// The processes given with `-p`, held by pidfds: a pidfd refers to its process only, so a PID
@@ -43,7 +49,7 @@ fn pidfd_open(pid: u32) -> Result<OwnedFd, TargetError> {
         let err = std::io::Error::last_os_error();
         return Err(match err.raw_os_error() {
             Some(libc::ESRCH) | Some(libc::EINVAL) => TargetError::NoSuchProcess(pid),
-            _ => TargetError::Watch { pid, source: err },
+            _ => TargetError::Watch { pid, cause: err },
         });
     }
     // SAFETY: the descriptor was just created and nothing else owns it.
@@ -76,7 +82,7 @@ impl Launched {
     /// the profile.
     pub fn start(command: &[String], stdout_to_stderr: bool) -> Result<Launched, TargetError> {
         let (program, args) = command.split_first().expect("clap requires a command here");
-        let spawn_error = |source| TargetError::Spawn { command: command.join(" "), source };
+        let spawn_error = |cause| TargetError::Spawn { command: command.join(" "), cause };
         let mut launched = Command::new(program);
         launched.args(args);
         if stdout_to_stderr {
@@ -104,6 +110,47 @@ impl Launched {
     }
 }
 
+/// Raises the soft limit on open files to the hard limit: symbolization keeps the files of every
+/// process sampled open (up to its own bound), and a host runs many.
+pub fn raise_open_file_limit() {
+    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit and setrlimit read and write the struct they are given.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) == 0 && limit.rlim_cur < limit.rlim_max {
+            limit.rlim_cur = limit.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &limit);
+        }
+    }
+}
+
+/// Finds the processes that have exited, so that what is kept about them can go. A process is
+/// reported only once it was found gone at two checks in a row: its last samples, still in the
+/// ring buffer when it exited, have been resolved by then.
+pub struct ExitWatch {
+    checked_at: Instant,
+    gone: HashSet<u32>,
+}
+
+impl Default for ExitWatch {
+    fn default() -> Self {
+        ExitWatch { checked_at: Instant::now(), gone: HashSet::new() }
+    }
+}
+
+impl ExitWatch {
+    /// Of `pids`, those gone for a whole check interval; empty between checks.
+    pub fn exited(&mut self, pids: impl IntoIterator<Item = u32>) -> Vec<u32> {
+        if self.checked_at.elapsed() < EXIT_CHECK_INTERVAL {
+            return Vec::new();
+        }
+        self.checked_at = Instant::now();
+        let now_gone: HashSet<u32> = pids.into_iter().filter(|pid| runtime::has_exited(*pid)).collect();
+        let exited = now_gone.intersection(&self.gone).copied().collect();
+        self.gone = now_gone;
+        exited
+    }
+}
+
 /// Process names, read once per process so every thread of a process shares one root frame.
 #[derive(Default)]
 pub struct ProcessNames {
@@ -121,6 +168,16 @@ impl ProcessNames {
                     .unwrap_or_else(|_| comm_to_string(fallback).into())
             })
             .clone()
+    }
+
+    pub fn pids(&self) -> impl Iterator<Item = u32> + '_ {
+        self.names.keys().copied()
+    }
+
+    pub fn forget(&mut self, pids: &[u32]) {
+        for pid in pids {
+            self.names.remove(pid);
+        }
     }
 }
 

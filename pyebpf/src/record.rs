@@ -1,6 +1,7 @@
 //! `pyebpf record`: sample until the duration ends, a signal arrives, the command or every given
-//! process exits (a launched command gets the first signal and is waited for), resolve
-//! every sample to a stack while its process is alive, then write the profile.
+//! process exits (a launched command gets the first signal and is waited for), resolve every
+//! sample to a stack while its process is alive, then write the profile (with `--rotate`, also at
+//! the end of every period, starting a new profile each time).
 
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -12,8 +13,9 @@ use crate::bpf::{check_privileges, Sampler, SamplerOptions};
 use crate::cli::RecordArgs;
 use crate::merge::{self, NativeStack};
 use crate::python_sampling::{PythonSampling, SamplingOptions};
-use crate::output;
-use crate::process::{self, Launched, ProcessNames, Watched};
+use crate::output::{self, ProfileSink};
+use crate::process::{self, ExitWatch, Launched, ProcessNames, Watched};
+use crate::report;
 use crate::stack::{Frame, Profile, StackKey};
 use crate::stats::Stats;
 use crate::symbolize::Symbolizer;
@@ -25,6 +27,7 @@ const TICK: Duration = Duration::from_millis(250);
 pub struct SampleResolver {
     symbolizer: Symbolizer,
     names: ProcessNames,
+    exits: ExitWatch,
     python: PythonSampling,
     no_native: bool,
 }
@@ -34,6 +37,7 @@ impl SampleResolver {
         SampleResolver {
             symbolizer: Symbolizer::new(),
             names: ProcessNames::default(),
+            exits: ExitWatch::default(),
             python: PythonSampling::new(options),
             no_native,
         }
@@ -79,6 +83,9 @@ impl SampleResolver {
 
     pub fn upkeep(&mut self, sampler: &mut Sampler) {
         self.python.upkeep(sampler);
+        let exited = self.exits.exited(self.names.pids().collect::<Vec<_>>());
+        self.names.forget(&exited);
+        self.symbolizer.forget_processes(&exited);
     }
 
     pub fn finish(&self, stats: &mut Stats) {
@@ -87,32 +94,51 @@ impl SampleResolver {
 }
 
 pub fn run(args: RecordArgs) -> Result<()> {
-    let format = output::resolve_format(&args.output, args.format);
     let output_name = output::display_name(&args.output);
-    output::check_writable(&args.output, format).with_context(|| format!("cannot write {output_name}"))?;
+    let sink = ProfileSink::new(&args.output, args.format, args.rotate.is_some()).with_context(|| format!("cannot write {output_name}"))?;
     check_privileges()?;
     let watched = Watched::open(&args.pid)?;
+    process::raise_open_file_limit();
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().context("start the async runtime")?;
-    let (profile, stats) = runtime.block_on(record(&args, &watched))?;
-    output::write_profile(&profile, &args.output, format).with_context(|| format!("cannot write {output_name}"))?;
-    let processes: std::collections::HashSet<u32> = profile.counts.keys().map(|k| k.pid).collect();
-    eprintln!(
-        "pyebpf: wrote {} samples of {} processes to {output_name} ({} lost)",
-        profile.total_samples(),
-        processes.len(),
-        stats.lost_samples
-    );
+    let (profile, stats) = runtime.block_on(record(&args, &watched, &sink))?;
+    write_profile(&sink, &profile, stats.lost_samples)?;
     if args.stats {
-        eprintln!("{stats}");
+        report::report_text(format_args!("{stats}"));
     }
     Ok(())
 }
 
-async fn record(args: &RecordArgs, watched: &Watched) -> Result<(Profile, Stats)> {
+/// Writes one complete profile and says where it went.
+fn write_profile(sink: &ProfileSink, profile: &Profile, lost: u64) -> Result<()> {
+    let name = sink.write(profile).context("cannot write the profile")?;
+    let processes: std::collections::HashSet<u32> = profile.counts.keys().map(|k| k.pid).collect();
+    report!("wrote {} samples of {} processes to {name} ({lost} lost)", profile.total_samples(), processes.len());
+    Ok(())
+}
+
+/// `--rotate`: ends the period, writes its profile, and starts the next one in `profile`.
+fn rotate(sink: &ProfileSink, profile: &mut Profile, period_started: &mut Instant, lost: u64) {
+    let mut finished = std::mem::replace(profile, Profile::new(profile.frequency_hz));
+    finished.duration_ns = period_started.elapsed().as_nanos() as i64;
+    *period_started = Instant::now();
+    profile.start_unix_ns = unix_now_ns();
+    // A period that cannot be written is lost, but the next ones may still be: keep recording.
+    if let Err(err) = write_profile(sink, &finished, lost) {
+        report!("{err:#}");
+    }
+}
+
+fn unix_now_ns() -> i64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as i64)
+}
+
+async fn record(args: &RecordArgs, watched: &Watched, sink: &ProfileSink) -> Result<(Profile, Stats)> {
     // Installed before the command starts, so a signal never finds pyebpf without its handlers,
     // and the command starts with these signals at their defaults (exec resets handled signals).
     let mut interrupt = signal(SignalKind::interrupt()).context("install the SIGINT handler")?;
     let mut terminate = signal(SignalKind::terminate()).context("install the SIGTERM handler")?;
+    // A closed terminal or session (SIGHUP) ends the recording like Ctrl-C: the profile is written.
+    let mut hangup = signal(SignalKind::hangup()).context("install the SIGHUP handler")?;
     let options = SamplingOptions { marker: !args.no_cache, read_only: args.read_only, max_frames: args.max_python_frames };
     let mut resolver = SampleResolver::new(options, args.no_native);
     let mut stats = Stats::default();
@@ -137,9 +163,13 @@ async fn record(args: &RecordArgs, watched: &Watched) -> Result<(Profile, Stats)
 
     resolver.register_all(&mut sampler);
     let mut profile = Profile::new(args.frequency);
-    let started = Instant::now();
-    profile.start_unix_ns = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as i64);
-    let deadline = args.duration.map(|secs| tokio::time::Instant::now() + Duration::from_secs_f64(secs.max(0.0)));
+    let mut started = Instant::now();
+    profile.start_unix_ns = unix_now_ns();
+    let deadline = args.duration.map(|duration| tokio::time::Instant::now() + duration);
+    let mut rotation = args.rotate.map(|secs| {
+        let period = Duration::from_secs(secs);
+        tokio::time::interval_at(tokio::time::Instant::now() + period, period)
+    });
     let mut tick = tokio::time::interval(TICK);
     let mut batch = Vec::new();
     let mut lost_reported = 0;
@@ -151,6 +181,8 @@ async fn record(args: &RecordArgs, watched: &Watched) -> Result<(Profile, Stats)
             }
             _ = interrupt.recv() => if !pass_to_command(&mut command, libc::SIGINT) { break },
             _ = terminate.recv() => if !pass_to_command(&mut command, libc::SIGTERM) { break },
+            _ = hangup.recv() => break,
+            _ = next_period(&mut rotation) => rotate(sink, &mut profile, &mut started, sampler.lost_samples()),
             _ = sleep_until(deadline) => break,
             _ = tick.tick() => {
                 lost_reported = report_lost(&sampler, lost_reported);
@@ -204,6 +236,15 @@ fn own_cpu_ns() -> u64 {
     ns(usage.ru_utime) + ns(usage.ru_stime)
 }
 
+async fn next_period(rotation: &mut Option<tokio::time::Interval>) {
+    match rotation {
+        Some(interval) => {
+            interval.tick().await;
+        }
+        None => std::future::pending().await,
+    }
+}
+
 async fn sleep_until(deadline: Option<tokio::time::Instant>) {
     match deadline {
         Some(deadline) => tokio::time::sleep_until(deadline).await,
@@ -215,7 +256,7 @@ async fn sleep_until(deadline: Option<tokio::time::Instant>) {
 fn report_lost(sampler: &Sampler, reported: u64) -> u64 {
     let lost = sampler.lost_samples();
     if lost > reported {
-        eprintln!("pyebpf: lost {} samples (ring buffer full); try a larger --ring-buffer-kb", lost - reported);
+        report!("lost {} samples (ring buffer full); try a larger --ring-buffer-kb", lost - reported);
     }
     lost
 }

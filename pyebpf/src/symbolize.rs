@@ -9,6 +9,11 @@
 //!   a process that has exited still resolve;
 //! - each result, per (file, file offset) and per kernel address.
 //!
+//! A long host-wide run sees an endless stream of processes and files, so every cache is bounded:
+//! what belongs to a process goes when the process has exited ([`Symbolizer::forget_processes`]);
+//! open files beyond [`MAX_OPEN_FILES`] are closed, and results beyond [`MAX_RESOLVED`] dropped,
+//! all at once (they are found again on demand; a bound hit is rare enough for that to be cheap).
+//!
 //! Files are opened through `/proc/PID/map_files/` (falling back to `/proc/PID/root/PATH`), which
 //! reaches the process's own file even inside a container or after it was deleted or replaced.
 //!
@@ -20,6 +25,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use blazesym::symbolize::evict::{self, Evict};
 use blazesym::symbolize::source::{Elf, Kernel, Process, Source};
 use blazesym::symbolize::{CodeInfo, Input, Sym, Symbolized};
 use blazesym::{MaybeDefault, Pid};
@@ -30,6 +36,12 @@ use crate::stack::{KernelFrame, Module, NativeFrame};
 /// The shortest time between two reads of one process's maps: junk addresses from a broken
 /// frame-pointer chain fall outside every mapping and must not cause a re-read per sample.
 const MAPS_REFRESH_INTERVAL: Duration = Duration::from_millis(100);
+
+/// Files blazesym keeps open (and mapped) at most.
+const MAX_OPEN_FILES: usize = 256;
+
+/// Resolved addresses kept at most, per kind (file offsets, in-process, kernel addresses).
+const MAX_RESOLVED: usize = 100_000;
 
 /// A file's identity, independent of the path a process reaches it by.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -145,6 +157,33 @@ impl Symbolizer {
         }
     }
 
+    /// Drops everything known about these processes, which have exited (and whose late samples
+    /// have been resolved): their maps, their in-process results, blazesym's per-process data.
+    pub fn forget_processes(&mut self, pids: &[u32]) {
+        if pids.is_empty() {
+            return;
+        }
+        for pid in pids {
+            self.processes.remove(pid);
+            let _ = self.blazesym.evict(&Evict::Process(evict::Process::new(Pid::from(*pid))));
+        }
+        let gone: std::collections::HashSet<u32> = pids.iter().copied().collect();
+        self.by_process_addr.retain(|(pid, _), _| !gone.contains(pid));
+    }
+
+    /// Keeps the caches that grow with the files and code seen within their bounds.
+    fn enforce_bounds(&mut self) {
+        if self.opened_files.len() > MAX_OPEN_FILES {
+            for path in self.opened_files.values() {
+                let _ = self.blazesym.evict(&Evict::Elf(evict::Elf::new(path.clone())));
+            }
+            self.opened_files.clear();
+            self.build_ids.clear();
+        }
+        clear_if_over(&mut self.by_file_offset, MAX_RESOLVED);
+        clear_if_over(&mut self.by_process_addr, MAX_RESOLVED);
+    }
+
     /// Symbolizes a user stack as `bpf_get_stack` returns it: innermost first, entry 0 the sampled
     /// instruction, later entries return addresses. Frames keep their place even when unknown; an
     /// address inlined into its caller gives several frames, innermost first.
@@ -154,6 +193,7 @@ impl Symbolizer {
 
     /// Like [`Symbolizer::user_frames`], with the frames of each stack entry kept apart.
     pub fn user_levels(&mut self, pid: u32, stack: &[u64]) -> Vec<Vec<NativeFrame>> {
+        self.enforce_bounds();
         let addrs: Vec<u64> = stack.iter().enumerate().map(|(depth, &addr)| call_site(depth, addr)).collect();
         self.refresh_maps_if_unmapped(pid, &addrs);
         self.resolve_missing(pid, &addrs);
@@ -176,6 +216,7 @@ impl Symbolizer {
 
     /// Symbolizes a kernel stack (innermost first) with kallsyms.
     pub fn kernel_frames(&mut self, stack: &[u64]) -> Vec<KernelFrame> {
+        clear_if_over(&mut self.kernel, MAX_RESOLVED);
         let addrs: Vec<u64> = stack.iter().enumerate().map(|(depth, &addr)| call_site(depth, addr)).collect();
         let mut missing: Vec<u64> = addrs.iter().copied().filter(|addr| !self.kernel.contains_key(addr)).collect();
         missing.sort_unstable();
@@ -329,6 +370,12 @@ impl Symbolizer {
                 unknown(addrs.len())
             }
         }
+    }
+}
+
+fn clear_if_over<K, V>(map: &mut HashMap<K, V>, max: usize) {
+    if map.len() > max {
+        map.clear();
     }
 }
 

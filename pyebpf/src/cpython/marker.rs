@@ -70,13 +70,16 @@ impl<M: ReadMemory> PyProcess<M> {
 impl PyProcess<ProcessMemory> {
     /// Points the marker of `tstate` at `frame`, re-checking just before that the write is allowed
     /// and the image unchanged. Refused unless [`Self::marker_writable`] and frames of this process
-    /// were decoded (so its table is not a look-alike).
+    /// were decoded (so its table is not a look-alike) and none was malformed (corrupt memory).
     pub fn set_last_profiled_frame(&self, tstate: u64, frame: u64) -> Result<(), PyError> {
         if !self.marker_writable(tstate) {
             return Err(PyError::WriteRefused(format!("{tstate:#x} is not a static thread state of a tested CPython 3.15")));
         }
         if !self.decoded_frames() {
             return Err(PyError::WriteRefused("no frame of this process was decoded yet".into()));
+        }
+        if self.seen_malformed() {
+            return Err(PyError::WriteRefused("a code object of this process was malformed".into()));
         }
         self.read_marker_state(tstate)?;
         let offset = self.offsets.tstate_last_profiled_frame.expect("checked by marker_writable");

@@ -7,18 +7,27 @@ use std::sync::Arc;
 
 #[derive(Debug, thiserror::Error)]
 pub enum MemError {
-    #[error("cannot read {len} bytes at {addr:#x}: {source}")]
-    Read { addr: u64, len: usize, source: io::Error },
+    #[error("cannot read {len} bytes at {addr:#x}: {cause}")]
+    Read { addr: u64, len: usize, cause: io::Error },
     #[error("short read of {len} bytes at {addr:#x}")]
     Short { addr: u64, len: usize },
-    #[error("cannot write at {addr:#x}: {source}")]
-    Write { addr: u64, source: io::Error },
+    #[error("cannot write at {addr:#x}: {cause}")]
+    Write { addr: u64, cause: io::Error },
 }
 
 impl MemError {
     /// Whether the read failed because the process is gone (or is exiting and has no memory left).
     pub fn process_gone(&self) -> bool {
-        matches!(self, MemError::Read { source, .. } | MemError::Write { source, .. } if source.raw_os_error() == Some(libc::ESRCH))
+        matches!(self, MemError::Read { cause, .. } | MemError::Write { cause, .. } if cause.raw_os_error() == Some(libc::ESRCH))
+    }
+
+    /// Whether the kernel refused access to the process (not root, no CAP_SYS_PTRACE, Yama).
+    pub fn permission_denied(&self) -> bool {
+        let errno = match self {
+            MemError::Read { cause, .. } | MemError::Write { cause, .. } => cause.raw_os_error(),
+            MemError::Short { .. } => None,
+        };
+        matches!(errno, Some(libc::EPERM | libc::EACCES))
     }
 }
 
@@ -67,8 +76,8 @@ impl ProcessMemory {
         let written = unsafe { libc::process_vm_writev(self.pid as libc::pid_t, &local, 1, &remote, 1, 0) };
         match written {
             8 => Ok(()),
-            -1 => Err(MemError::Write { addr, source: io::Error::last_os_error() }),
-            _ => Err(MemError::Write { addr, source: io::Error::other("short write") }),
+            -1 => Err(MemError::Write { addr, cause: io::Error::last_os_error() }),
+            _ => Err(MemError::Write { addr, cause: io::Error::other("short write") }),
         }
     }
 }
@@ -82,7 +91,7 @@ impl ReadMemory for ProcessMemory {
         // SAFETY: `local` covers `buf`; the kernel checks the remote range.
         let read = unsafe { libc::process_vm_readv(self.pid as libc::pid_t, &local, 1, &remote, 1, 0) };
         if read < 0 {
-            return Err(MemError::Read { addr, len, source: io::Error::last_os_error() });
+            return Err(MemError::Read { addr, len, cause: io::Error::last_os_error() });
         }
         if read as usize != len {
             return Err(MemError::Short { addr, len });

@@ -46,6 +46,8 @@ pub use threads::PyThread;
 pub enum PyError {
     #[error("process {0} does not exist (or has exited)")]
     NoProcess(u32),
+    #[error("permission denied (reading another user's process needs root or CAP_SYS_PTRACE)")]
+    PermissionDenied(u32),
     #[error("process {0} is not a CPython process (no python3 executable or libpython3 mapped)")]
     NotPython(u32),
     #[error("no _Py_DebugOffsets in _PyRuntime: CPython older than 3.13?")]
@@ -128,6 +130,9 @@ pub struct PyProcess<M = ProcessMemory> {
     code_counters: CodeCacheCounters,
     /// A code object of this process was decoded: its table is CPython's, not a look-alike.
     decoded: bool,
+    /// A code object of this process was malformed: its memory is corrupt or hostile, so nothing
+    /// is ever written into it.
+    malformed: bool,
 }
 
 impl PyProcess<ProcessMemory> {
@@ -135,6 +140,7 @@ impl PyProcess<ProcessMemory> {
         let runtime = runtime::find_runtime(pid)?;
         Self::with_memory(pid, ProcessMemory::new(pid), runtime.address).map_err(|err| match err {
             PyError::Memory(err) if err.process_gone() || runtime::has_exited(pid) => PyError::NoProcess(pid),
+            PyError::Memory(err) if err.permission_denied() => PyError::PermissionDenied(pid),
             PyError::NoDebugOffsets => runtime.version.map_or(PyError::NoDebugOffsets, PyError::UnsupportedVersion),
             other => other,
         })
@@ -155,6 +161,7 @@ impl<M: ReadMemory> PyProcess<M> {
             code_generation: None,
             code_counters: CodeCacheCounters::default(),
             decoded: false,
+            malformed: false,
         })
     }
 
@@ -212,7 +219,9 @@ impl<M: ReadMemory> PyProcess<M> {
             return Ok(code);
         }
         self.code_counters.misses += 1;
-        let code = Arc::new(code::read_code(&self.mem, &self.offsets, &mut self.code_types, addr, &mut self.code_counters)?);
+        let code = code::read_code(&self.mem, &self.offsets, &mut self.code_types, addr, &mut self.code_counters)
+            .inspect_err(|err| self.malformed |= matches!(err, PyError::Malformed(_)))?;
+        let code = Arc::new(code);
         self.code_counters.evictions += self.codes.insert(addr, code.clone(), code.heap_bytes());
         self.decoded = true;
         Ok(code)
@@ -227,6 +236,10 @@ impl<M: ReadMemory> PyProcess<M> {
 
     pub fn decoded_frames(&self) -> bool {
         self.decoded
+    }
+
+    pub fn seen_malformed(&self) -> bool {
+        self.malformed
     }
 
     /// Drops the cached decode of the code object at `addr` (another may live there now).

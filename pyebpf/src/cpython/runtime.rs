@@ -4,7 +4,8 @@
 
 use std::path::{Path, PathBuf};
 
-use object::{Object, ObjectSection, ObjectSegment, ObjectSymbol};
+use object::read::ReadCache;
+use object::{Object, ObjectSection, ObjectSegment, ObjectSymbol, ReadRef};
 use procfs::process::{MMapPath, Process};
 
 use super::offsets::PyVersion;
@@ -43,8 +44,8 @@ pub fn find_runtime(pid: u32) -> Result<Runtime, PyError> {
     if has_exited(pid) {
         return Err(PyError::NoProcess(pid));
     }
-    let process = Process::new(pid as i32).map_err(|_| PyError::NoProcess(pid))?;
-    let maps = process.maps().map_err(|_| PyError::NoProcess(pid))?;
+    let process = Process::new(pid as i32).map_err(|err| process_error(pid, err))?;
+    let maps = process.maps().map_err(|err| process_error(pid, err))?;
     let mut candidates: Vec<(PathBuf, u64)> = Vec::new();
     for map in maps.iter() {
         if let MMapPath::Path(path) = &map.pathname {
@@ -64,14 +65,24 @@ pub fn find_runtime(pid: u32) -> Result<Runtime, PyError> {
     Err(PyError::NotPython(pid))
 }
 
+/// Why `/proc/PID` could not be read: the process is gone, or it is not ours to read.
+fn process_error(pid: u32, err: procfs::ProcError) -> PyError {
+    match err {
+        procfs::ProcError::PermissionDenied(_) => PyError::PermissionDenied(pid),
+        _ => PyError::NoProcess(pid),
+    }
+}
+
 /// `_PyRuntime`'s address if this ELF file defines it, given where its first page is mapped, and
 /// the file's `Py_Version`.
 fn runtime_in_file(file: &Path, mapped_at: u64) -> Option<(u64, Option<PyVersion>)> {
     if std::fs::metadata(file).ok()?.len() > MAX_ELF_SIZE {
         return None;
     }
-    let data = std::fs::read(file).ok()?;
-    let elf = object::File::parse(&*data).ok()?;
+    // Read on demand: headers and symbol tables only, not the whole (often 8 MB) interpreter, for
+    // every process attached.
+    let data = ReadCache::new(std::fs::File::open(file).ok()?);
+    let elf = object::File::parse(&data).ok()?;
     let runtime = elf
         .section_by_name(".PyRuntime")
         .map(|section| section.address())
@@ -88,7 +99,7 @@ fn runtime_in_file(file: &Path, mapped_at: u64) -> Option<(u64, Option<PyVersion
 }
 
 /// The constant `Py_Version` (`PY_VERSION_HEX`) as the file stores it.
-fn py_version(elf: &object::File) -> Option<PyVersion> {
+fn py_version<'data, R: ReadRef<'data>>(elf: &object::File<'data, R>) -> Option<PyVersion> {
     let symbol = elf.dynamic_symbols().chain(elf.symbols()).find(|symbol| symbol.name() == Ok("Py_Version") && symbol.is_definition())?;
     let section = elf.section_by_index(symbol.section_index()?).ok()?;
     let bytes = section.data_range(symbol.address(), 4).ok()??;

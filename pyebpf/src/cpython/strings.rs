@@ -42,6 +42,7 @@ pub fn read_str(mem: &impl ReadMemory, offsets: &DebugOffsets, addr: u64) -> Res
         1 | 2 | 4 => kind as usize,
         other => return Err(PyError::Malformed(format!("string kind {other}"))),
     };
+    check_end_mapped(mem, data, length, width)?;
     let chars = usize::try_from(length).unwrap_or(usize::MAX).min(MAX_STRING_BYTES / width);
     let raw = mem.read_vec(data, chars * width)?;
     let mut text = decode(&raw, width).ok_or_else(|| PyError::Malformed("string with an invalid code point".into()))?;
@@ -50,6 +51,21 @@ pub fn read_str(mem: &impl ReadMemory, offsets: &DebugOffsets, addr: u64) -> Res
         text.push(TRUNCATION_MARK);
     }
     Ok(ReadString { text, truncated })
+}
+
+/// A string's claimed characters must all lie in the process's memory: a length that runs past
+/// it (a corrupted or hostile object) is refused, not read as the bytes that happen to follow.
+fn check_end_mapped(mem: &impl ReadMemory, data: u64, length: u64, width: usize) -> Result<(), PyError> {
+    if length == 0 {
+        return Ok(());
+    }
+    let beyond = || PyError::Malformed(format!("string of {length} characters beyond the process's memory"));
+    let last = length.checked_mul(width as u64).and_then(|bytes| data.checked_add(bytes - 1)).ok_or_else(beyond)?;
+    match mem.read(last, &mut [0; 1]) {
+        Ok(_) => Ok(()),
+        Err(err) if err.process_gone() => Err(err.into()),
+        Err(_) => Err(beyond()),
+    }
 }
 
 /// Characters stored `width` bytes each (PEP 393's kinds: UCS-2 never holds surrogate pairs, so

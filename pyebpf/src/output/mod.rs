@@ -7,6 +7,7 @@
 mod collapsed;
 mod destination;
 mod pprof;
+mod rotate;
 
 use std::borrow::Cow;
 use std::io;
@@ -29,13 +30,15 @@ pub enum OutputError {
     Socket(PathBuf),
     #[error("{} is a terminal and pprof is binary: write to a file, pipe it, or use --format collapsed", display_name(.0))]
     BinaryOnTerminal(PathBuf),
-    #[error("{}: {source}", path.display())]
-    Io { path: PathBuf, source: io::Error },
+    #[error("--rotate writes a new file every period: {} is not a regular file, give -o a file name", display_name(.0))]
+    CannotRotate(PathBuf),
+    #[error("{}: {cause}", path.display())]
+    Io { path: PathBuf, cause: io::Error },
 }
 
 impl OutputError {
     fn io(path: &Path) -> impl FnOnce(io::Error) -> OutputError + '_ {
-        move |source| OutputError::Io { path: path.to_path_buf(), source }
+        move |cause| OutputError::Io { path: path.to_path_buf(), cause }
     }
 }
 
@@ -68,19 +71,46 @@ fn format_from_name(path: &Path) -> OutputFormat {
     }
 }
 
-/// Checks, before any sampling, that a profile in `format` can be written to `path`: a directory, a
-/// socket, a missing directory, a read-only place or binary output on a terminal are refused. Opens
-/// and changes nothing.
-pub fn check_writable(path: &Path, format: OutputFormat) -> Result<(), OutputError> {
-    Destination::resolve(path)?.check(format)
-}
-
 /// Writes `profile` to `path` in `format`: regular files atomically, devices, FIFOs and `-` in place.
 pub fn write_profile(profile: &Profile, path: &Path, format: OutputFormat) -> Result<(), OutputError> {
     Destination::resolve(path)?.write(path, format, |mut out| match format {
         OutputFormat::Collapsed => collapsed::write(profile, &mut out),
         OutputFormat::Pprof => pprof::write(profile, &mut out),
     })
+}
+
+/// Where a recording's profiles go: `-o PATH`, or with `--rotate` a new file per period, named
+/// after PATH and the period's start (see [`rotate`]).
+pub struct ProfileSink {
+    path: PathBuf,
+    format: OutputFormat,
+    rotating: bool,
+}
+
+impl ProfileSink {
+    /// Checks, before any sampling, that profiles can be written as asked: a directory, a socket, a
+    /// missing directory, a read-only place or binary output on a terminal are refused. Opens and
+    /// changes nothing.
+    pub fn new(path: &Path, format: Option<OutputFormat>, rotating: bool) -> Result<ProfileSink, OutputError> {
+        let format = resolve_format(path, format);
+        let destination = Destination::resolve(path)?;
+        if rotating && !matches!(destination, Destination::Replace(_)) {
+            return Err(OutputError::CannotRotate(path.to_path_buf()));
+        }
+        destination.check(format)?;
+        Ok(ProfileSink { path: path.to_path_buf(), format, rotating })
+    }
+
+    /// Writes one complete profile; returns the name it went to, as messages show it.
+    pub fn write(&self, profile: &Profile) -> Result<String, OutputError> {
+        if !self.rotating {
+            write_profile(profile, &self.path, self.format)?;
+            return Ok(display_name(&self.path).into_owned());
+        }
+        let path = rotate::free_name(&self.path, profile.start_unix_ns)?;
+        write_profile(profile, &path, self.format)?;
+        Ok(path.to_string_lossy().into_owned())
+    }
 }
 
 /// How a frame is named in every output format.
@@ -223,8 +253,8 @@ mod tests {
     fn check_writable_leaves_no_file_behind() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("profile.pb.gz");
-        check_writable(&path, OutputFormat::Pprof).unwrap();
-        assert_eq!(fs::read_dir(dir.path()).unwrap().count(), 0, "check_writable left a file");
+        ProfileSink::new(&path, Some(OutputFormat::Pprof), false).unwrap();
+        assert_eq!(fs::read_dir(dir.path()).unwrap().count(), 0, "the check left a file");
     }
 
     #[test]
@@ -232,7 +262,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("old.folded");
         fs::write(&path, "a;b 1\n").unwrap();
-        check_writable(&path, OutputFormat::Collapsed).unwrap();
+        ProfileSink::new(&path, Some(OutputFormat::Collapsed), false).unwrap();
         assert_eq!(fs::read_to_string(&path).unwrap(), "a;b 1\n");
     }
 
@@ -240,8 +270,8 @@ mod tests {
     fn check_writable_rejects_missing_directories_and_directories() {
         let dir = tempfile::tempdir().unwrap();
         let missing = dir.path().join("no/such/dir/profile.pb.gz");
-        assert!(matches!(check_writable(&missing, OutputFormat::Pprof), Err(OutputError::MissingDirectory(_))));
-        assert!(matches!(check_writable(dir.path(), OutputFormat::Pprof), Err(OutputError::IsDirectory(_))));
+        assert!(matches!(ProfileSink::new(&missing, Some(OutputFormat::Pprof), false), Err(OutputError::MissingDirectory(_))));
+        assert!(matches!(ProfileSink::new(dir.path(), Some(OutputFormat::Pprof), false), Err(OutputError::IsDirectory(_))));
     }
 
     #[test]

@@ -1,0 +1,375 @@
+//! Issue 13 end to end: bad values, closed standard error, SIGHUP, `--rotate`, bounded memory in a
+//! long run, and hostile targets.
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use pyebpf_tests::{assert_one_line_error, debian_python, pyebpf, run_pyebpf, stacks_of, total, Killed};
+
+/// A Python process spinning in `spin` forever, under Debian's 3.14.
+fn python_spinner() -> Killed {
+    let child = Command::new(debian_python("3.14"))
+        .args(["-c", "def spin():\n    while True: pass\nspin()"])
+        .stdin(Stdio::null())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    Killed(child)
+}
+
+fn files_in(dir: &Path) -> Vec<PathBuf> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().path()).collect();
+    files.sort();
+    files
+}
+
+#[test]
+fn bad_values_fail_before_sampling_with_one_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("p.folded");
+    let out = out.to_str().unwrap();
+    let cases: &[(&[&str], &str)] = &[
+        (&["-d", "inf"], "--duration"),
+        (&["-d", "1e20"], "--duration"),
+        (&["-d", "NaN"], "--duration"),
+        (&["--duration=-1"], "--duration"),
+        (&["-d", "0"], "--duration"),
+        (&["-d", "soon"], "--duration"),
+        (&["--ring-buffer-kb", "4194304"], "--ring-buffer-kb"),
+        (&["--ring-buffer-kb", "4294967296"], "--ring-buffer-kb"),
+        (&["--ring-buffer-kb", "1000"], "power of two"),
+        (&["-F", "0"], "--frequency"),
+        (&["-F", "1000000"], "--frequency"),
+        (&["-F", "99999999999999999999999"], "--frequency"),
+        (&["--rotate", "0"], "--rotate"),
+        (&["--rotate", "1e3"], "--rotate"),
+    ];
+    for (args, expected) in cases {
+        let started = Instant::now();
+        let mut all = vec!["record", "-a", "-o", out];
+        all.extend_from_slice(args);
+        let output = run_pyebpf(&all);
+        assert_one_line_error(&output, expected);
+        assert_ne!(output.status.code(), Some(101), "{args:?} panicked");
+        assert!(started.elapsed() < Duration::from_secs(2), "{args:?} sampled before failing");
+        assert!(files_in(dir.path()).is_empty(), "{args:?} left a file");
+    }
+    // --rotate writes new files next to a file name; standard output cannot be rotated.
+    assert_one_line_error(&run_pyebpf(&["record", "-a", "-d", "1", "--rotate", "1", "-o", "-"]), "--rotate");
+    assert_one_line_error(&run_pyebpf(&["record", "-a", "-d", "1", "--rotate", "1", "-o", "/dev/null"]), "--rotate");
+}
+
+/// `pyebpf` copied where an unprivileged user can run it.
+fn runnable_by_anyone(dir: &Path) -> PathBuf {
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let bin = dir.join("pyebpf");
+    std::fs::copy(pyebpf(), &bin).unwrap();
+    std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).unwrap();
+    bin
+}
+
+fn as_nobody(bin: &Path, args: &[&str]) -> Output {
+    Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"])
+        .arg(bin)
+        .args(args)
+        .output()
+        .expect("setpriv (util-linux) must be installed")
+}
+
+#[test]
+fn dump_of_a_process_that_cannot_be_read_says_permission_denied() {
+    let dir = tempfile::tempdir().unwrap();
+    let bin = runnable_by_anyone(dir.path());
+    assert_one_line_error(&as_nobody(&bin, &["dump", "-p", "1"]), "permission denied");
+    let spinner = python_spinner();
+    let output = as_nobody(&bin, &["dump", "-p", &spinner.pid().to_string()]);
+    assert_one_line_error(&output, "permission denied");
+    assert!(!String::from_utf8_lossy(&output.stderr).contains("does not exist"), "{output:?}");
+    // A process that is really gone still says so.
+    let gone = {
+        let mut child = Command::new("true").spawn().unwrap();
+        child.wait().unwrap();
+        child.id()
+    };
+    assert_one_line_error(&run_pyebpf(&["dump", "-p", &gone.to_string()]), "does not exist");
+}
+
+#[test]
+fn a_write_error_says_its_cause_once() {
+    let _spinner = python_spinner();
+    let output = run_pyebpf(&["record", "-a", "-d", "0.5", "--format", "collapsed", "-o", "/dev/full"]);
+    assert_one_line_error(&output, "No space left on device");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(stderr.matches("No space left on device").count(), 1, "{stderr}");
+}
+
+/// Runs `sh -c 'exec pyebpf ARGS REDIRECTION'`.
+fn with_stderr(redirection: &str, args: &[&str]) -> Output {
+    let script = format!("exec \"$0\" \"$@\" {redirection}");
+    Command::new("sh").arg("-c").arg(script).arg(pyebpf()).args(args).output().unwrap()
+}
+
+#[test]
+fn closed_or_broken_stderr_never_panics() {
+    let _spinner = python_spinner();
+    let dir = tempfile::tempdir().unwrap();
+    // Closed, then a pipe nobody reads (`2>&-` vs a pipe whose reader exited).
+    for (name, redirection) in [("closed.folded", "2>&-"), ("broken.folded", "2>&1 | true")] {
+        let out = dir.path().join(name);
+        let out = out.to_str().unwrap();
+        let script = format!("\"$0\" \"$@\" {redirection}; echo rc=$?");
+        let shell = |args: &[&str]| Command::new("bash").arg("-c").arg(&script).arg(pyebpf()).args(args).output().unwrap();
+        let recorded = shell(&["record", "-a", "-d", "1", "--stats", "-o", out]);
+        let rc = String::from_utf8_lossy(&recorded.stdout).trim().to_string();
+        if redirection == "2>&-" {
+            assert_eq!(rc, "rc=0", "{redirection}: {recorded:?}");
+        }
+        let text = std::fs::read_to_string(out).unwrap_or_else(|err| panic!("{redirection}: no profile: {err}"));
+        assert!(text.lines().count() > 0, "{redirection}: empty profile");
+        // An error with nowhere to go still exits with its own status, not a panic's 101.
+        let failed = with_stderr("2>&-", &["record", "-a", "-d", "inf", "-o", out]);
+        assert_eq!(failed.status.code(), Some(2), "{failed:?}");
+        let failed = with_stderr("2>&-", &["dump", "-p", "4194304"]);
+        assert_eq!(failed.status.code(), Some(1), "{failed:?}");
+    }
+}
+
+#[test]
+fn sighup_still_writes_the_profile() {
+    let spinner = python_spinner();
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("hup.folded");
+    let mut recorder = Command::new(pyebpf()).args(["record", "-a", "-o"]).arg(&out).stderr(Stdio::piped()).spawn().unwrap();
+    std::thread::sleep(Duration::from_millis(1500));
+    // SAFETY: signalling our own child.
+    assert_eq!(unsafe { libc::kill(recorder.id() as i32, libc::SIGHUP) }, 0);
+    let status = recorder.wait().unwrap();
+    assert!(status.success(), "pyebpf exited with {status} after SIGHUP");
+    let text = std::fs::read_to_string(&out).unwrap();
+    let stacks = stacks_of(&text, spinner.pid());
+    assert!(total(&stacks) > 0, "no samples of the spinner:\n{text}");
+    assert!(stacks.iter().any(|(frames, _)| frames.iter().any(|f| f.starts_with("spin (<string>"))), "no Python frame:\n{text}");
+}
+
+#[test]
+fn rotate_writes_a_complete_profile_every_period() {
+    let spinner = python_spinner();
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("p.folded");
+    let output = Command::new(pyebpf())
+        .args(["record", "-a", "-F", "199", "--rotate", "1", "-d", "3.5", "-o"])
+        .arg(&out)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{stderr}");
+    assert!(!out.exists(), "--rotate wrote the unrotated name too");
+    let files = files_in(dir.path());
+    assert!((3..=4).contains(&files.len()), "{} files: {files:?}\n{stderr}", files.len());
+    let mut spinner_samples = Vec::new();
+    for file in &files {
+        let name = file.file_name().unwrap().to_string_lossy().into_owned();
+        // p.YYYYMMDDTHHMMSS.folded
+        let stamp = name.strip_prefix("p.").and_then(|rest| rest.strip_suffix(".folded")).unwrap_or_else(|| panic!("{name}"));
+        assert!(stamp.len() == 15 && stamp.as_bytes()[8] == b'T' && stamp.chars().filter(char::is_ascii_digit).count() == 14, "{name}");
+        assert!(stderr.contains(&name), "no `wrote` line for {name}: {stderr}");
+        let text = std::fs::read_to_string(file).unwrap();
+        for line in text.lines() {
+            let (_, count) = line.rsplit_once(' ').unwrap_or_else(|| panic!("{name}: bad line {line:?}"));
+            assert!(count.parse::<u64>().is_ok_and(|n| n > 0), "{name}: bad count in {line:?}");
+        }
+        let stacks = stacks_of(&text, spinner.pid());
+        assert!(stacks.iter().any(|(frames, _)| frames.iter().any(|f| f.starts_with("spin (<string>"))), "{name}: no Python frame");
+        spinner_samples.push(total(&stacks));
+    }
+    // Each full period holds at most a second of the spinner (199 Hz, a little slack for timers):
+    // the aggregate restarts every period. On a busy machine the spinner gets less than a CPU, but
+    // every full period gets a like share of it.
+    let full = &spinner_samples[..spinner_samples.len() - 1];
+    let mean = full.iter().sum::<u64>() / full.len() as u64;
+    assert!(full.iter().all(|&n| n <= 230 && n * 2 >= mean), "samples per period: {spinner_samples:?}");
+    assert!(spinner_samples.iter().all(|&n| n > 0), "samples per period: {spinner_samples:?}");
+}
+
+/// Resident memory of a process, in KiB (`VmRSS` of `/proc/PID/status`).
+fn rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let line = status.lines().find(|line| line.starts_with("VmRSS:")).unwrap();
+    line.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
+
+/// Starts a new short-lived Python (a 0.2 s busy loop) every 0.2 s until `stop` is set; returns
+/// how many it started.
+fn churn_pythons(stop: &std::sync::atomic::AtomicBool) -> usize {
+    let python = debian_python("3.14");
+    let mut running: Vec<Killed> = Vec::new();
+    let mut started = 0;
+    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+        let child = Command::new(&python)
+            .args(["-c", "import time\ndef busy():\n    t = time.time()\n    while time.time() - t < 0.2: pass\nbusy()"])
+            .stdin(Stdio::null())
+            .spawn()
+            .unwrap();
+        running.push(Killed(child));
+        started += 1;
+        running.retain_mut(|child| matches!(child.0.try_wait(), Ok(None)));
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    started
+}
+
+#[test]
+fn memory_stays_bounded_while_processes_come_and_go() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("churn.folded");
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let (early, late, started, output) = std::thread::scope(|scope| {
+        let churn = scope.spawn(|| churn_pythons(&stop));
+        let recorder = Command::new(pyebpf())
+            .args(["record", "-a", "-F", "999", "-d", "40", "-o"])
+            .arg(&out)
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let pid = recorder.id();
+        std::thread::sleep(Duration::from_secs(10));
+        let early = rss_kib(pid);
+        std::thread::sleep(Duration::from_secs(28));
+        let late = rss_kib(pid);
+        let output = recorder.wait_with_output().unwrap();
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        (early, late, churn.join().unwrap(), output)
+    });
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    eprintln!("pyebpf RSS: {early} KiB at 10 s, {late} KiB at 38 s ({started} short-lived Pythons started)");
+    assert!(output.status.success(), "{stderr}");
+    assert!(late < early + 20 * 1024, "RSS grew from {early} KiB to {late} KiB between 10 s and 38 s");
+    // The short-lived processes were profiled with their Python frames.
+    let text = std::fs::read_to_string(&out).unwrap();
+    let busy = text.lines().filter(|line| line.contains("busy (<string>")).count();
+    assert!(busy > 0, "no Python frame of a short-lived process");
+}
+
+/// A C program named `python3.15` whose `.PyRuntime` section (and `_PyRuntime` symbol) holds
+/// the whole static image of Debian 3.15's: a well-formed debug-offsets table (cookie `xdebugpy`,
+/// version 3.15.2) whose pointers lead nowhere in this process.
+fn fake_python(dir: &Path) -> PathBuf {
+    let image = dir.join("runtime.bin");
+    let python = debian_python("3.15");
+    let status = Command::new("objcopy").args(["-O", "binary", "--only-section=.PyRuntime"]).arg(&python).arg(&image).status().unwrap();
+    assert!(status.success());
+    assert!(std::fs::read(&image).unwrap().starts_with(b"xdebugpy"), "3.15's .PyRuntime does not start with its debug offsets");
+    let object = dir.join("runtime.o");
+    let status = Command::new("objcopy")
+        .current_dir(dir)
+        .args(["-I", "binary", "-O", "elf64-x86-64", "-B", "i386:x86-64"])
+        .args(["--rename-section", ".data=.PyRuntime,alloc,load,data,contents"])
+        .args(["--redefine-sym", "_binary_runtime_bin_start=_PyRuntime", "runtime.bin", "runtime.o"])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let source = dir.join("fake.c");
+    std::fs::write(&source, "extern char _PyRuntime[];\nvolatile unsigned long sink;\nint main(void) { for (;;) sink += (unsigned long)_PyRuntime[sink & 7]; }\n").unwrap();
+    let fake_dir = dir.join("fake");
+    std::fs::create_dir(&fake_dir).unwrap();
+    let binary = fake_dir.join("python3.15");
+    let status = Command::new("gcc")
+        .args(["-O1", "-Wl,--export-dynamic", "-Wl,-z,noexecstack", "-o"])
+        .arg(&binary)
+        .arg(&source)
+        .arg(&object)
+        .status()
+        .expect("gcc must be installed");
+    assert!(status.success());
+    binary
+}
+
+/// Target PIDs of the `process_vm_writev` calls in an `strace -f -o` log.
+fn written_pids(log: &str) -> Vec<u32> {
+    log.lines()
+        .filter_map(|line| line.split_once("process_vm_writev(")?.1.split(',').next()?.trim().parse().ok())
+        .collect()
+}
+
+#[test]
+fn hostile_targets_are_survived_and_never_written() {
+    let mut hostile = Vec::new();
+    let mut keep = Vec::new();
+    for version in ["3.14", "3.15"] {
+        for mode in ["frame_loop", "long_name", "thread_cycle"] {
+            let (child, dir) = pyebpf_tests::start_ready(&debian_python(version), "hostile.py", &[mode]);
+            hostile.push((format!("{version} {mode}"), child));
+            keep.push(dir);
+        }
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let fake = Killed(Command::new(fake_python(dir.path())).spawn().unwrap());
+    // The normal workload, on 3.15 so that pyebpf does write its marker into it: strace sees writes.
+    let normal = Killed(
+        Command::new(debian_python("3.15"))
+            .args(["-c", "def normal_spin(n):\n    if n: return normal_spin(n - 1)\n    while True: pass\nnormal_spin(12)"])
+            .stdin(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    let out = dir.path().join("hostile.folded");
+    let log = dir.path().join("strace.log");
+    let output = Command::new("strace")
+        .args(["-f", "--seccomp-bpf", "-e", "trace=process_vm_writev", "-o"])
+        .arg(&log)
+        .arg(pyebpf())
+        .args(["record", "-a", "-F", "499", "-d", "4", "-o"])
+        .arg(&out)
+        .output()
+        .expect("strace must be installed");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    let mut lines: Vec<&str> = stderr.lines().filter(|line| !line.trim().is_empty()).collect();
+    let count = lines.len();
+    lines.sort_unstable();
+    lines.dedup();
+    assert_eq!(lines.len(), count, "a line repeated: {stderr}");
+
+    let text = std::fs::read_to_string(&out).unwrap();
+    let normal_stacks = stacks_of(&text, normal.pid());
+    let with_python = |stacks: &[(Vec<String>, u64)]| {
+        stacks.iter().filter(|(frames, _)| frames.iter().any(|f| f.starts_with("normal_spin (<string>"))).map(|(_, n)| n).sum::<u64>()
+    };
+    assert!(with_python(&normal_stacks) * 2 > total(&normal_stacks), "the normal workload lost its Python frames:\n{normal_stacks:?}");
+    for (name, child) in &mut hostile {
+        assert!(matches!(child.0.try_wait(), Ok(None)), "{name} died");
+        assert!(total(&stacks_of(&text, child.pid())) > 0, "no samples of {name}");
+    }
+    assert!(total(&stacks_of(&text, fake.pid())) > 0, "no samples of the fake python");
+
+    let strace_log = std::fs::read_to_string(&log).unwrap();
+    let written = written_pids(&strace_log);
+    assert!(written.contains(&normal.pid()), "strace saw no marker write into the normal 3.15 workload:\n{strace_log}");
+    for (name, child) in &hostile {
+        assert!(!written.contains(&child.pid()), "pyebpf wrote into {name}:\n{strace_log}");
+    }
+    assert!(!written.contains(&fake.pid()), "pyebpf wrote into the fake python:\n{strace_log}");
+    // `dump` names what is wrong with each, instead of garbage or a hang.
+    for (name, child) in &hostile {
+        let expected = if name.ends_with("frame_loop") {
+            "frame chain loops"
+        } else if name.ends_with("long_name") {
+            "beyond the process's memory"
+        } else {
+            "looping"
+        };
+        let dumped = run_pyebpf(&["dump", "-p", &child.pid().to_string()]);
+        let text = format!("{}{}", String::from_utf8_lossy(&dumped.stdout), String::from_utf8_lossy(&dumped.stderr));
+        assert!(text.contains(expected), "dump of {name} lacks `{expected}`: {text}");
+    }
+    eprintln!("process_vm_writev calls: {} (targets {:?})", written.len(), {
+        let mut targets = written.clone();
+        targets.dedup();
+        targets
+    });
+}
