@@ -124,6 +124,13 @@ impl ProcessNames {
     }
 }
 
+impl ProcessNames {
+    /// Forgets `pid`'s name: it exited or replaced its program.
+    pub fn forget(&mut self, pid: u32) {
+        self.names.remove(&pid);
+    }
+}
+
 /// A kernel `comm` buffer as text, up to its terminating NUL.
 pub fn comm_to_string(comm: &[u8]) -> String {
     let end = comm.iter().position(|&b| b == 0).unwrap_or(comm.len());

@@ -174,6 +174,13 @@ impl Symbolizer {
             .collect()
     }
 
+    /// Drops what is known of `pid`'s address space (it exited or replaced its program); what was
+    /// learnt of the files it mapped stays, shared with other processes.
+    pub fn forget_process(&mut self, pid: u32) {
+        self.processes.remove(&pid);
+        self.by_process_addr.retain(|(owner, _), _| *owner != pid);
+    }
+
     /// Symbolizes a kernel stack (innermost first) with kallsyms.
     pub fn kernel_frames(&mut self, stack: &[u64]) -> Vec<KernelFrame> {
         let addrs: Vec<u64> = stack.iter().enumerate().map(|(depth, &addr)| call_site(depth, addr)).collect();
