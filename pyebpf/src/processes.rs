@@ -66,11 +66,14 @@ pub fn read_labels(pid: u32) -> ProcessLabels {
     ProcessLabels { ns_pid, cgroup }
 }
 
-/// The cgroup v2 path (`0::/PATH`), else the first hierarchy's; none for the root cgroup.
+/// The cgroup v2 path (`0::/PATH`); on a host that keeps its containers in v1 hierarchies only
+/// (hybrid mode), the first v1 path that is not the root. None in the root cgroup.
 fn cgroup_path(text: &str) -> Option<String> {
-    let paths: Vec<(&str, &str)> = text.lines().filter_map(|line| line.split_once(':').and_then(|(id, rest)| Some((id, rest.split_once(':')?.1)))).collect();
-    let path = paths.iter().find(|(id, _)| *id == "0").or(paths.first())?.1;
-    (path != "/" && !path.is_empty()).then(|| path.to_string())
+    let paths: Vec<(&str, &str)> =
+        text.lines().filter_map(|line| line.split_once(':').and_then(|(id, rest)| Some((id, rest.split_once(':')?.1)))).collect();
+    let not_root = |path: &&str| *path != "/" && !path.is_empty();
+    let v2 = paths.iter().find(|(id, _)| *id == "0").map(|(_, path)| *path).filter(not_root);
+    v2.or_else(|| paths.iter().map(|(_, path)| *path).find(not_root)).map(str::to_string)
 }
 
 #[cfg(test)]
@@ -80,7 +83,8 @@ mod tests {
     #[test]
     fn cgroup_paths_from_v2_and_v1_files() {
         assert_eq!(cgroup_path("0::/system.slice/docker-abc.scope\n").as_deref(), Some("/system.slice/docker-abc.scope"));
-        assert_eq!(cgroup_path("12:cpu,cpuacct:/docker/abc\n0::/\n"), None);
+        assert_eq!(cgroup_path("12:cpu,cpuacct:/docker/abc\n0::/\n").as_deref(), Some("/docker/abc"));
+        assert_eq!(cgroup_path("12:cpu,cpuacct:/\n0::/\n"), None);
         assert_eq!(cgroup_path("12:cpu,cpuacct:/docker/abc\n").as_deref(), Some("/docker/abc"));
         assert_eq!(cgroup_path("garbage"), None);
     }

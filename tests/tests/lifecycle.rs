@@ -5,7 +5,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use pyebpf_tests::{debian_python, record_collapsed_without_tracefs, stacks_of, total, Killed};
+use pyebpf_tests::{debian_python, pyenv_python, record_collapsed_without_tracefs, stacks_of, total, Killed};
 
 const FREQUENCY: u64 = 199;
 
@@ -170,4 +170,25 @@ fn both_children_of_a_command_have_python_frames() {
         // Two spinners share the CPUs with whatever else runs: each gets well over 40 of its ~199.
         assert!(samples >= 40, "{function}: {samples} samples with Python frames\n{collapsed}\n{stderr}");
     }
+}
+
+/// pyenv's 3.13.0 keeps `_PyRuntime` in `libpython3.13.so`, which its loader maps only after the
+/// exec: each short-lived process is attached once it does, and shows its function.
+#[test]
+fn a_python_mapping_libpython_late_is_attached() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("profile.folded");
+    let recording = start_recording(&out, &["-a", "-F", "499"]);
+    let mut pids = Vec::new();
+    for i in 0..10 {
+        let script = spinner(dir.path(), &format!("late{i}"), &format!("late_libpython_{i}"), 0.3);
+        let mut child = Command::new(pyenv_python("3.13.0")).arg(&script).spawn().unwrap();
+        pids.push(child.id());
+        assert!(child.wait().unwrap().success());
+    }
+    let (collapsed, stderr) = finish_recording(recording, &out);
+    let missing: Vec<usize> = (0..10)
+        .filter(|&i| !stacks_of(&collapsed, pids[i]).iter().any(|(frames, _)| has_frame(frames, &format!("late_libpython_{i}"))))
+        .collect();
+    assert!(missing.is_empty(), "processes without their function: {missing:?}\n{stderr}");
 }
