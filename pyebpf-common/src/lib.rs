@@ -34,7 +34,7 @@ pub mod config_flags {
     pub const KERNEL_STACK: u32 = 1 << 0;
     /// Only sample processes whose tgid is in `TARGETS` (`-p` and `-- COMMAND`).
     pub const FILTER_TARGETS: u32 = 1 << 1;
-    /// Add children forked by a target to `TARGETS` (`-- COMMAND`).
+    /// Add children forked by a target to `TARGETS` (`-- COMMAND`, `--subprocesses`).
     pub const FOLLOW_FORKS: u32 = 1 << 2;
 }
 
@@ -118,10 +118,35 @@ pub struct PyCapture {
     pub _pad: u32,
 }
 
+/// The leading `u32` of every record in the `SAMPLES` ring buffer: samples and process events
+/// travel in one buffer, so userspace reads them in the order they happened.
+pub mod record_kind {
+    pub const SAMPLE: u32 = 1;
+    /// The process replaced its program (`execve`); the record is a [`super::ProcessEvent`].
+    pub const EXEC: u32 = 2;
+    /// The process's main thread exited; the record is a [`super::ProcessEvent`].
+    pub const EXIT: u32 = 3;
+}
+
+/// An exec or exit of a (targeted) process, as sent through the `SAMPLES` ring buffer.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ProcessEvent {
+    /// [`record_kind::EXEC`] or [`record_kind::EXIT`].
+    pub kind: u32,
+    pub tgid: u32,
+    /// `bpf_ktime_get_ns()` at the event.
+    pub time_ns: u64,
+    /// The new program's `comm` (after exec) or the exiting one's.
+    pub comm: [u8; COMM_LEN],
+}
+
 /// One sample, as sent through the `SAMPLES` ring buffer.
 #[repr(C)]
 #[derive(Clone, Copy)]
 pub struct SampleRecord {
+    /// [`record_kind::SAMPLE`].
+    pub kind: u32,
     pub tgid: u32,
     pub tid: u32,
     pub cpu: u32,
@@ -131,6 +156,7 @@ pub struct SampleRecord {
     pub kernel_len: u32,
     /// Number of valid entries in `user_frame_bases`.
     pub frame_bases_len: u32,
+    pub _pad: u32,
     /// `bpf_ktime_get_ns()` at the sample.
     pub time_ns: u64,
     pub comm: [u8; COMM_LEN],

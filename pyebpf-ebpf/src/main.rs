@@ -19,7 +19,8 @@ use aya_ebpf::{
     EbpfContext,
 };
 use pyebpf_common::{
-    config_flags, py_proc_flags, py_status, Config, MarkerChain, PyCapture, PyFrameRecord, PyProcConfig, SampleRecord,
+    config_flags, py_proc_flags, py_status, record_kind, Config, MarkerChain, ProcessEvent, PyCapture, PyFrameRecord,
+    PyProcConfig, SampleRecord,
     MARKER_POSITIONS, MAX_KERNEL_FRAMES, MAX_PY_FRAMES, MAX_USER_FRAMES, NO_OFFSET, PY_FRAME_WINDOW,
 };
 
@@ -29,7 +30,9 @@ use pyebpf_common::{
 static SAMPLES: RingBuf = RingBuf::with_byte_size(4096 * 1024, 0);
 
 #[map(name = "LOST")]
-static LOST: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
+static LOST: PerCpuArray<u64> = PerCpuArray::with_max_entries(2, 0);
+/// Slot of `LOST` counting lifecycle events dropped (slot 0 counts samples).
+const LOST_EVENTS: u32 = 1;
 
 #[map(name = "CONFIG")]
 static CONFIG: Array<Config> = Array::with_max_entries(1, 0);
@@ -73,6 +76,7 @@ pub fn sample(ctx: PerfEventContext) -> u32 {
     // SAFETY: `record` points at this CPU's scratch record; this program cannot preempt itself on
     // one CPU, so nothing else uses it meanwhile.
     let frames = unsafe {
+        (*record).kind = record_kind::SAMPLE;
         (*record).tgid = tgid;
         (*record).tid = tid;
         (*record).cpu = bpf_get_smp_processor_id();
@@ -311,6 +315,51 @@ pub fn follow_fork(ctx: BtfTracePointContext) -> u32 {
         let _ = TARGETS.insert(child_tgid as u32, 1, 0);
     }
     0
+}
+
+/// `sched_process_exec` (BTF-typed): the current task has just replaced its program, so everything
+/// userspace knew of its process (classification, symbols, Python state) is stale from here on.
+#[btf_tracepoint(function = "sched_process_exec")]
+pub fn process_exec(_ctx: BtfTracePointContext) -> u32 {
+    send_process_event(record_kind::EXEC, false);
+    0
+}
+
+/// `sched_process_exit` (BTF-typed): sent when a process's main thread exits, after that
+/// process's last samples in the ring buffer. Other threads exiting are no lifecycle event.
+#[btf_tracepoint(function = "sched_process_exit")]
+pub fn process_exit(_ctx: BtfTracePointContext) -> u32 {
+    send_process_event(record_kind::EXIT, true);
+    0
+}
+
+/// Sends a lifecycle event for the current process (if it is sampled) through `SAMPLES`, in order
+/// with its samples; an exited target leaves `TARGETS`, so a process that reuses its PID is not one.
+fn send_process_event(kind: u32, leader_only: bool) {
+    let pid_tgid = bpf_get_current_pid_tgid();
+    let tgid = (pid_tgid >> 32) as u32;
+    let Some(config) = CONFIG.get(0) else { return };
+    if tgid == 0 || tgid == config.own_tgid || (leader_only && pid_tgid as u32 != tgid) {
+        return;
+    }
+    if config.flags & config_flags::FILTER_TARGETS != 0 {
+        if TARGETS.get_ptr(tgid).is_none() {
+            return;
+        }
+        if kind == record_kind::EXIT {
+            let _ = TARGETS.remove(&tgid);
+        }
+    }
+    // SAFETY: bpf_ktime_get_ns has no preconditions.
+    let time_ns = unsafe { bpf_ktime_get_ns() };
+    let event = ProcessEvent { kind, tgid, time_ns, comm: bpf_get_current_comm().unwrap_or([0; 16]) };
+    if SAMPLES.output::<ProcessEvent>(&event, BPF_RB_FORCE_WAKEUP).is_err() {
+        // Its own slot: the sampler may interrupt this program on its CPU and count in slot 0.
+        if let Some(lost) = LOST.get_ptr_mut(LOST_EVENTS) {
+            // SAFETY: per-CPU slot only lifecycle programs (which do not nest) touch.
+            unsafe { *lost += 1 };
+        }
+    }
 }
 
 #[cfg(not(test))]

@@ -7,7 +7,7 @@ use aya::programs::perf_event::{PerfEventConfig, PerfEventScope, SamplePolicy, S
 use aya::programs::{BtfTracePoint, PerfEvent};
 use aya::{Ebpf, EbpfLoader};
 use crate::kernel_btf::{Btf, VMLINUX_BTF};
-use pyebpf_common::{config_flags, maps, Config, MarkerChain, PyProcConfig, SampleRecord};
+use pyebpf_common::{config_flags, maps, record_kind, Config, MarkerChain, ProcessEvent, PyProcConfig, SampleRecord};
 use tokio::io::unix::AsyncFd;
 
 /// The object built by `cargo xtask build`; empty when the crate was built without it.
@@ -53,6 +53,13 @@ pub struct SamplerOptions {
     pub ring_buffer_kb: u32,
     /// Have the kernel account the sampler's run time (for `--stats`; costs a little per run).
     pub program_stats: bool,
+}
+
+/// One record of the ring buffer: a sample, or a lifecycle event of a sampled process, in the
+/// order they happened.
+pub enum Record {
+    Sample(Box<SampleRecord>),
+    Event(ProcessEvent),
 }
 
 /// The running sampler. Dropping it detaches the programs.
@@ -141,6 +148,12 @@ impl Sampler {
             program.load("sched_process_fork", &aya_btf).map_err(BpfError::Program)?;
             program.attach().map_err(BpfError::Program)?;
         }
+        // exec and exit tell userspace when a process's state stops being valid.
+        for (name, tracepoint) in [("process_exec", "sched_process_exec"), ("process_exit", "sched_process_exit")] {
+            let program: &mut BtfTracePoint = ebpf.program_mut(name).expect("lifecycle programs are in the object").try_into().map_err(BpfError::Program)?;
+            program.load(tracepoint, &aya_btf).map_err(BpfError::Program)?;
+            program.attach().map_err(BpfError::Program)?;
+        }
         let program_stats = options.program_stats.then(|| aya::sys::enable_stats(aya::sys::Stats::RunTime).ok()).flatten();
         let program: &mut PerfEvent = ebpf.program_mut("sample").expect("sample is in the object").try_into().map_err(BpfError::Program)?;
         program.load().map_err(BpfError::Program)?;
@@ -177,8 +190,8 @@ impl Sampler {
     }
 
     /// Waits until a batch of samples is pending, or at most [`POLL_INTERVAL`], then moves all
-    /// pending samples into `out`.
-    pub async fn read_samples(&mut self, out: &mut Vec<Box<SampleRecord>>) -> Result<(), BpfError> {
+    /// pending records into `out`.
+    pub async fn read_samples(&mut self, out: &mut Vec<Record>) -> Result<(), BpfError> {
         if let Ok(woken) = tokio::time::timeout(POLL_INTERVAL, self.samples.readable_mut()).await {
             let mut guard = woken.map_err(BpfError::Poll)?;
             drain(guard.get_inner_mut(), out);
@@ -200,9 +213,20 @@ impl Sampler {
         self.lost.get(&0, 0).map(|per_cpu| per_cpu.iter().sum()).unwrap_or(0)
     }
 
+    /// Exec and exit events dropped in the kernel because the ring buffer was full: a process
+    /// they were about may keep stale state until the periodic check finds it.
+    pub fn lost_events(&self) -> u64 {
+        self.lost.get(&1, 0).map(|per_cpu| per_cpu.iter().sum()).unwrap_or(0)
+    }
+
     /// Adds a process to the sampled set (only matters when sampling is filtered).
     pub fn add_target(&mut self, pid: u32) -> Result<(), BpfError> {
         self.targets.insert(pid, 1, 0).map_err(map_error(maps::TARGETS))
+    }
+
+    /// Whether `pid` is in the sampled set (only meaningful when sampling is filtered).
+    pub fn is_target(&self, pid: u32) -> bool {
+        self.targets.get(&pid, 0).is_ok()
     }
 
     pub fn set_py_process(&mut self, tgid: u32, config: &PyProcConfig) -> Result<(), BpfError> {
@@ -236,16 +260,34 @@ impl Sampler {
 /// reader only once a quarter of the buffer is pending.
 const POLL_INTERVAL: std::time::Duration = std::time::Duration::from_millis(10);
 
-fn drain(ring: &mut RingBuf<MapData>, out: &mut Vec<Box<SampleRecord>>) {
+fn drain(ring: &mut RingBuf<MapData>, out: &mut Vec<Record>) {
     while let Some(item) = ring.next() {
-        if let Some(record) = decode_record(&item) {
+        if let Some(record) = decode(&item) {
             out.push(record);
         }
     }
 }
 
-/// A record as sent: the fixed part, then as many Python frames as it says (the rest stays zero).
-fn decode_record(item: &[u8]) -> Option<Box<SampleRecord>> {
+/// Tells records apart by their leading kind.
+fn decode(item: &[u8]) -> Option<Record> {
+    let kind = u32::from_ne_bytes(item.get(..4)?.try_into().ok()?);
+    match kind {
+        record_kind::SAMPLE => decode_sample(item).map(Record::Sample),
+        record_kind::EXEC | record_kind::EXIT => decode_event(item).map(Record::Event),
+        _ => None,
+    }
+}
+
+fn decode_event(item: &[u8]) -> Option<ProcessEvent> {
+    if item.len() != size_of::<ProcessEvent>() {
+        return None;
+    }
+    // SAFETY: exactly one ProcessEvent's bytes; it is plain data, any bit pattern is valid.
+    Some(unsafe { std::ptr::read_unaligned(item.as_ptr() as *const ProcessEvent) })
+}
+
+/// A sample as sent: the fixed part, then as many Python frames as it says (the rest stays zero).
+fn decode_sample(item: &[u8]) -> Option<Box<SampleRecord>> {
     if item.len() < SampleRecord::HEADER_LEN || item.len() > size_of::<SampleRecord>() {
         return None;
     }

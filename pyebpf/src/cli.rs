@@ -36,6 +36,12 @@ pub enum OutputFormat {
     Collapsed,
 }
 
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GroupBy {
+    Process,
+    Container,
+}
+
 #[derive(Args, Debug)]
 #[command(group(clap::ArgGroup::new("target").required(true).args(["all", "pid", "command"])))]
 pub struct RecordArgs {
@@ -104,6 +110,15 @@ pub struct RecordArgs {
     /// Size of the kernel-to-user sample ring buffer, in KiB (a power of two, at least 4)
     #[arg(long = "ring-buffer-kb", value_name = "KIB", default_value_t = 4096, value_parser = parse_ring_buffer_kb)]
     pub ring_buffer_kb: u32,
+
+    /// With -p: also profile the children the given processes start after pyebpf attached
+    #[arg(long = "subprocesses", requires = "pid")]
+    pub subprocesses: bool,
+
+    /// Collapsed output: `container` puts a root frame naming the process's cgroup (its
+    /// container) above the `COMM (PID)` frame; `process` (the default) starts at the process
+    #[arg(long = "group-by", value_enum, default_value = "process")]
+    pub group_by: GroupBy,
 
     /// Launch COMMAND and profile it and its children until it exits; SIGINT/SIGTERM are passed
     /// to it first (a second one stops pyebpf while it runs)

@@ -8,6 +8,7 @@ pub mod kernel_btf;
 pub mod merge;
 pub mod output;
 pub mod process;
+pub mod processes;
 pub mod python_sampling;
 pub mod record;
 pub mod report;

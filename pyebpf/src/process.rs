@@ -1,16 +1,10 @@
 //! The processes a recording covers: every process, given PIDs (watched until they exit), or a
 //! launched command.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
-
-use crate::cpython::runtime;
-
-/// How often processes seen in samples are checked for having exited.
-const EXIT_CHECK_INTERVAL: Duration = Duration::from_secs(2);
 
 #[derive(Debug, thiserror::Error)]
 pub enum TargetError {
@@ -123,34 +117,6 @@ pub fn raise_open_file_limit() {
     }
 }
 
-/// Finds the processes that have exited, so that what is kept about them can go. A process is
-/// reported only once it was found gone at two checks in a row: its last samples, still in the
-/// ring buffer when it exited, have been resolved by then.
-pub struct ExitWatch {
-    checked_at: Instant,
-    gone: HashSet<u32>,
-}
-
-impl Default for ExitWatch {
-    fn default() -> Self {
-        ExitWatch { checked_at: Instant::now(), gone: HashSet::new() }
-    }
-}
-
-impl ExitWatch {
-    /// Of `pids`, those gone for a whole check interval; empty between checks.
-    pub fn exited(&mut self, pids: impl IntoIterator<Item = u32>) -> Vec<u32> {
-        if self.checked_at.elapsed() < EXIT_CHECK_INTERVAL {
-            return Vec::new();
-        }
-        self.checked_at = Instant::now();
-        let now_gone: HashSet<u32> = pids.into_iter().filter(|pid| runtime::has_exited(*pid)).collect();
-        let exited = now_gone.intersection(&self.gone).copied().collect();
-        self.gone = now_gone;
-        exited
-    }
-}
-
 /// Process names, read once per process so every thread of a process shares one root frame.
 #[derive(Default)]
 pub struct ProcessNames {
@@ -170,14 +136,9 @@ impl ProcessNames {
             .clone()
     }
 
-    pub fn pids(&self) -> impl Iterator<Item = u32> + '_ {
-        self.names.keys().copied()
-    }
-
-    pub fn forget(&mut self, pids: &[u32]) {
-        for pid in pids {
-            self.names.remove(pid);
-        }
+    /// Forgets `pid`'s name: it exited or replaced its program.
+    pub fn forget(&mut self, pid: u32) {
+        self.names.remove(&pid);
     }
 }
 

@@ -30,6 +30,11 @@ use crate::stats::Stats;
 const THREAD_REFRESH: Duration = Duration::from_millis(500);
 /// A sample from an unregistered thread re-reads its process's threads at most this often.
 const UNKNOWN_THREAD_REFRESH: Duration = Duration::from_millis(20);
+/// A process found not to be Python is checked again this long after (doubling each time), at most
+/// [`RECHECKS`] times: right after an exec the dynamic loader has not mapped `libpython` yet, and
+/// the runtime is not set up yet.
+const FIRST_RECHECK: Duration = Duration::from_millis(20);
+const RECHECKS: u32 = 7;
 /// A chain is re-established when the kernel walked more frames than this to reach the marker.
 const ESTABLISH_AFTER_FRAMES: u32 = 4;
 /// And at most this often per thread, so a thread whose calls come and go costs little.
@@ -76,6 +81,9 @@ struct PythonProcess {
     py: PyProcess<ProcessMemory>,
     threads: HashMap<u32, Thread>,
     threads_read: Instant,
+    /// Threads sampled while missing from a non-empty interpreter thread list: not Python threads,
+    /// so their samples cost no re-reads until the thread list changes.
+    not_python: HashSet<u32>,
     /// `co_version` of each code object decoded, by address: a different version at the same
     /// address is another code object.
     code_versions: HashMap<u64, u32>,
@@ -88,17 +96,30 @@ pub struct PythonStack {
     pub truncated: bool,
 }
 
+/// A process found not to be CPython 3.13+ (or unreadable), until it execs or exits.
+struct Other {
+    checked_at: Instant,
+    checks: u32,
+    /// What was found cannot change without an exec (an unsupported version, say).
+    settled: bool,
+}
+
+impl Other {
+    fn recheck_due(&self) -> bool {
+        !self.settled && self.checks < RECHECKS && self.checked_at.elapsed() >= FIRST_RECHECK * (1 << self.checks)
+    }
+}
+
 pub struct PythonSampling {
     processes: HashMap<u32, PythonProcess>,
-    /// Processes found not to be CPython 3.13+ (or unreadable); not tried again.
-    others: HashSet<u32>,
+    others: HashMap<u32, Other>,
     options: SamplingOptions,
     next_gen: u64,
 }
 
 impl PythonSampling {
     pub fn new(options: SamplingOptions) -> Self {
-        PythonSampling { processes: HashMap::new(), others: HashSet::new(), options, next_gen: 1 }
+        PythonSampling { processes: HashMap::new(), others: HashMap::new(), options, next_gen: 1 }
     }
 
     /// Attaches to `pid` if it is a CPython 3.13+ process not seen before, and registers its
@@ -127,24 +148,38 @@ impl PythonSampling {
 
     /// True when `pid` was newly attached.
     fn attach(&mut self, pid: u32, stats: &mut Stats) -> bool {
-        if self.processes.contains_key(&pid) || self.others.contains(&pid) {
+        if self.processes.contains_key(&pid) || self.others.get(&pid).is_some_and(|other| !other.recheck_due()) {
             return false;
         }
+        let checks = self.others.get(&pid).map_or(0, |other| other.checks + 1);
+        let mut not_python = |settled: bool| {
+            self.others.insert(pid, Other { checked_at: Instant::now(), checks, settled });
+            false
+        };
         let py = match PyProcess::attach(pid) {
             Ok(py) if py.fits_frame_window() => py,
             Ok(_) => {
                 log::debug!("pid {pid}: frame fields beyond the eBPF program's window");
-                self.others.insert(pid);
-                return false;
+                return not_python(true);
             }
             Err(err) => {
-                log::debug!("pid {pid}: not profiled as Python: {err}");
-                self.others.insert(pid);
-                return false;
+                // Reported once; later checks (a late libpython) stay quiet.
+                if checks == 0 {
+                    log::debug!("pid {pid}: not profiled as Python: {err}");
+                }
+                let settled = matches!(err, PyError::UnsupportedVersion(_) | PyError::FreeThreaded(_) | PyError::BadOffsets(_));
+                return not_python(settled);
             }
         };
+        self.others.remove(&pid);
         stats.python_processes += 1;
-        let process = PythonProcess { py, threads: HashMap::new(), threads_read: Instant::now(), code_versions: HashMap::new() };
+        let process = PythonProcess {
+            py,
+            threads: HashMap::new(),
+            threads_read: Instant::now(),
+            not_python: HashSet::new(),
+            code_versions: HashMap::new(),
+        };
         self.processes.insert(pid, process);
         true
     }
@@ -157,8 +192,9 @@ impl PythonSampling {
             config.flags |= py_proc_flags::USE_MARKER;
         }
         if sampler.set_py_process(pid, &config).is_err() {
+            log::debug!("pid {pid}: PY_PROCS is full; sampled natively");
             self.processes.remove(&pid);
-            self.others.insert(pid);
+            self.others.insert(pid, Other { checked_at: Instant::now(), checks: RECHECKS, settled: true });
             return;
         }
         process.refresh_threads(sampler);
@@ -173,10 +209,17 @@ impl PythonSampling {
             }
         }
         for pid in exited {
-            if let Some(process) = self.processes.remove(&pid) {
-                for tid in process.threads.keys() {
-                    sampler.remove_py_thread(*tid);
-                }
+            self.forget(pid, sampler);
+        }
+    }
+
+    /// Drops everything known of `pid` (it exited or replaced its program), its eBPF map entries
+    /// included; its next sample classifies it afresh.
+    pub fn forget(&mut self, pid: u32, sampler: &mut Sampler) {
+        self.others.remove(&pid);
+        if let Some(process) = self.processes.remove(&pid) {
+            for tid in process.threads.keys() {
+                sampler.remove_py_thread(*tid);
             }
             sampler.remove_py_process(pid);
         }
@@ -187,9 +230,7 @@ impl PythonSampling {
         let process = self.processes.get_mut(&record.tgid)?;
         let py = &record.py;
         if py.status & py_status::THREAD_KNOWN == 0 {
-            if process.threads_read.elapsed() >= UNKNOWN_THREAD_REFRESH && !process.threads.contains_key(&record.tid) {
-                process.refresh_threads(sampler);
-            }
+            process.unknown_thread_sampled(record.tid, sampler);
             return None;
         }
         if py.status & py_status::FRAME_READ == 0 || py.frame == 0 {
@@ -386,6 +427,19 @@ impl PythonProcess {
         Ok(Some(EstablishedChain { gen, seq_base: before.seq, addrs, items }))
     }
 
+    /// A sample of a thread the eBPF program does not know: a thread started since the last read
+    /// of the thread list, or one that runs no Python (remembered, so it costs no more reads).
+    fn unknown_thread_sampled(&mut self, tid: u32, sampler: &mut Sampler) {
+        if self.threads.contains_key(&tid) || self.not_python.contains(&tid) || self.threads_read.elapsed() < UNKNOWN_THREAD_REFRESH {
+            return;
+        }
+        self.refresh_threads(sampler);
+        // An empty list is an interpreter still starting up: its main thread is not bound yet.
+        if !self.threads.contains_key(&tid) && !self.threads.is_empty() {
+            self.not_python.insert(tid);
+        }
+    }
+
     /// Registers new threads and drops dead ones; false when the process is gone.
     fn refresh_threads(&mut self, sampler: &mut Sampler) -> bool {
         self.threads_read = Instant::now();
@@ -393,6 +447,10 @@ impl PythonProcess {
             return std::path::Path::new(&format!("/proc/{}", self.py.pid())).exists();
         };
         let live: HashSet<u32> = threads.iter().map(|t| t.tid).collect();
+        if live.len() != self.threads.len() || !live.iter().all(|tid| self.threads.contains_key(tid)) {
+            // A thread that ran no Python may run it now.
+            self.not_python.clear();
+        }
         self.threads.retain(|tid, _| {
             let keep = live.contains(tid);
             if !keep {

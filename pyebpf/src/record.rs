@@ -6,15 +6,16 @@
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result};
-use pyebpf_common::SampleRecord;
+use pyebpf_common::{ProcessEvent, SampleRecord};
 use tokio::signal::unix::{signal, SignalKind};
 
-use crate::bpf::{check_privileges, Sampler, SamplerOptions};
-use crate::cli::RecordArgs;
+use crate::bpf::{check_privileges, Record, Sampler, SamplerOptions};
+use crate::cli::{GroupBy, RecordArgs};
 use crate::merge::{self, NativeStack};
 use crate::python_sampling::{PythonSampling, SamplingOptions};
 use crate::output::{self, ProfileSink};
-use crate::process::{self, ExitWatch, Launched, ProcessNames, Watched};
+use crate::process::{self, Launched, ProcessNames, Watched};
+use crate::processes::ProcessTable;
 use crate::report;
 use crate::stack::{Frame, Profile, StackKey};
 use crate::stats::Stats;
@@ -27,8 +28,8 @@ const TICK: Duration = Duration::from_millis(250);
 pub struct SampleResolver {
     symbolizer: Symbolizer,
     names: ProcessNames,
-    exits: ExitWatch,
     python: PythonSampling,
+    processes: ProcessTable,
     no_native: bool,
 }
 
@@ -37,13 +38,14 @@ impl SampleResolver {
         SampleResolver {
             symbolizer: Symbolizer::new(),
             names: ProcessNames::default(),
-            exits: ExitWatch::default(),
             python: PythonSampling::new(options),
+            processes: ProcessTable::default(),
             no_native,
         }
     }
 
     pub fn resolve(&mut self, record: &SampleRecord, sampler: &mut Sampler, stats: &mut Stats) -> StackKey {
+        let labels = self.processes.sampled(record.tgid);
         self.python.discover(record.tgid, sampler, stats);
         let python = self.python.python_stack(record, sampler, stats);
         let kernel_len = (record.kernel_len as usize).min(record.kernel_stack.len());
@@ -68,7 +70,7 @@ impl SampleResolver {
                 }
             }
         }
-        StackKey { pid: record.tgid, tid: record.tid, comm: self.names.name(record.tgid, &record.comm), frames, truncated }
+        StackKey { pid: record.tgid, tid: record.tid, comm: self.names.name(record.tgid, &record.comm), frames, truncated, labels: Some(labels) }
     }
 
     /// Attaches to processes already running, before sampling starts.
@@ -83,9 +85,23 @@ impl SampleResolver {
 
     pub fn upkeep(&mut self, sampler: &mut Sampler) {
         self.python.upkeep(sampler);
-        let exited = self.exits.exited(self.names.pids().collect::<Vec<_>>());
-        self.names.forget(&exited);
-        self.symbolizer.forget_processes(&exited);
+        for pid in self.processes.stale() {
+            self.forget(pid, sampler);
+        }
+    }
+
+    /// An exec or exit, read after the process's earlier samples were resolved: what was known
+    /// of it no longer holds, and its next sample (a new program, or another process reusing the
+    /// PID) is classified, named and symbolized afresh.
+    pub fn process_event(&mut self, event: &ProcessEvent, sampler: &mut Sampler) {
+        self.forget(event.tgid, sampler);
+    }
+
+    fn forget(&mut self, pid: u32, sampler: &mut Sampler) {
+        self.processes.forget(pid);
+        self.python.forget(pid, sampler);
+        self.symbolizer.forget_process(pid);
+        self.names.forget(pid);
     }
 
     pub fn finish(&self, stats: &mut Stats) {
@@ -97,6 +113,7 @@ pub fn run(args: RecordArgs) -> Result<()> {
     let output_name = output::display_name(&args.output);
     let sink = ProfileSink::new(&args.output, args.format, args.rotate.is_some()).with_context(|| format!("cannot write {output_name}"))?;
     check_privileges()?;
+    raise_open_file_limit();
     let watched = Watched::open(&args.pid)?;
     process::raise_open_file_limit();
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().context("start the async runtime")?;
@@ -148,7 +165,7 @@ async fn record(args: &RecordArgs, watched: &Watched, sink: &ProfileSink) -> Res
         frequency_hz: args.frequency,
         kernel_stacks: args.kernel,
         targets,
-        follow_forks: !args.command.is_empty(),
+        follow_forks: !args.command.is_empty() || args.subprocesses,
         ring_buffer_kb: args.ring_buffer_kb,
         program_stats: args.stats,
     })?;
@@ -163,6 +180,7 @@ async fn record(args: &RecordArgs, watched: &Watched, sink: &ProfileSink) -> Res
 
     resolver.register_all(&mut sampler);
     let mut profile = Profile::new(args.frequency);
+    profile.group_by_container = args.group_by == GroupBy::Container;
     let mut started = Instant::now();
     profile.start_unix_ns = unix_now_ns();
     let deadline = args.duration.map(|duration| tokio::time::Instant::now() + duration);
@@ -206,13 +224,18 @@ async fn record(args: &RecordArgs, watched: &Watched, sink: &ProfileSink) -> Res
     Ok((profile, stats))
 }
 
-fn add_samples(batch: &mut Vec<Box<SampleRecord>>, resolver: &mut SampleResolver, sampler: &mut Sampler, profile: &mut Profile, stats: &mut Stats) {
+fn add_samples(batch: &mut Vec<Record>, resolver: &mut SampleResolver, sampler: &mut Sampler, profile: &mut Profile, stats: &mut Stats) {
     if let Some(delay) = test_consumer_delay() {
         std::thread::sleep(delay);
     }
     for record in batch.drain(..) {
-        stats.samples += 1;
-        profile.add(resolver.resolve(&record, sampler, stats), 1);
+        match record {
+            Record::Sample(record) => {
+                stats.samples += 1;
+                profile.add(resolver.resolve(&record, sampler, stats), 1);
+            }
+            Record::Event(event) => resolver.process_event(&event, sampler),
+        }
     }
 }
 
@@ -221,6 +244,21 @@ fn add_samples(batch: &mut Vec<Box<SampleRecord>>, resolver: &mut SampleResolver
 fn test_consumer_delay() -> Option<Duration> {
     static DELAY: std::sync::OnceLock<Option<Duration>> = std::sync::OnceLock::new();
     *DELAY.get_or_init(|| std::env::var("PYEBPF_TEST_CONSUMER_DELAY_MS").ok()?.parse().ok().map(Duration::from_millis))
+}
+
+/// Symbolization keeps one open file per distinct ELF file sampled: on a host with many
+/// libraries the default soft limit (1,024) is too low, so it is raised to the hard limit.
+fn raise_open_file_limit() {
+    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit/setrlimit read and write the struct they are given.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) == 0 && limit.rlim_cur < limit.rlim_max {
+            limit.rlim_cur = limit.rlim_max;
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &limit) != 0 {
+                log::debug!("cannot raise RLIMIT_NOFILE: {}", std::io::Error::last_os_error());
+            }
+        }
+    }
 }
 
 /// User plus system CPU time of this process so far.

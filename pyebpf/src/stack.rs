@@ -67,6 +67,16 @@ pub struct StackKey {
     /// The Python chain was cut at the first frame that could not be proven; the frames kept
     /// are exact, the callers beyond them are missing.
     pub truncated: bool,
+    /// Where the process runs (container labels), when known.
+    pub labels: Option<Arc<ProcessLabels>>,
+}
+
+/// Where a process runs: its PID inside its own PID namespace (when that is not the host's) and
+/// its cgroup path (which names the container, for most container runtimes).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub struct ProcessLabels {
+    pub ns_pid: Option<u32>,
+    pub cgroup: Option<Arc<str>>,
 }
 
 /// Aggregated samples of one recording.
@@ -78,6 +88,8 @@ pub struct Profile {
     /// Wall-clock start (ns since the Unix epoch) and length of the recording.
     pub start_unix_ns: i64,
     pub duration_ns: i64,
+    /// Collapsed output starts each stack at the process's container (`--group-by container`).
+    pub group_by_container: bool,
 }
 
 impl Profile {

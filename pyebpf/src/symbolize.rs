@@ -157,20 +157,6 @@ impl Symbolizer {
         }
     }
 
-    /// Drops everything known about these processes, which have exited (and whose late samples
-    /// have been resolved): their maps, their in-process results, blazesym's per-process data.
-    pub fn forget_processes(&mut self, pids: &[u32]) {
-        if pids.is_empty() {
-            return;
-        }
-        for pid in pids {
-            self.processes.remove(pid);
-            let _ = self.blazesym.evict(&Evict::Process(evict::Process::new(Pid::from(*pid))));
-        }
-        let gone: std::collections::HashSet<u32> = pids.iter().copied().collect();
-        self.by_process_addr.retain(|(pid, _), _| !gone.contains(pid));
-    }
-
     /// Keeps the caches that grow with the files and code seen within their bounds.
     fn enforce_bounds(&mut self) {
         if self.opened_files.len() > MAX_OPEN_FILES {
@@ -212,6 +198,14 @@ impl Symbolizer {
                 level_frames(addr, &mapping.module, resolved.map_or(&[][..], |r| &r[..]))
             })
             .collect()
+    }
+
+    /// Drops what is known of `pid`'s address space (it exited or replaced its program); what was
+    /// learnt of the files it mapped stays, shared with other processes.
+    pub fn forget_process(&mut self, pid: u32) {
+        self.processes.remove(&pid);
+        let _ = self.blazesym.evict(&Evict::Process(evict::Process::new(Pid::from(pid))));
+        self.by_process_addr.retain(|(owner, _), _| *owner != pid);
     }
 
     /// Symbolizes a kernel stack (innermost first) with kallsyms.

@@ -56,3 +56,39 @@ fn a_contained_python_gets_python_frames_under_p_and_a() {
     check_python_share(&["-p", &python.to_string()], python);
     check_python_share(&["-a"], python);
 }
+
+/// pprof labels a contained process with its host PID, its PID inside the namespace and its
+/// cgroup path (read independently here from /proc/PID/cgroup); `go tool pprof` reads them.
+#[test]
+fn a_contained_python_is_labelled_with_both_pids_and_its_cgroup() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_child, python) = start_contained(dir.path());
+    let out = dir.path().join("profile.pb.gz");
+    let output = Command::new(pyebpf_tests::pyebpf()).args(["record", "-p", &python.to_string(), "-d", "1", "-o"]).arg(&out).output().unwrap();
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let raw = Command::new("go").args(["tool", "pprof", "-raw"]).arg(&out).output().expect("go tool pprof (golang-go) must be installed");
+    let raw = String::from_utf8_lossy(&raw.stdout);
+    let status = std::fs::read_to_string(format!("/proc/{python}/status")).unwrap();
+    let ns_pid = status.lines().find_map(|l| l.strip_prefix("NSpid:")).unwrap().split_whitespace().last().unwrap().to_string();
+    assert!(raw.contains(&format!("pid:[{python}]")), "no host pid label:\n{raw}");
+    assert!(raw.contains(&format!("ns_pid:[{ns_pid}]")), "no ns_pid label {ns_pid}:\n{raw}");
+    let cgroups = std::fs::read_to_string(format!("/proc/{python}/cgroup")).unwrap();
+    let paths: Vec<&str> = cgroups.lines().filter_map(|l| l.splitn(3, ':').nth(2)).filter(|p| *p != "/").collect();
+    if paths.is_empty() {
+        assert!(!raw.contains("cgroup:["), "a cgroup label for a process in the root cgroup:\n{raw}");
+    } else {
+        assert!(paths.iter().any(|p| raw.contains(&format!("cgroup:[{p}]"))), "no cgroup label among {paths:?}:\n{raw}");
+    }
+}
+
+/// `--group-by container` puts the process's cgroup (or `[host]`) above its `COMM (PID)` frame.
+#[test]
+fn group_by_container_adds_a_root_frame() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_child, python) = start_contained(dir.path());
+    let (collapsed, _) = record_collapsed(&["-p", &python.to_string(), "-d", "1", "--group-by", "container"]);
+    let process_frame = format!(";python3.14 ({python});");
+    let lines: Vec<&str> = collapsed.lines().filter(|l| l.contains(&process_frame)).collect();
+    assert!(!lines.is_empty(), "no stacks of {python} under a root frame:\n{collapsed}");
+    assert!(lines.iter().all(|l| l.starts_with("[cgroup /") || l.starts_with("[host];")), "{lines:?}");
+}

@@ -20,13 +20,25 @@ pub(super) fn write(profile: &Profile, out: &mut impl Write) -> io::Result<()> {
 fn merged_lines(profile: &Profile) -> BTreeMap<String, u64> {
     let mut lines = BTreeMap::new();
     for (key, count) in &profile.counts {
-        *lines.entry(render_stack(key)).or_insert(0) += count;
+        let mut line = render_stack(key);
+        if profile.group_by_container {
+            line.insert_str(0, &format!("{};", sanitize(&container_frame(key))));
+        }
+        *lines.entry(line).or_insert(0) += count;
     }
     lines
 }
 
 /// Stands right under the process in stacks whose Python chain was cut, so they stay apart.
 const TRUNCATED_FRAME: &str = "[truncated]";
+
+/// The root frame of `--group-by container`: the cgroup path, or `[host]` outside any.
+fn container_frame(key: &StackKey) -> String {
+    match key.labels.as_ref().and_then(|labels| labels.cgroup.as_deref()) {
+        Some(cgroup) => format!("[cgroup {cgroup}]"),
+        None => "[host]".to_string(),
+    }
+}
 
 fn render_stack(key: &StackKey) -> String {
     let mut line = sanitize(&format!("{} ({})", key.comm, key.pid));

@@ -192,7 +192,7 @@ pub(crate) mod test_profile {
     }
 
     pub fn key(pid: u32, tid: u32, comm: &str, frames: Vec<Frame>) -> StackKey {
-        StackKey { pid, tid, comm: comm.into(), frames, truncated: false }
+        StackKey { pid, tid, comm: comm.into(), frames, truncated: false, labels: None }
     }
 
     /// Process `app` (pid 100, two threads) runs Python over native code and the kernel; the

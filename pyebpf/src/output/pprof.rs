@@ -130,6 +130,14 @@ impl Builder {
             self.number_label("tid", key.tid.into()),
             self.string_label("comm", &key.comm),
         ];
+        if let Some(labels) = &key.labels {
+            if let Some(ns_pid) = labels.ns_pid {
+                label.push(self.number_label("ns_pid", ns_pid.into()));
+            }
+            if let Some(cgroup) = &labels.cgroup {
+                label.push(self.string_label("cgroup", cgroup));
+            }
+        }
         if key.truncated {
             // The Python chain was cut where it could not be proven: callers beyond are missing.
             label.push(self.string_label("python_chain", "truncated"));

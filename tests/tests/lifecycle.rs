@@ -1,0 +1,194 @@
+//! Process lifecycles seen through the kernel's exec and exit events (tracefs unmounted): a shell
+//! that execs a Python, short-lived Pythons, children of `-p PID --subprocesses` and of a command.
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use pyebpf_tests::{debian_python, pyenv_python, record_collapsed_without_tracefs, stacks_of, total, Killed};
+
+const FREQUENCY: u64 = 199;
+
+/// A Python program spinning in `function` for `seconds`.
+fn spinner(dir: &Path, name: &str, function: &str, seconds: f64) -> std::path::PathBuf {
+    let path = dir.join(format!("{name}.py"));
+    let source = format!(
+        "import time\ndef {function}():\n    end = time.monotonic() + {seconds}\n    while time.monotonic() < end:\n        pass\n{function}()\n"
+    );
+    std::fs::write(&path, source).unwrap();
+    path
+}
+
+/// Starts `pyebpf record -o FILE ARGS` (tracefs unmounted) and waits until it samples.
+fn start_recording(out: &Path, args: &[&str]) -> Killed {
+    let child = pyebpf_tests::pyebpf_without_tracefs()
+        .arg("record")
+        .arg("-o")
+        .arg(out)
+        .args(args)
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Loading and attaching takes well under this; the processes under test start after.
+    std::thread::sleep(Duration::from_millis(1500));
+    Killed(child)
+}
+
+/// Stops a recording with SIGINT and returns its collapsed output and stderr.
+fn finish_recording(recording: Killed, out: &Path) -> (String, String) {
+    // SAFETY: kill takes a pid and a signal.
+    unsafe { libc::kill(recording.pid() as i32, libc::SIGINT) };
+    wait_recording(recording, out)
+}
+
+/// Waits for a recording to end and returns its collapsed output and stderr.
+fn wait_recording(mut recording: Killed, out: &Path) -> (String, String) {
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = recording.0.try_wait().unwrap() {
+            break status;
+        }
+        assert!(started.elapsed() < Duration::from_secs(60), "pyebpf did not stop");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(recording.0.stderr.as_mut().unwrap(), &mut stderr).unwrap();
+    assert!(status.success(), "pyebpf failed: {stderr}");
+    (std::fs::read_to_string(out).unwrap(), stderr)
+}
+
+fn has_frame(frames: &[String], function: &str) -> bool {
+    frames.iter().any(|f| f.starts_with(&format!("{function} (")))
+}
+
+/// `sh -c 'busy 1 s; exec python3.X app.py'` started after `record -a` began: after the exec,
+/// samples carry the new comm and the Python frames.
+fn exec_into_python(version: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let app = spinner(dir.path(), "app", "exec_app_spin", 2.0);
+    let out = dir.path().join("profile.folded");
+    let recording = start_recording(&out, &["-a", "-F", &FREQUENCY.to_string()]);
+    let shell = format!(
+        "deadline=$(($(date +%s%N) + 1000000000)); while [ $(date +%s%N) -lt $deadline ]; do :; done; exec {} {}",
+        debian_python(version).display(),
+        app.display()
+    );
+    let mut child = Command::new("sh").args(["-c", &shell]).spawn().unwrap();
+    let pid = child.id();
+    assert!(child.wait().unwrap().success());
+    let (collapsed, stderr) = finish_recording(recording, &out);
+    let comm = format!("python{version} ({pid})");
+    let rooted = |prefix: &str| collapsed.lines().filter(|l| l.starts_with(prefix)).map(|l| l.rsplit_once(' ').unwrap().1.parse::<u64>().unwrap()).sum::<u64>();
+    let stacks = stacks_of(&collapsed, pid);
+    let with_python = rooted(&format!("{comm};"));
+    let python_frames_under_new_comm: u64 = collapsed
+        .lines()
+        .filter(|l| l.starts_with(&format!("{comm};")) && l.contains("exec_app_spin ("))
+        .map(|l| l.rsplit_once(' ').unwrap().1.parse::<u64>().unwrap())
+        .sum();
+    // Samples that ran Python code under any name: a stale comm shows up here.
+    let spin_samples: u64 = stacks.iter().filter(|(frames, _)| has_frame(frames, "exec_app_spin") || frames.iter().any(|f| f.contains("PyEval") || f.contains("_PyEval"))).map(|(_, n)| n).sum();
+    let post_exec = with_python.max(spin_samples);
+    let expected = 2 * FREQUENCY;
+    assert!(post_exec * 10 >= expected * 7, "{version}: only {post_exec} post-exec samples (expected about {expected}); all of {pid}: {}\n{stderr}", total(&stacks));
+    assert!(
+        python_frames_under_new_comm * 100 >= post_exec * 90,
+        "{version}: {python_frames_under_new_comm} of {post_exec} post-exec samples have comm python{version} and Python frames:\n{}",
+        collapsed.lines().filter(|l| l.contains(&format!("({pid})"))).take(20).collect::<Vec<_>>().join("\n")
+    );
+}
+
+#[test]
+fn exec_into_python_3_13() {
+    exec_into_python("3.13");
+}
+
+#[test]
+fn exec_into_python_3_14() {
+    exec_into_python("3.14");
+}
+
+#[test]
+fn exec_into_python_3_15() {
+    exec_into_python("3.15");
+}
+
+/// 30 Pythons of 0.3 s each, one after another, each spinning in its own function: every one
+/// shows its function, resolved before its state was dropped at its exit.
+#[test]
+fn short_lived_pythons_all_keep_their_functions() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("profile.folded");
+    let recording = start_recording(&out, &["-a", "-F", "499"]);
+    let mut pids = Vec::new();
+    for i in 0..30 {
+        let script = spinner(dir.path(), &format!("short{i}"), &format!("short_lived_{i}"), 0.3);
+        let mut child = Command::new(debian_python("3.14")).arg(&script).spawn().unwrap();
+        pids.push(child.id());
+        assert!(child.wait().unwrap().success());
+    }
+    let (collapsed, stderr) = finish_recording(recording, &out);
+    let missing: Vec<usize> = (0..30)
+        .filter(|&i| {
+            let stacks = stacks_of(&collapsed, pids[i]);
+            !stacks.iter().any(|(frames, _)| has_frame(frames, &format!("short_lived_{i}")))
+        })
+        .collect();
+    assert!(missing.is_empty(), "processes without their function: {missing:?}\n{stderr}");
+}
+
+/// `record -p SHELL --subprocesses` follows Pythons the shell starts after pyebpf attached.
+#[test]
+fn subprocesses_of_a_pid_are_followed() {
+    let dir = tempfile::tempdir().unwrap();
+    let go = dir.path().join("go");
+    let script = spinner(dir.path(), "child", "subprocess_spin", 1.5);
+    let shell = format!("while [ ! -e {} ]; do sleep 0.05; done; {} {}; sleep 0.2", go.display(), debian_python("3.13").display(), script.display());
+    let mut shell_child = Killed(Command::new("sh").args(["-c", &shell]).spawn().unwrap());
+    let out = dir.path().join("profile.folded");
+    let recording = start_recording(&out, &["-p", &shell_child.pid().to_string(), "--subprocesses", "-F", "199"]);
+    std::fs::write(&go, "").unwrap();
+    assert!(shell_child.0.wait().unwrap().success());
+    // `record -p` ends by itself when the shell exits.
+    let (collapsed, stderr) = wait_recording(recording, &out);
+    let lines: Vec<&str> = collapsed.lines().filter(|l| l.contains("subprocess_spin (")).collect();
+    let samples: u64 = lines.iter().map(|l| l.rsplit_once(' ').unwrap().1.parse::<u64>().unwrap()).sum();
+    assert!(samples >= 150, "only {samples} samples of the child in subprocess_spin:\n{collapsed}\n{stderr}");
+}
+
+/// `record -- sh -c 'python a & python b; wait'` shows both children with Python frames.
+#[test]
+fn both_children_of_a_command_have_python_frames() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = spinner(dir.path(), "a", "child_a_spin", 1.0);
+    let b = spinner(dir.path(), "b", "child_b_spin", 1.0);
+    let python = debian_python("3.15");
+    let shell = format!("{p} {a} & {p} {b}; wait", p = python.display(), a = a.display(), b = b.display());
+    let (collapsed, stderr) = record_collapsed_without_tracefs(&["-F", "199", "--", "sh", "-c", &shell]);
+    for function in ["child_a_spin", "child_b_spin"] {
+        let samples: u64 = collapsed.lines().filter(|l| l.contains(&format!("{function} ("))).map(|l| l.rsplit_once(' ').unwrap().1.parse::<u64>().unwrap()).sum();
+        // Two spinners share the CPUs with whatever else runs: each gets well over 40 of its ~199.
+        assert!(samples >= 40, "{function}: {samples} samples with Python frames\n{collapsed}\n{stderr}");
+    }
+}
+
+/// pyenv's 3.13.0 keeps `_PyRuntime` in `libpython3.13.so`, which its loader maps only after the
+/// exec: each short-lived process is attached once it does, and shows its function.
+#[test]
+fn a_python_mapping_libpython_late_is_attached() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("profile.folded");
+    let recording = start_recording(&out, &["-a", "-F", "499"]);
+    let mut pids = Vec::new();
+    for i in 0..10 {
+        let script = spinner(dir.path(), &format!("late{i}"), &format!("late_libpython_{i}"), 0.3);
+        let mut child = Command::new(pyenv_python("3.13.0")).arg(&script).spawn().unwrap();
+        pids.push(child.id());
+        assert!(child.wait().unwrap().success());
+    }
+    let (collapsed, stderr) = finish_recording(recording, &out);
+    let missing: Vec<usize> = (0..10)
+        .filter(|&i| !stacks_of(&collapsed, pids[i]).iter().any(|(frames, _)| has_frame(frames, &format!("late_libpython_{i}"))))
+        .collect();
+    assert!(missing.is_empty(), "processes without their function: {missing:?}\n{stderr}");
+}
