@@ -17,6 +17,8 @@ static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"),
 pub enum BpfError {
     #[error("this pyebpf was built without its eBPF object; build it with `cargo xtask build --release`")]
     NoObject,
+    #[error("the embedded eBPF object has no program {0}: it was built from other sources; rebuild with `cargo xtask build --release`")]
+    StaleObject(&'static str),
     #[error("permission denied: pyebpf needs root (or CAP_BPF, CAP_PERFMON and CAP_SYS_PTRACE)")]
     NotPermitted,
     #[error("--ring-buffer-kb must be a power of two of at least 4, not {0}")]
@@ -120,7 +122,7 @@ impl Sampler {
         let log_level = if log::log_enabled!(log::Level::Debug) { aya_log::Level::Debug as u8 } else { 0 };
         let mut ebpf = EbpfLoader::new()
             .btf(Some(&aya_btf))
-            .override_global(aya_log::LEVEL, &log_level, true)
+            .override_global(aya_log::LEVEL, &log_level, false)
             .map_max_entries(maps::SAMPLES, kb * 1024)
             .load(EBPF_OBJECT)
             .map_err(|err| if is_permission_error(&err) { BpfError::NotPermitted } else { BpfError::Load(err) })?;
@@ -156,7 +158,9 @@ impl Sampler {
         }
         // exec and exit tell userspace when a process's state stops being valid.
         for (name, tracepoint) in [("process_exec", "sched_process_exec"), ("process_exit", "sched_process_exit")] {
-            let program: &mut BtfTracePoint = ebpf.program_mut(name).expect("lifecycle programs are in the object").try_into().map_err(BpfError::Program)?;
+            // An object built from older sources lacks them: a stale build, said in one line.
+            let program: &mut BtfTracePoint =
+                ebpf.program_mut(name).ok_or(BpfError::StaleObject(name)).and_then(|p| p.try_into().map_err(BpfError::Program))?;
             program.load(tracepoint, &aya_btf).map_err(BpfError::Program)?;
             program.attach().map_err(BpfError::Program)?;
         }
