@@ -18,6 +18,9 @@ use aya_ebpf::{
     programs::{BtfTracePointContext, PerfEventContext},
     EbpfContext,
 };
+// Diagnostics only on rare failure paths; userspace sets their level at load time (off unless
+// RUST_LOG enables debug), and with it off the verifier removes them.
+use aya_log_ebpf::debug;
 use pyebpf_common::{
     config_flags, py_proc_flags, py_status, record_kind, Config, MarkerChain, ProcessEvent, PyCapture, PyFrameRecord,
     PyProcConfig, SampleRecord,
@@ -82,7 +85,7 @@ pub fn sample(ctx: PerfEventContext) -> u32 {
         (*record).cpu = bpf_get_smp_processor_id();
         (*record).time_ns = bpf_ktime_get_ns();
         (*record).comm = bpf_get_current_comm().unwrap_or([0; 16]);
-        capture_python(tgid, tid, &mut (*record).py, &mut (*record).py_frames);
+        capture_python(&ctx, tgid, tid, &mut (*record).py, &mut (*record).py_frames);
         let (ip, sp, bp) = user_regs(&ctx);
         (*record).user_sp = sp;
         let (user_len, bases_len) = walk_user_stack(ip, sp, bp, &mut (*record).user_stack, &mut (*record).user_frame_bases);
@@ -203,7 +206,7 @@ fn read_u32(addr: u64) -> Option<u32> {
 /// Reads the thread's interpreter state at the sample and walks its frame chain from the innermost
 /// frame: to the root, to the depth limit, or (3.15) to a marker whose established chain userspace
 /// holds, so at steady state only the frames that ran since the last sample are read.
-fn capture_python(tgid: u32, tid: u32, py: &mut PyCapture, frames: &mut [PyFrameRecord; MAX_PY_FRAMES]) {
+fn capture_python(ctx: &PerfEventContext, tgid: u32, tid: u32, py: &mut PyCapture, frames: &mut [PyFrameRecord; MAX_PY_FRAMES]) {
     *py = PyCapture::default();
     // SAFETY: plain-data values; a concurrent update from userspace at worst gives a stale entry,
     // which the reads below tolerate.
@@ -214,6 +217,7 @@ fn capture_python(tgid: u32, tid: u32, py: &mut PyCapture, frames: &mut [PyFrame
     py.tstate = *tstate;
     py.status |= py_status::THREAD_KNOWN;
     let Some(frame) = read_u64(py.tstate + config.tstate_current_frame as u64) else {
+        debug!(ctx, "tid {}: cannot read its thread state at {:x}", tid, py.tstate);
         return;
     };
     py.frame = frame;
@@ -312,7 +316,9 @@ pub fn follow_fork(ctx: BtfTracePointContext) -> u32 {
     let child: *const u8 = ctx.arg(1);
     // SAFETY: the offset comes from the kernel's BTF; the read is checked by the kernel.
     if let Ok(child_tgid) = unsafe { bpf_probe_read_kernel(child.add(config.task_tgid_offset as usize) as *const i32) } {
-        let _ = TARGETS.insert(child_tgid as u32, 1, 0);
+        if TARGETS.insert(child_tgid as u32, 1, 0).is_err() {
+            debug!(&ctx, "TARGETS is full: child {} of {} is not followed", child_tgid, parent_tgid);
+        }
     }
     0
 }
@@ -320,22 +326,22 @@ pub fn follow_fork(ctx: BtfTracePointContext) -> u32 {
 /// `sched_process_exec` (BTF-typed): the current task has just replaced its program, so everything
 /// userspace knew of its process (classification, symbols, Python state) is stale from here on.
 #[btf_tracepoint(function = "sched_process_exec")]
-pub fn process_exec(_ctx: BtfTracePointContext) -> u32 {
-    send_process_event(record_kind::EXEC, false);
+pub fn process_exec(ctx: BtfTracePointContext) -> u32 {
+    send_process_event(&ctx, record_kind::EXEC, false);
     0
 }
 
 /// `sched_process_exit` (BTF-typed): sent when a process's main thread exits, after that
 /// process's last samples in the ring buffer. Other threads exiting are no lifecycle event.
 #[btf_tracepoint(function = "sched_process_exit")]
-pub fn process_exit(_ctx: BtfTracePointContext) -> u32 {
-    send_process_event(record_kind::EXIT, true);
+pub fn process_exit(ctx: BtfTracePointContext) -> u32 {
+    send_process_event(&ctx, record_kind::EXIT, true);
     0
 }
 
 /// Sends a lifecycle event for the current process (if it is sampled) through `SAMPLES`, in order
 /// with its samples; an exited target leaves `TARGETS`, so a process that reuses its PID is not one.
-fn send_process_event(kind: u32, leader_only: bool) {
+fn send_process_event(ctx: &BtfTracePointContext, kind: u32, leader_only: bool) {
     let pid_tgid = bpf_get_current_pid_tgid();
     let tgid = (pid_tgid >> 32) as u32;
     let Some(config) = CONFIG.get(0) else { return };
@@ -354,6 +360,7 @@ fn send_process_event(kind: u32, leader_only: bool) {
     let time_ns = unsafe { bpf_ktime_get_ns() };
     let event = ProcessEvent { kind, tgid, time_ns, comm: bpf_get_current_comm().unwrap_or([0; 16]) };
     if SAMPLES.output::<ProcessEvent>(&event, BPF_RB_FORCE_WAKEUP).is_err() {
+        debug!(ctx, "ring buffer full: event {} of process {} dropped", kind, tgid);
         // Its own slot: the sampler may interrupt this program on its CPU and count in slot 0.
         if let Some(lost) = LOST.get_ptr_mut(LOST_EVENTS) {
             // SAFETY: per-CPU slot only lifecycle programs (which do not nest) touch.

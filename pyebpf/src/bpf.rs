@@ -17,6 +17,8 @@ static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"),
 pub enum BpfError {
     #[error("this pyebpf was built without its eBPF object; build it with `cargo xtask build --release`")]
     NoObject,
+    #[error("the embedded eBPF object has no program {0}: it was built from other sources; rebuild with `cargo xtask build --release`")]
+    StaleObject(&'static str),
     #[error("permission denied: pyebpf needs root (or CAP_BPF, CAP_PERFMON and CAP_SYS_PTRACE)")]
     NotPermitted,
     #[error("--ring-buffer-kb must be a power of two from 4 to {max}, not {0}", max = crate::cli::MAX_RING_BUFFER_KB)]
@@ -67,6 +69,8 @@ pub struct Sampler {
     ebpf: Ebpf,
     /// Keeps the kernel's run-time accounting on while held.
     _program_stats: Option<std::os::fd::OwnedFd>,
+    /// The eBPF programs' own diagnostics, with debug logging on.
+    kernel_log: Option<aya_log::EbpfLogger<&'static dyn log::Log>>,
     samples: AsyncFd<RingBuf<MapData>>,
     lost: PerCpuArray<MapData, u64>,
     targets: HashMap<MapData, u32, u8>,
@@ -113,8 +117,12 @@ impl Sampler {
         // without BTF is reported here, in one line, rather than as a verifier log.
         let kernel_btf = Btf::from_kernel()?;
         let aya_btf = aya::Btf::from_sys_fs().map_err(BpfError::AyaBtf)?;
+        // The eBPF programs' diagnostics are compiled in but off (and removed by the verifier)
+        // unless debug logging is on.
+        let log_level = if log::log_enabled!(log::Level::Debug) { aya_log::Level::Debug as u8 } else { 0 };
         let mut ebpf = EbpfLoader::new()
             .btf(Some(&aya_btf))
+            .override_global(aya_log::LEVEL, &log_level, false)
             .map_max_entries(maps::SAMPLES, kb * 1024)
             .load(EBPF_OBJECT)
             .map_err(|err| if is_permission_error(&err) { BpfError::NotPermitted } else { BpfError::Load(err) })?;
@@ -150,7 +158,9 @@ impl Sampler {
         }
         // exec and exit tell userspace when a process's state stops being valid.
         for (name, tracepoint) in [("process_exec", "sched_process_exec"), ("process_exit", "sched_process_exit")] {
-            let program: &mut BtfTracePoint = ebpf.program_mut(name).expect("lifecycle programs are in the object").try_into().map_err(BpfError::Program)?;
+            // An object built from older sources lacks them: a stale build, said in one line.
+            let program: &mut BtfTracePoint =
+                ebpf.program_mut(name).ok_or(BpfError::StaleObject(name)).and_then(|p| p.try_into().map_err(BpfError::Program))?;
             program.load(tracepoint, &aya_btf).map_err(BpfError::Program)?;
             program.attach().map_err(BpfError::Program)?;
         }
@@ -169,6 +179,11 @@ impl Sampler {
                 .map_err(BpfError::Program)?;
         }
 
+        let kernel_log = if log_level == 0 {
+            None
+        } else {
+            aya_log::EbpfLogger::init(&mut ebpf).map_err(|err| log::debug!("eBPF diagnostics unavailable: {err}")).ok()
+        };
         let samples = RingBuf::try_from(ebpf.take_map(maps::SAMPLES).expect("SAMPLES is in the object")).map_err(map_error(maps::SAMPLES))?;
         let lost = PerCpuArray::try_from(ebpf.take_map(maps::LOST).expect("LOST is in the object")).map_err(map_error(maps::LOST))?;
         let py_procs = HashMap::try_from(ebpf.take_map(maps::PY_PROCS).expect("PY_PROCS is in the object")).map_err(map_error(maps::PY_PROCS))?;
@@ -177,6 +192,7 @@ impl Sampler {
         Ok(Sampler {
             ebpf,
             _program_stats: program_stats,
+            kernel_log,
             // SAFETY: the ring buffer owns its map fd, which stays open and unchanged as long as
             // the AsyncFd owns the ring buffer.
             samples: unsafe { AsyncFd::register_with_interest(samples, tokio::io::Interest::READABLE) }
@@ -192,6 +208,9 @@ impl Sampler {
     /// Waits until a batch of samples is pending, or at most [`POLL_INTERVAL`], then moves all
     /// pending records into `out`.
     pub async fn read_samples(&mut self, out: &mut Vec<Record>) -> Result<(), BpfError> {
+        if let Some(kernel_log) = &mut self.kernel_log {
+            kernel_log.flush();
+        }
         if let Ok(woken) = tokio::time::timeout(POLL_INTERVAL, self.samples.readable_mut()).await {
             let mut guard = woken.map_err(BpfError::Poll)?;
             drain(guard.get_inner_mut(), out);
