@@ -67,6 +67,7 @@ pub enum Record {
 /// The running sampler. Dropping it detaches the programs.
 pub struct Sampler {
     ebpf: Ebpf,
+    frequency_hz: u64,
     /// Keeps the kernel's run-time accounting on while held.
     _program_stats: Option<std::os::fd::OwnedFd>,
     /// The eBPF programs' own diagnostics, with debug logging on.
@@ -104,7 +105,8 @@ fn is_permission_error(err: &aya::EbpfError) -> bool {
 }
 
 impl Sampler {
-    /// Loads the programs, configures them and attaches them to every online CPU.
+    /// Loads and configures the programs and attaches the lifecycle hooks; [`Sampler::start_sampling`]
+    /// then starts the sampling.
     pub fn start(options: &SamplerOptions) -> Result<Sampler, BpfError> {
         if EBPF_OBJECT.is_empty() {
             return Err(BpfError::NoObject);
@@ -167,17 +169,6 @@ impl Sampler {
         let program_stats = options.program_stats.then(|| aya::sys::enable_stats(aya::sys::Stats::RunTime).ok()).flatten();
         let program: &mut PerfEvent = ebpf.program_mut("sample").expect("sample is in the object").try_into().map_err(BpfError::Program)?;
         program.load().map_err(BpfError::Program)?;
-        let cpus = aya::util::online_cpus().map_err(|(_, err)| BpfError::Cpus(err))?;
-        for cpu in cpus {
-            program
-                .attach(
-                    PerfEventConfig::Software(SoftwareEvent::CpuClock),
-                    PerfEventScope::AllProcessesOneCpu { cpu },
-                    SamplePolicy::Frequency(options.frequency_hz),
-                    false,
-                )
-                .map_err(BpfError::Program)?;
-        }
 
         let kernel_log = if log_level == 0 {
             None
@@ -191,6 +182,7 @@ impl Sampler {
         let py_markers = HashMap::try_from(ebpf.take_map(maps::PY_MARKERS).expect("PY_MARKERS is in the object")).map_err(map_error(maps::PY_MARKERS))?;
         Ok(Sampler {
             ebpf,
+            frequency_hz: options.frequency_hz,
             _program_stats: program_stats,
             kernel_log,
             // SAFETY: the ring buffer owns its map fd, which stays open and unchanged as long as
@@ -218,6 +210,25 @@ impl Sampler {
             return Ok(());
         }
         drain(self.samples.get_mut(), out);
+        Ok(())
+    }
+
+    /// Attaches the sampler to every online CPU: sampling starts. Separate from [`Sampler::start`]
+    /// so the processes attached beforehand are registered first and their first samples
+    /// already carry Python frames.
+    pub fn start_sampling(&mut self) -> Result<(), BpfError> {
+        let program: &mut PerfEvent = self.ebpf.program_mut("sample").expect("sample is in the object").try_into().map_err(BpfError::Program)?;
+        let cpus = aya::util::online_cpus().map_err(|(_, err)| BpfError::Cpus(err))?;
+        for cpu in cpus {
+            program
+                .attach(
+                    PerfEventConfig::Software(SoftwareEvent::CpuClock),
+                    PerfEventScope::AllProcessesOneCpu { cpu },
+                    SamplePolicy::Frequency(self.frequency_hz),
+                    false,
+                )
+                .map_err(BpfError::Program)?;
+        }
         Ok(())
     }
 

@@ -169,6 +169,8 @@ async fn record(args: &RecordArgs, watched: &Watched, sink: &ProfileSink) -> Res
         ring_buffer_kb: args.ring_buffer_kb,
         program_stats: args.stats,
     })?;
+    resolver.register_all(&mut sampler);
+    sampler.start_sampling()?;
     let mut command = if args.command.is_empty() {
         None
     } else {
@@ -177,8 +179,6 @@ async fn record(args: &RecordArgs, watched: &Watched, sink: &ProfileSink) -> Res
         sampler.add_target(std::process::id())?;
         Some(Launched::start(&args.command, output::is_stdout(&args.output))?)
     };
-
-    resolver.register_all(&mut sampler);
     let mut profile = Profile::new(args.frequency);
     profile.group_by_container = args.group_by == GroupBy::Container;
     let mut started = Instant::now();
