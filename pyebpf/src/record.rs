@@ -9,12 +9,15 @@ use tokio::signal::unix::{signal, SignalKind};
 
 use crate::bpf::{check_privileges, Sampler, SamplerOptions};
 use crate::cli::RecordArgs;
+use crate::filter::SampleFilter;
 use crate::merge::{self, NativeStack};
 use crate::python_sampling::{PythonSampling, SamplingOptions};
 use crate::output;
 use crate::process::{self, ProcessNames};
+use crate::progress::Progress;
 use crate::stack::{Frame, Profile, StackKey};
 use crate::stats::Stats;
+use crate::summary::Summary;
 use crate::symbolize::Symbolizer;
 
 /// How often lost samples are checked and periodic upkeep runs.
@@ -26,20 +29,30 @@ pub struct SampleResolver {
     names: ProcessNames,
     python: PythonSampling,
     no_native: bool,
+    filter: SampleFilter,
 }
 
 impl SampleResolver {
-    pub fn new(options: SamplingOptions, no_native: bool) -> Self {
+    pub fn new(options: SamplingOptions, no_native: bool, filter: SampleFilter) -> Self {
         SampleResolver {
             symbolizer: Symbolizer::new(),
             names: ProcessNames::default(),
             python: PythonSampling::new(options),
             no_native,
+            filter,
         }
     }
 
-    pub fn resolve(&mut self, record: &SampleRecord, sampler: &mut Sampler, stats: &mut Stats) -> StackKey {
+    /// The sample's stack, or None when the filter drops it (checked before any remote read).
+    pub fn resolve(&mut self, record: &SampleRecord, sampler: &mut Sampler, stats: &mut Stats) -> Option<StackKey> {
+        let comm = self.names.name(record.tgid, &record.comm);
+        if !self.filter.keeps_process(&comm) {
+            return None;
+        }
         self.python.discover(record.tgid, sampler, stats);
+        if self.filter.python_only && !self.python.is_python(record.tgid) {
+            return None;
+        }
         let python = self.python.python_stack(record, sampler, stats);
         let kernel_len = (record.kernel_len as usize).min(record.kernel_stack.len());
         let mut frames: Vec<Frame> = Vec::new();
@@ -63,12 +76,13 @@ impl SampleResolver {
                 }
             }
         }
-        StackKey { pid: record.tgid, tid: record.tid, comm: self.names.name(record.tgid, &record.comm), frames, truncated }
+        Some(StackKey { pid: record.tgid, tid: record.tid, comm, frames, truncated })
     }
 
-    /// Attaches to processes already running, before sampling starts.
+    /// Attaches to processes already running (those the filter keeps), before sampling starts.
     pub fn attach_all(&mut self, pids: impl IntoIterator<Item = u32>, stats: &mut Stats) {
-        self.python.attach_all(pids, stats);
+        let kept: Vec<u32> = pids.into_iter().filter(|&pid| self.filter.keeps_process(&self.names.name(pid, &[]))).collect();
+        self.python.attach_all(kept, stats);
     }
 
     /// Tells the eBPF program about the processes attached so far.
@@ -86,21 +100,20 @@ impl SampleResolver {
 }
 
 pub fn run(args: RecordArgs) -> Result<()> {
-    let format = output::resolve_format(&args.output, args.format);
+    let format = output::resolve_format(&args.output, args.format)?;
     let output_name = output::display_name(&args.output);
     output::check_writable(&args.output, format).with_context(|| format!("cannot write {output_name}"))?;
     check_privileges()?;
     process::check_pids(&args.pid)?;
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().context("start the async runtime")?;
-    let (profile, stats) = runtime.block_on(record(&args))?;
-    output::write_profile(&profile, &args.output, format).with_context(|| format!("cannot write {output_name}"))?;
-    let processes: std::collections::HashSet<u32> = profile.counts.keys().map(|k| k.pid).collect();
-    eprintln!(
-        "pyebpf: wrote {} samples of {} processes to {output_name} ({} lost)",
-        profile.total_samples(),
-        processes.len(),
-        stats.lost_samples
-    );
+    let (mut profile, stats) = runtime.block_on(record(&args))?;
+    if args.function {
+        profile = profile.by_function();
+    }
+    let rendering = output::Rendering { threads: args.threads, title: command_line() };
+    output::write_profile(&profile, &args.output, format, &rendering).with_context(|| format!("cannot write {output_name}"))?;
+    let open = output::open_command(&args.output, format);
+    eprintln!("{}", Summary::new(&profile, &stats, output_name.into_owned(), open));
     if args.stats {
         eprintln!("{stats}");
     }
@@ -109,7 +122,8 @@ pub fn run(args: RecordArgs) -> Result<()> {
 
 async fn record(args: &RecordArgs) -> Result<(Profile, Stats)> {
     let options = SamplingOptions { marker: !args.no_cache, read_only: args.read_only, max_frames: args.max_python_frames };
-    let mut resolver = SampleResolver::new(options, args.no_native);
+    let filter = SampleFilter { comm: args.comm.clone(), python_only: args.python_only };
+    let mut resolver = SampleResolver::new(options, args.no_native, filter);
     let mut stats = Stats::default();
     resolver.attach_all(if args.all { process::all_pids() } else { args.pid.clone() }, &mut stats);
     let targets = if args.all { None } else { Some(args.pid.clone()) };
@@ -139,6 +153,7 @@ async fn record(args: &RecordArgs) -> Result<(Profile, Stats)> {
     let mut tick = tokio::time::interval(TICK);
     let mut batch = Vec::new();
     let mut lost_reported = 0;
+    let progress = Progress::start();
     loop {
         tokio::select! {
             read = sampler.read_samples(&mut batch) => {
@@ -149,7 +164,8 @@ async fn record(args: &RecordArgs) -> Result<(Profile, Stats)> {
             _ = terminate.recv() => break,
             _ = sleep_until(deadline) => break,
             _ = tick.tick() => {
-                lost_reported = report_lost(&sampler, lost_reported);
+                lost_reported = report_lost(&sampler, lost_reported, &progress);
+                progress.update(&stats, lost_reported);
                 resolver.upkeep(&mut sampler);
                 if child_exited(&mut child) {
                     break;
@@ -161,6 +177,7 @@ async fn record(args: &RecordArgs) -> Result<(Profile, Stats)> {
     if tokio::time::timeout(Duration::from_millis(20), sampler.read_samples(&mut batch)).await.is_ok() {
         add_samples(&mut batch, &mut resolver, &mut sampler, &mut profile, &mut stats);
     }
+    progress.finish();
     resolver.finish(&mut stats);
     stats.lost_samples = sampler.lost_samples();
     (stats.program_run_time_ns, stats.program_runs) =
@@ -176,7 +193,9 @@ fn add_samples(batch: &mut Vec<Box<SampleRecord>>, resolver: &mut SampleResolver
     }
     for record in batch.drain(..) {
         stats.samples += 1;
-        profile.add(resolver.resolve(&record, sampler, stats), 1);
+        if let Some(key) = resolver.resolve(&record, sampler, stats) {
+            profile.add(key, 1);
+        }
     }
 }
 
@@ -208,14 +227,19 @@ async fn sleep_until(deadline: Option<tokio::time::Instant>) {
 }
 
 /// Warns when the kernel dropped samples since the last report; returns the new total.
-fn report_lost(sampler: &Sampler, reported: u64) -> u64 {
+fn report_lost(sampler: &Sampler, reported: u64, progress: &Progress) -> u64 {
     let lost = sampler.lost_samples();
     if lost > reported {
-        eprintln!("pyebpf: lost {} samples (ring buffer full); try a larger --ring-buffer-kb", lost - reported);
+        progress.warn(&format!("pyebpf: lost {} samples (ring buffer full); try a larger --ring-buffer-kb", lost - reported));
     }
     lost
 }
 
 fn child_exited(child: &mut Option<std::process::Child>) -> bool {
     child.as_mut().is_some_and(|c| !matches!(c.try_wait(), Ok(None)))
+}
+
+/// pyebpf's command line, the title of what it wrote.
+fn command_line() -> String {
+    std::env::args().collect::<Vec<_>>().join(" ")
 }
