@@ -32,7 +32,7 @@ pub struct Summary {
     pub frequency_hz: u64,
     pub processes: usize,
     pub python_processes: u64,
-    /// The hottest Python functions by own samples, at most [`TOP`].
+    /// The hottest Python functions by own samples (those with any), at most [`TOP`].
     pub top: Vec<FunctionTime>,
     pub lost: u64,
     /// Python stacks cut where the chain could not be proven.
@@ -52,7 +52,7 @@ impl Summary {
             frequency_hz: profile.frequency_hz,
             processes: profile.counts.keys().map(|key| key.pid).collect::<HashSet<_>>().len(),
             python_processes: stats.python_processes,
-            top: python_functions(profile).into_iter().take(TOP).collect(),
+            top: python_functions(profile).into_iter().filter(|time| time.own > 0).take(TOP).collect(),
             lost: stats.lost_samples,
             truncated: stats.truncated_samples,
             unresolved: profile.counts.iter().filter(|(key, _)| key.frames.is_empty()).map(|(_, count)| count).sum(),
@@ -159,7 +159,7 @@ mod tests {
         assert!(text.starts_with("pyebpf: wrote 15 samples of 2 processes to out.svg (2 lost)\n"), "{text}");
         assert!(text.contains("2.0 s at 100 Hz, 15 samples, 2 processes (1 Python)"), "{text}");
         assert!(text.contains(" 66.7%   66.7%  Worker.compute (/srv/work.py)"), "{text}");
-        assert!(text.contains("  0.0%   66.7%  main (/srv/work.py)"), "{text}");
+        assert!(!text.contains("main (/srv/work.py)"), "a function without own samples is listed: {text}");
         assert!(text.contains("lost: 2, Python stacks truncated: 1, unresolved (no frames): 0"), "{text}");
         assert!(text.ends_with("open it: xdg-open out.svg"), "{text}");
     }
