@@ -34,6 +34,10 @@ pub enum OutputFormat {
     Pprof,
     /// One line per stack, `frame;frame;... count`, for flamegraph.pl and inferno
     Collapsed,
+    /// An interactive flame graph (SVG) to open in a browser
+    Svg,
+    /// speedscope's JSON file format, for https://www.speedscope.app or `npx speedscope`
+    Speedscope,
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -67,7 +71,8 @@ pub struct RecordArgs {
     pub output: PathBuf,
 
     /// Output format [default: from the output's extension: .pb.gz/.pprof -> pprof,
-    /// .folded/.txt -> collapsed; otherwise pprof]
+    /// .folded/.txt/.collapsed -> collapsed, .svg -> svg, .speedscope.json -> speedscope; a name
+    /// without an extension (`-`, a device) -> pprof; any other extension is an error]
     #[arg(long = "format", value_enum)]
     pub format: Option<OutputFormat>,
 
@@ -77,6 +82,23 @@ pub struct RecordArgs {
     #[arg(long = "rotate", value_name = "SECONDS",
           value_parser = clap::value_parser!(u64).range(1..=MAX_SECONDS))]
     pub rotate: Option<u64>,
+
+    /// Aggregate Python frames by function, without line numbers
+    #[arg(long = "function")]
+    pub function: bool,
+
+    /// Keep threads apart: a `thread TID` frame under each process (collapsed, svg), one
+    /// speedscope profile per thread
+    #[arg(long = "threads")]
+    pub threads: bool,
+
+    /// Only processes whose name (comm) matches this regular expression
+    #[arg(long = "comm", value_name = "REGEX", value_parser = parse_comm_regex)]
+    pub comm: Option<regex::Regex>,
+
+    /// Only samples of Python (CPython 3.13+) processes
+    #[arg(long = "python-only")]
+    pub python_only: bool,
 
     /// Capture kernel stacks too (frames end in `_[k]` in collapsed output)
     #[arg(long = "kernel")]
@@ -160,6 +182,16 @@ pub struct DumpArgs {
     /// Print JSON instead of tracebacks
     #[arg(long = "json")]
     pub json: bool,
+}
+
+/// A `--comm` pattern; regex's own errors span several lines (the pattern with a caret under it),
+/// so only their last line, the reason, is kept.
+fn parse_comm_regex(pattern: &str) -> Result<regex::Regex, String> {
+    regex::Regex::new(pattern).map_err(|err| {
+        let text = err.to_string();
+        let reason = text.lines().map(str::trim).rfind(|line| !line.is_empty()).unwrap_or("invalid").to_string();
+        format!("not a regular expression ({reason})")
+    })
 }
 
 #[cfg(test)]

@@ -130,6 +130,11 @@ impl PythonSampling {
         }
     }
 
+    /// Whether `pid` is a CPython 3.13+ process attached to.
+    pub fn is_python(&self, pid: u32) -> bool {
+        self.processes.contains_key(&pid)
+    }
+
     /// Attaches to processes before sampling starts (reading their ELF files takes time), so
     /// that their first samples already have Python frames; [`Self::register_all`] then tells
     /// the eBPF program.

@@ -11,14 +11,17 @@ use tokio::signal::unix::{signal, SignalKind};
 
 use crate::bpf::{check_privileges, Record, Sampler, SamplerOptions};
 use crate::cli::{GroupBy, RecordArgs};
+use crate::filter::SampleFilter;
 use crate::merge::{self, NativeStack};
 use crate::python_sampling::{PythonSampling, SamplingOptions};
-use crate::output::{self, ProfileSink};
+use crate::output::{self, ProfileSink, Rendering};
 use crate::process::{self, Launched, ProcessNames, Watched};
 use crate::processes::ProcessTable;
+use crate::progress::Progress;
 use crate::report;
 use crate::stack::{Frame, Profile, StackKey};
 use crate::stats::Stats;
+use crate::summary::Summary;
 use crate::symbolize::Symbolizer;
 
 /// How often lost samples are checked and periodic upkeep runs.
@@ -31,22 +34,32 @@ pub struct SampleResolver {
     python: PythonSampling,
     processes: ProcessTable,
     no_native: bool,
+    filter: SampleFilter,
 }
 
 impl SampleResolver {
-    pub fn new(options: SamplingOptions, no_native: bool) -> Self {
+    pub fn new(options: SamplingOptions, no_native: bool, filter: SampleFilter) -> Self {
         SampleResolver {
             symbolizer: Symbolizer::new(),
             names: ProcessNames::default(),
             python: PythonSampling::new(options),
             processes: ProcessTable::default(),
             no_native,
+            filter,
         }
     }
 
-    pub fn resolve(&mut self, record: &SampleRecord, sampler: &mut Sampler, stats: &mut Stats) -> StackKey {
+    /// The sample's stack, or None when the filter drops it (checked before any remote read).
+    pub fn resolve(&mut self, record: &SampleRecord, sampler: &mut Sampler, stats: &mut Stats) -> Option<StackKey> {
+        let comm = self.names.name(record.tgid, &record.comm);
+        if !self.filter.keeps_process(&comm) {
+            return None;
+        }
         let labels = self.processes.sampled(record.tgid);
         self.python.discover(record.tgid, sampler, stats);
+        if self.filter.python_only && !self.python.is_python(record.tgid) {
+            return None;
+        }
         let python = self.python.python_stack(record, sampler, stats);
         let kernel_len = (record.kernel_len as usize).min(record.kernel_stack.len());
         let mut frames: Vec<Frame> = Vec::new();
@@ -70,12 +83,13 @@ impl SampleResolver {
                 }
             }
         }
-        StackKey { pid: record.tgid, tid: record.tid, comm: self.names.name(record.tgid, &record.comm), frames, truncated, labels: Some(labels) }
+        Some(StackKey { pid: record.tgid, tid: record.tid, comm, frames, truncated, labels: Some(labels) })
     }
 
-    /// Attaches to processes already running, before sampling starts.
+    /// Attaches to processes already running (those the filter keeps), before sampling starts.
     pub fn attach_all(&mut self, pids: impl IntoIterator<Item = u32>, stats: &mut Stats) {
-        self.python.attach_all(pids, stats);
+        let kept: Vec<u32> = pids.into_iter().filter(|&pid| self.filter.keeps_process(&self.names.name(pid, &[]))).collect();
+        self.python.attach_all(kept, stats);
     }
 
     /// Tells the eBPF program about the processes attached so far.
@@ -111,25 +125,18 @@ impl SampleResolver {
 
 pub fn run(args: RecordArgs) -> Result<()> {
     let output_name = output::display_name(&args.output);
-    let sink = ProfileSink::new(&args.output, args.format, args.rotate.is_some()).with_context(|| format!("cannot write {output_name}"))?;
+    let rendering = Rendering { threads: args.threads, title: command_line() };
+    let sink = ProfileSink::new(&args.output, args.format, args.rotate.is_some(), rendering, args.function).with_context(|| format!("cannot write {output_name}"))?;
     check_privileges()?;
-    raise_open_file_limit();
     let watched = Watched::open(&args.pid)?;
     process::raise_open_file_limit();
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().context("start the async runtime")?;
     let (profile, stats) = runtime.block_on(record(&args, &watched, &sink))?;
-    write_profile(&sink, &profile, stats.lost_samples)?;
+    let output = sink.write(&profile).context("cannot write the profile")?;
+    report::report_text(format_args!("{}", Summary::new(&profile, &stats, output, sink.open_command())));
     if args.stats {
         report::report_text(format_args!("{stats}"));
     }
-    Ok(())
-}
-
-/// Writes one complete profile and says where it went.
-fn write_profile(sink: &ProfileSink, profile: &Profile, lost: u64) -> Result<()> {
-    let name = sink.write(profile).context("cannot write the profile")?;
-    let processes: std::collections::HashSet<u32> = profile.counts.keys().map(|k| k.pid).collect();
-    report!("wrote {} samples of {} processes to {name} ({lost} lost)", profile.total_samples(), processes.len());
     Ok(())
 }
 
@@ -140,8 +147,12 @@ fn rotate(sink: &ProfileSink, profile: &mut Profile, period_started: &mut Instan
     *period_started = Instant::now();
     profile.start_unix_ns = unix_now_ns();
     // A period that cannot be written is lost, but the next ones may still be: keep recording.
-    if let Err(err) = write_profile(sink, &finished, lost) {
-        report!("{err:#}");
+    match sink.write(&finished) {
+        Ok(name) => {
+            let processes: std::collections::HashSet<u32> = finished.counts.keys().map(|k| k.pid).collect();
+            report!("wrote {} samples of {} processes to {name} ({lost} lost)", finished.total_samples(), processes.len());
+        }
+        Err(err) => report!("cannot write the profile: {err}"),
     }
 }
 
@@ -157,7 +168,8 @@ async fn record(args: &RecordArgs, watched: &Watched, sink: &ProfileSink) -> Res
     // A closed terminal or session (SIGHUP) ends the recording like Ctrl-C: the profile is written.
     let mut hangup = signal(SignalKind::hangup()).context("install the SIGHUP handler")?;
     let options = SamplingOptions { marker: !args.no_cache, read_only: args.read_only, max_frames: args.max_python_frames };
-    let mut resolver = SampleResolver::new(options, args.no_native);
+    let filter = SampleFilter { comm: args.comm.clone(), python_only: args.python_only };
+    let mut resolver = SampleResolver::new(options, args.no_native, filter);
     let mut stats = Stats::default();
     resolver.attach_all(if args.all { process::all_pids() } else { args.pid.clone() }, &mut stats);
     let targets = if args.all { None } else { Some(args.pid.clone()) };
@@ -191,6 +203,7 @@ async fn record(args: &RecordArgs, watched: &Watched, sink: &ProfileSink) -> Res
     let mut tick = tokio::time::interval(TICK);
     let mut batch = Vec::new();
     let mut lost_reported = 0;
+    let progress = Progress::start();
     loop {
         tokio::select! {
             read = sampler.read_samples(&mut batch) => {
@@ -203,7 +216,8 @@ async fn record(args: &RecordArgs, watched: &Watched, sink: &ProfileSink) -> Res
             _ = next_period(&mut rotation) => rotate(sink, &mut profile, &mut started, sampler.lost_samples()),
             _ = sleep_until(deadline) => break,
             _ = tick.tick() => {
-                lost_reported = report_lost(&sampler, lost_reported);
+                lost_reported = report_lost(&sampler, lost_reported, &progress);
+                progress.update(&stats, lost_reported);
                 resolver.upkeep(&mut sampler);
                 if command.as_mut().is_some_and(Launched::exited) || watched.all_exited() {
                     break;
@@ -215,6 +229,7 @@ async fn record(args: &RecordArgs, watched: &Watched, sink: &ProfileSink) -> Res
     if tokio::time::timeout(Duration::from_millis(20), sampler.read_samples(&mut batch)).await.is_ok() {
         add_samples(&mut batch, &mut resolver, &mut sampler, &mut profile, &mut stats);
     }
+    progress.finish();
     resolver.finish(&mut stats);
     stats.lost_samples = sampler.lost_samples();
     (stats.program_run_time_ns, stats.program_runs) =
@@ -232,7 +247,9 @@ fn add_samples(batch: &mut Vec<Record>, resolver: &mut SampleResolver, sampler: 
         match record {
             Record::Sample(record) => {
                 stats.samples += 1;
-                profile.add(resolver.resolve(&record, sampler, stats), 1);
+                if let Some(key) = resolver.resolve(&record, sampler, stats) {
+                    profile.add(key, 1);
+                }
             }
             Record::Event(event) => resolver.process_event(&event, sampler),
         }
@@ -244,21 +261,6 @@ fn add_samples(batch: &mut Vec<Record>, resolver: &mut SampleResolver, sampler: 
 fn test_consumer_delay() -> Option<Duration> {
     static DELAY: std::sync::OnceLock<Option<Duration>> = std::sync::OnceLock::new();
     *DELAY.get_or_init(|| std::env::var("PYEBPF_TEST_CONSUMER_DELAY_MS").ok()?.parse().ok().map(Duration::from_millis))
-}
-
-/// Symbolization keeps one open file per distinct ELF file sampled: on a host with many
-/// libraries the default soft limit (1,024) is too low, so it is raised to the hard limit.
-fn raise_open_file_limit() {
-    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
-    // SAFETY: getrlimit/setrlimit read and write the struct they are given.
-    unsafe {
-        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) == 0 && limit.rlim_cur < limit.rlim_max {
-            limit.rlim_cur = limit.rlim_max;
-            if libc::setrlimit(libc::RLIMIT_NOFILE, &limit) != 0 {
-                log::debug!("cannot raise RLIMIT_NOFILE: {}", std::io::Error::last_os_error());
-            }
-        }
-    }
 }
 
 /// User plus system CPU time of this process so far.
@@ -291,10 +293,10 @@ async fn sleep_until(deadline: Option<tokio::time::Instant>) {
 }
 
 /// Warns when the kernel dropped samples since the last report; returns the new total.
-fn report_lost(sampler: &Sampler, reported: u64) -> u64 {
+fn report_lost(sampler: &Sampler, reported: u64, progress: &Progress) -> u64 {
     let lost = sampler.lost_samples();
     if lost > reported {
-        report!("lost {} samples (ring buffer full); try a larger --ring-buffer-kb", lost - reported);
+        progress.warn(&format!("pyebpf: lost {} samples (ring buffer full); try a larger --ring-buffer-kb", lost - reported));
     }
     lost
 }
@@ -303,4 +305,9 @@ fn report_lost(sampler: &Sampler, reported: u64) -> u64 {
 /// exit; returns whether the signal was passed on (otherwise the recording stops now).
 fn pass_to_command(command: &mut Option<Launched>, signal: i32) -> bool {
     command.as_mut().is_some_and(|command| command.pass_signal(signal))
+}
+
+/// pyebpf's command line, the title of what it wrote.
+fn command_line() -> String {
+    std::env::args().collect::<Vec<_>>().join(" ")
 }

@@ -109,4 +109,49 @@ impl Profile {
     pub fn total_samples(&self) -> u64 {
         self.counts.values().sum()
     }
+
+    /// The profile with Python frames aggregated per function (`--function`): line numbers are
+    /// dropped, so stacks that differed only in the executing lines become one.
+    pub fn by_function(&self) -> Profile {
+        let mut merged = Profile {
+            counts: HashMap::with_capacity(self.counts.len()),
+            frequency_hz: self.frequency_hz,
+            start_unix_ns: self.start_unix_ns,
+            duration_ns: self.duration_ns,
+            group_by_container: self.group_by_container,
+        };
+        for (key, &count) in &self.counts {
+            let mut key = key.clone();
+            for frame in &mut key.frames {
+                if let Frame::Python(python) = frame {
+                    python.line = 0;
+                }
+            }
+            merged.add(key, count);
+        }
+        merged
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn python(line: u32) -> Frame {
+        Frame::Python(PythonFrame { qualname: "work".into(), filename: "/w.py".into(), first_line: 3, line })
+    }
+
+    #[test]
+    fn by_function_merges_stacks_that_differ_only_in_lines() {
+        let key = |line| StackKey { pid: 1, tid: 1, comm: "python3".into(), frames: vec![python(line), python(20)], truncated: false, labels: None };
+        let mut profile = Profile::new(99);
+        profile.add(key(4), 2);
+        profile.add(key(5), 3);
+        let merged = profile.by_function();
+        assert_eq!(merged.frequency_hz, 99);
+        assert_eq!(merged.counts.len(), 1);
+        let (key, count) = merged.counts.iter().next().unwrap();
+        assert_eq!(*count, 5);
+        assert!(key.frames.iter().all(|f| matches!(f, Frame::Python(p) if p.line == 0 && p.first_line == 3)));
+    }
 }

@@ -6,21 +6,21 @@ use std::io::{self, Write};
 
 use crate::stack::{Profile, StackKey};
 
-use super::frame_name;
+use super::{frame_name, process_frame, thread_frame, TRUNCATED_FRAME};
 
-pub(super) fn write(profile: &Profile, out: &mut impl Write) -> io::Result<()> {
-    for (stack, count) in merged_lines(profile) {
+pub(super) fn write(profile: &Profile, threads: bool, out: &mut impl Write) -> io::Result<()> {
+    for (stack, count) in merged_lines(profile, threads) {
         writeln!(out, "{stack} {count}")?;
     }
     Ok(())
 }
 
-/// Rendered stacks with their counts; threads of one process that share a stack become one line.
-/// Sorted, so equal profiles give byte-equal files.
-fn merged_lines(profile: &Profile) -> BTreeMap<String, u64> {
+/// Rendered stacks with their counts; unless `threads`, threads of one process that share a stack
+/// become one line. Sorted, so equal profiles give byte-equal files.
+pub(super) fn merged_lines(profile: &Profile, threads: bool) -> BTreeMap<String, u64> {
     let mut lines = BTreeMap::new();
     for (key, count) in &profile.counts {
-        let mut line = render_stack(key);
+        let mut line = render_stack(key, threads);
         if profile.group_by_container {
             line.insert_str(0, &format!("{};", sanitize(&container_frame(key))));
         }
@@ -28,9 +28,6 @@ fn merged_lines(profile: &Profile) -> BTreeMap<String, u64> {
     }
     lines
 }
-
-/// Stands right under the process in stacks whose Python chain was cut, so they stay apart.
-const TRUNCATED_FRAME: &str = "[truncated]";
 
 /// The root frame of `--group-by container`: the cgroup path, or `[host]` outside any.
 fn container_frame(key: &StackKey) -> String {
@@ -40,8 +37,12 @@ fn container_frame(key: &StackKey) -> String {
     }
 }
 
-fn render_stack(key: &StackKey) -> String {
-    let mut line = sanitize(&format!("{} ({})", key.comm, key.pid));
+fn render_stack(key: &StackKey, threads: bool) -> String {
+    let mut line = sanitize(&process_frame(key));
+    if threads {
+        line.push(';');
+        line.push_str(&thread_frame(key.tid));
+    }
     if key.truncated {
         line.push(';');
         line.push_str(TRUNCATED_FRAME);
@@ -54,7 +55,7 @@ fn render_stack(key: &StackKey) -> String {
 }
 
 /// Names may hold `;` (C++ templates, comms) or line breaks, which would split a frame or a line.
-fn sanitize(name: &str) -> String {
+pub(super) fn sanitize(name: &str) -> String {
     name.chars()
         .map(|c| match c {
             ';' => ':',
@@ -71,7 +72,7 @@ mod tests {
 
     fn render(profile: &Profile) -> String {
         let mut out = Vec::new();
-        write(profile, &mut out).unwrap();
+        write(profile, false, &mut out).unwrap();
         String::from_utf8(out).unwrap()
     }
 
@@ -82,6 +83,18 @@ app (100);_start;main (/srv/work.py:33);Worker.compute (/srv/work.py:14);libfoo.
 busy:loop (200);main;leaf_fn 5
 ";
         assert_eq!(render(&sample_profile()), expected);
+    }
+
+    #[test]
+    fn threads_get_a_frame_under_their_process() {
+        let text = {
+            let mut out = Vec::new();
+            write(&sample_profile(), true, &mut out).unwrap();
+            String::from_utf8(out).unwrap()
+        };
+        assert!(text.contains("app (100);thread 100;_start;"), "{text}");
+        assert!(text.contains("app (100);thread 101;_start;"), "{text}");
+        assert!(text.contains(" 7\n") && text.contains(" 3\n"), "{text}");
     }
 
     #[test]

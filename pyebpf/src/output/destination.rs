@@ -164,17 +164,39 @@ fn replace(target: &Path, encode: impl FnOnce(&mut dyn Write) -> io::Result<()>)
         Some(file) => {
             // Locked before it has a name, so no cleanup ever takes it for abandoned.
             file.lock().map_err(OutputError::io(dir))?;
-            fill(&file, encode).and_then(|()| file.sync_all()).map_err(OutputError::io(target))?;
+            fill(&file, encode).and_then(|()| give_to_invoking_user(&file)).and_then(|()| file.sync_all()).map_err(OutputError::io(target))?;
             let named = temp_names().make_in(dir, |name| link_unnamed(&file, name)).map_err(OutputError::io(dir))?;
             named.persist(target).map_err(|err| OutputError::io(target)(err.error))
         }
         None => {
             let named = temp_names().permissions(Permissions::from_mode(FILE_MODE)).tempfile_in(dir).map_err(OutputError::io(dir))?;
             named.as_file().lock().map_err(OutputError::io(dir))?;
-            fill(named.as_file(), encode).and_then(|()| named.as_file().sync_all()).map_err(OutputError::io(target))?;
+            fill(named.as_file(), encode)
+                .and_then(|()| give_to_invoking_user(named.as_file()))
+                .and_then(|()| named.as_file().sync_all())
+                .map_err(OutputError::io(target))?;
             named.persist(target).map(drop).map_err(|err| OutputError::io(target)(err.error))
         }
     }
+}
+
+/// Under sudo, the profile belongs to the user who ran sudo (`SUDO_UID`, `SUDO_GID`), not to root,
+/// so they can move or delete it. Only files pyebpf creates: devices, FIFOs and `-` keep their owner.
+fn give_to_invoking_user(file: &File) -> io::Result<()> {
+    match invoking_user() {
+        Some((uid, gid)) => std::os::unix::fs::fchown(file, Some(uid), Some(gid)),
+        None => Ok(()),
+    }
+}
+
+/// `SUDO_UID` and `SUDO_GID` when pyebpf runs as root and both are numbers.
+fn invoking_user() -> Option<(u32, u32)> {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        return None;
+    }
+    let id = |name| std::env::var(name).ok()?.parse::<u32>().ok();
+    Some((id("SUDO_UID")?, id("SUDO_GID")?))
 }
 
 /// An unnamed file in `dir`, or `None` where `O_TMPFILE` or the `/proc/self/fd` link to name it later

@@ -1,6 +1,7 @@
-//! Profile writers: collapsed stacks (flamegraph input) and gzip-compressed pprof.
+//! Profile writers: collapsed stacks (flamegraph input), gzip-compressed pprof, an interactive SVG
+//! flame graph and speedscope's JSON format, all from the one aggregated [`Profile`].
 //!
-//! Both writers name frames the same way (see [`frame_name`]), so a stack reads alike in either
+//! Every writer names frames the same way (see [`frame_name`]), so a stack reads alike in every
 //! format. Where the profile goes, and how it gets there without harming what is at the path
 //! (`-`, devices, FIFOs, symlinks, atomic replacement of regular files), is [`destination`]'s concern.
 
@@ -8,6 +9,8 @@ mod collapsed;
 mod destination;
 mod pprof;
 mod rotate;
+mod speedscope;
+mod svg;
 
 use std::borrow::Cow;
 use std::io;
@@ -16,7 +19,7 @@ use std::path::{Path, PathBuf};
 use thiserror::Error;
 
 use crate::cli::OutputFormat;
-use crate::stack::{Frame, KernelFrame, NativeFrame, Profile, PythonFrame};
+use crate::stack::{Frame, KernelFrame, NativeFrame, Profile, PythonFrame, StackKey};
 
 use destination::{Destination, STDOUT};
 
@@ -34,6 +37,30 @@ pub enum OutputError {
     CannotRotate(PathBuf),
     #[error("{}: {cause}", path.display())]
     Io { path: PathBuf, cause: io::Error },
+    #[error("cannot tell the format of {} from its extension: use .pb.gz or .pprof (pprof), .folded, .txt or .collapsed (collapsed), .svg (flame graph), .speedscope.json (speedscope), or --format", .0.display())]
+    UnknownExtension(PathBuf),
+}
+
+/// What the writers need besides the profile.
+#[derive(Debug, Clone, Default)]
+pub struct Rendering {
+    /// Keep threads apart (collapsed and SVG: a `thread TID` frame; speedscope: a profile each).
+    pub threads: bool,
+    /// What was recorded, as the SVG's title and speedscope's name: pyebpf's command line.
+    pub title: String,
+}
+
+/// Stands right under the process (and thread) in stacks whose Python chain was cut, so they stay apart.
+pub(crate) const TRUNCATED_FRAME: &str = "[truncated]";
+
+/// The root frame of a process's stacks.
+pub(crate) fn process_frame(key: &StackKey) -> String {
+    format!("{} ({})", key.comm, key.pid)
+}
+
+/// The frame under the process root that keeps a thread's stacks apart.
+pub(crate) fn thread_frame(tid: u32) -> String {
+    format!("thread {tid}")
 }
 
 impl OutputError {
@@ -56,26 +83,57 @@ pub fn display_name(path: &Path) -> Cow<'_, str> {
     }
 }
 
-/// The format to write: the explicit choice, else inferred from the file name (pprof for `-`).
-pub fn resolve_format(path: &Path, explicit: Option<OutputFormat>) -> OutputFormat {
-    explicit.unwrap_or_else(|| format_from_name(path))
-}
+/// File name endings and the format each means.
+const EXTENSIONS: [(&str, OutputFormat); 8] = [
+    (".pb.gz", OutputFormat::Pprof),
+    (".pprof", OutputFormat::Pprof),
+    (".pb", OutputFormat::Pprof),
+    (".folded", OutputFormat::Collapsed),
+    (".txt", OutputFormat::Collapsed),
+    (".collapsed", OutputFormat::Collapsed),
+    (".svg", OutputFormat::Svg),
+    (".speedscope.json", OutputFormat::Speedscope),
+];
 
-fn format_from_name(path: &Path) -> OutputFormat {
+/// The format to write: the explicit choice, else inferred from the file name. A name without an
+/// extension (`-`, `/dev/null`, `profile`) is pprof; an extension pyebpf does not know is an error,
+/// so `-o out.html` does not silently get a binary profile.
+pub fn resolve_format(path: &Path, explicit: Option<OutputFormat>) -> Result<OutputFormat, OutputError> {
+    if let Some(format) = explicit {
+        return Ok(format);
+    }
     let name = path.file_name().map(|name| name.to_string_lossy()).unwrap_or_default();
-    let is_collapsed = [".folded", ".txt", ".collapsed"].iter().any(|ext| name.ends_with(ext));
-    if is_collapsed {
-        OutputFormat::Collapsed
-    } else {
-        OutputFormat::Pprof
+    if let Some((_, format)) = EXTENSIONS.iter().find(|(ext, _)| name.ends_with(ext)) {
+        return Ok(*format);
+    }
+    match path.extension() {
+        None => Ok(OutputFormat::Pprof),
+        Some(_) => Err(OutputError::UnknownExtension(path.to_path_buf())),
     }
 }
 
 /// Writes `profile` to `path` in `format`: regular files atomically, devices, FIFOs and `-` in place.
-pub fn write_profile(profile: &Profile, path: &Path, format: OutputFormat) -> Result<(), OutputError> {
+pub fn write_profile(profile: &Profile, path: &Path, format: OutputFormat, rendering: &Rendering) -> Result<(), OutputError> {
     Destination::resolve(path)?.write(path, format, |mut out| match format {
-        OutputFormat::Collapsed => collapsed::write(profile, &mut out),
+        OutputFormat::Collapsed => collapsed::write(profile, rendering.threads, &mut out),
         OutputFormat::Pprof => pprof::write(profile, &mut out),
+        OutputFormat::Svg => svg::write(profile, rendering, &mut out),
+        OutputFormat::Speedscope => speedscope::write(profile, rendering, &mut out),
+    })
+}
+
+/// The command that opens a profile written to `path` in `format`, for the summary; none for
+/// standard output, devices and FIFOs.
+pub fn open_command(path: &Path, format: OutputFormat) -> Option<String> {
+    if !matches!(Destination::resolve(path), Ok(Destination::Replace(_))) {
+        return None;
+    }
+    let name = path.to_string_lossy();
+    Some(match format {
+        OutputFormat::Pprof => format!("go tool pprof -http=: {name}"),
+        OutputFormat::Collapsed => format!("inferno-flamegraph {name} > flamegraph.svg"),
+        OutputFormat::Svg => format!("xdg-open {name}"),
+        OutputFormat::Speedscope => format!("npx speedscope {name}"),
     })
 }
 
@@ -85,31 +143,49 @@ pub struct ProfileSink {
     path: PathBuf,
     format: OutputFormat,
     rotating: bool,
+    rendering: Rendering,
+    /// `--function`: Python frames without their lines.
+    by_function: bool,
 }
 
 impl ProfileSink {
     /// Checks, before any sampling, that profiles can be written as asked: a directory, a socket, a
     /// missing directory, a read-only place or binary output on a terminal are refused. Opens and
     /// changes nothing.
-    pub fn new(path: &Path, format: Option<OutputFormat>, rotating: bool) -> Result<ProfileSink, OutputError> {
-        let format = resolve_format(path, format);
+    pub fn new(path: &Path, format: Option<OutputFormat>, rotating: bool, rendering: Rendering, by_function: bool) -> Result<ProfileSink, OutputError> {
+        let format = resolve_format(path, format)?;
         let destination = Destination::resolve(path)?;
         if rotating && !matches!(destination, Destination::Replace(_)) {
             return Err(OutputError::CannotRotate(path.to_path_buf()));
         }
         destination.check(format)?;
-        Ok(ProfileSink { path: path.to_path_buf(), format, rotating })
+        Ok(ProfileSink { path: path.to_path_buf(), format, rotating, rendering, by_function })
     }
 
     /// Writes one complete profile; returns the name it went to, as messages show it.
     pub fn write(&self, profile: &Profile) -> Result<String, OutputError> {
+        let by_function;
+        let profile = if self.by_function {
+            by_function = profile.by_function();
+            &by_function
+        } else {
+            profile
+        };
         if !self.rotating {
-            write_profile(profile, &self.path, self.format)?;
+            write_profile(profile, &self.path, self.format, &self.rendering)?;
             return Ok(display_name(&self.path).into_owned());
         }
         let path = rotate::free_name(&self.path, profile.start_unix_ns)?;
-        write_profile(profile, &path, self.format)?;
+        write_profile(profile, &path, self.format, &self.rendering)?;
         Ok(path.to_string_lossy().into_owned())
+    }
+
+    /// The command that opens what [`Self::write`] writes, for the summary.
+    pub fn open_command(&self) -> Option<String> {
+        if self.rotating {
+            return None;
+        }
+        open_command(&self.path, self.format)
     }
 }
 
@@ -242,18 +318,32 @@ mod tests {
             ("stacks.collapsed", OutputFormat::Collapsed),
             ("profile", OutputFormat::Pprof),
             ("-", OutputFormat::Pprof),
+            ("/dev/null", OutputFormat::Pprof),
+            ("flame.svg", OutputFormat::Svg),
+            ("run.speedscope.json", OutputFormat::Speedscope),
         ];
         for (name, expected) in cases {
-            assert_eq!(resolve_format(Path::new(name), None), expected, "{name}");
+            assert_eq!(resolve_format(Path::new(name), None).unwrap(), expected, "{name}");
         }
-        assert_eq!(resolve_format(Path::new("x.txt"), Some(OutputFormat::Pprof)), OutputFormat::Pprof);
+        assert_eq!(resolve_format(Path::new("x.txt"), Some(OutputFormat::Pprof)).unwrap(), OutputFormat::Pprof);
+        assert_eq!(resolve_format(Path::new("x.html"), Some(OutputFormat::Svg)).unwrap(), OutputFormat::Svg);
+    }
+
+    #[test]
+    fn an_unknown_extension_is_an_error_naming_the_known_ones() {
+        for name in ["out.html", "profile.json", "x.gz", "flame.svgz"] {
+            let err = resolve_format(Path::new(name), None).unwrap_err();
+            assert!(matches!(err, OutputError::UnknownExtension(_)), "{name}");
+            let text = err.to_string();
+            assert!(text.contains(name) && text.contains(".speedscope.json") && !text.contains('\n'), "{text}");
+        }
     }
 
     #[test]
     fn check_writable_leaves_no_file_behind() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("profile.pb.gz");
-        ProfileSink::new(&path, Some(OutputFormat::Pprof), false).unwrap();
+        ProfileSink::new(&path, Some(OutputFormat::Pprof), false, Rendering::default(), false).unwrap();
         assert_eq!(fs::read_dir(dir.path()).unwrap().count(), 0, "the check left a file");
     }
 
@@ -262,7 +352,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("old.folded");
         fs::write(&path, "a;b 1\n").unwrap();
-        ProfileSink::new(&path, Some(OutputFormat::Collapsed), false).unwrap();
+        ProfileSink::new(&path, Some(OutputFormat::Collapsed), false, Rendering::default(), false).unwrap();
         assert_eq!(fs::read_to_string(&path).unwrap(), "a;b 1\n");
     }
 
@@ -270,8 +360,8 @@ mod tests {
     fn check_writable_rejects_missing_directories_and_directories() {
         let dir = tempfile::tempdir().unwrap();
         let missing = dir.path().join("no/such/dir/profile.pb.gz");
-        assert!(matches!(ProfileSink::new(&missing, Some(OutputFormat::Pprof), false), Err(OutputError::MissingDirectory(_))));
-        assert!(matches!(ProfileSink::new(dir.path(), Some(OutputFormat::Pprof), false), Err(OutputError::IsDirectory(_))));
+        assert!(matches!(ProfileSink::new(&missing, Some(OutputFormat::Pprof), false, Rendering::default(), false), Err(OutputError::MissingDirectory(_))));
+        assert!(matches!(ProfileSink::new(dir.path(), Some(OutputFormat::Pprof), false, Rendering::default(), false), Err(OutputError::IsDirectory(_))));
     }
 
     #[test]
@@ -279,7 +369,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("profile.folded");
         fs::write(&path, "stale 1\n").unwrap();
-        write_profile(&test_profile::sample_profile(), &path, OutputFormat::Collapsed).unwrap();
+        write_profile(&test_profile::sample_profile(), &path, OutputFormat::Collapsed, &Rendering::default()).unwrap();
         let names: Vec<_> = fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
         assert_eq!(names, vec![std::ffi::OsString::from("profile.folded")]);
         assert!(!fs::read_to_string(&path).unwrap().contains("stale"));

@@ -294,7 +294,7 @@ mod tests {
     fn go_tool_pprof_reads_functions_lines_and_counts() {
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("profile.pb.gz");
-        crate::output::write_profile(&sample_profile(), &file, crate::cli::OutputFormat::Pprof).unwrap();
+        crate::output::write_profile(&sample_profile(), &file, crate::cli::OutputFormat::Pprof, &crate::output::Rendering::default()).unwrap();
 
         let raw = go_pprof("-raw", &file);
         assert!(raw.contains("samples/count cpu/nanoseconds"), "{raw}");
