@@ -227,6 +227,10 @@ pub struct PyProcConfig {
     pub frame_instr_ptr: u32,
     pub frame_owner: u32,
     pub code_version: u32,
+    /// Bytes read per frame: up to the last field the walk needs (at most [`PY_FRAME_WINDOW`]), so a
+    /// read never runs past the frame into memory that may not be mapped.
+    pub frame_window: u32,
+    pub _pad: u32,
     /// Bits cleared from `f_executable` before use (its tag bits; 0 where it is not tagged).
     pub executable_tag_mask: u64,
 }

@@ -10,8 +10,7 @@ use core::mem::size_of;
 use aya_ebpf::{
     helpers::{
         bpf_get_current_comm, bpf_get_current_pid_tgid, bpf_get_current_task_btf, bpf_get_smp_processor_id,
-        bpf_get_stack, bpf_ktime_get_ns, bpf_probe_read_kernel, bpf_probe_read_user, bpf_probe_read_user_buf,
-        bpf_task_pt_regs,
+        bpf_get_stack, bpf_ktime_get_ns, bpf_probe_read_kernel, bpf_probe_read_user, bpf_task_pt_regs, generated,
     },
     macros::{btf_tracepoint, map, perf_event},
     maps::{Array, HashMap, PerCpuArray, RingBuf},
@@ -260,6 +259,9 @@ fn marker_stop(tid: u32, config: &PyProcConfig, py: &mut PyCapture) -> u64 {
 fn walk_frames(config: &PyProcConfig, mut addr: u64, stop_at: u64, py: &mut PyCapture, frames: &mut [PyFrameRecord; MAX_PY_FRAMES]) {
     let max = if config.max_frames as usize > MAX_PY_FRAMES { MAX_PY_FRAMES } else { config.max_frames as usize };
     let mut window = [0u8; PY_FRAME_WINDOW];
+    // In 1..=PY_FRAME_WINDOW by construction (an out-of-range value reads the whole window), in a
+    // form the verifier can bound.
+    let read_len = (config.frame_window.wrapping_sub(1) & (PY_FRAME_WINDOW as u32 - 1)) + 1;
     let mut end = py_status::TOO_DEEP;
     let mut walked = 0;
     for slot in frames.iter_mut() {
@@ -270,8 +272,8 @@ fn walk_frames(config: &PyProcConfig, mut addr: u64, stop_at: u64, py: &mut PyCa
         if walked >= max {
             break;
         }
-        // SAFETY: a checked user read into a stack buffer of exactly that size.
-        if unsafe { bpf_probe_read_user_buf(addr as *const u8, &mut window) }.is_err() {
+        // SAFETY: a checked user read of at most the stack buffer's size into it.
+        if unsafe { generated::bpf_probe_read_user(window.as_mut_ptr() as *mut c_void, read_len, addr as *const c_void) } < 0 {
             end = py_status::READ_FAILED;
             break;
         }

@@ -201,6 +201,8 @@ impl<M: ReadMemory> PyProcess<M> {
             max_frames: pyebpf_common::MAX_PY_FRAMES as u32,
             frame_owner: narrow(o.frame_owner),
             code_version: narrow(o.code_version),
+            frame_window: narrow(o.frame_previous.max(o.frame_executable).max(o.frame_instr_ptr).wrapping_add(8).max(o.frame_owner + 1)),
+            _pad: 0,
             tstate_current_frame: narrow(o.tstate_current_frame),
             tstate_last_profiled_frame: o.tstate_last_profiled_frame.map_or(NO_OFFSET, narrow),
             tstate_last_profiled_seq: o.tstate_last_profiled_seq.map_or(NO_OFFSET, narrow),
