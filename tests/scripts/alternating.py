@@ -1,6 +1,6 @@
-"""Two call paths of equal depth, alternating: a_outer -> a_mid -> a_leaf, then b_outer -> b_mid ->
-b_leaf, each leaf spinning for SLICE_MS. A stack holding an a_* and a b_* frame never happened, and
-each path gets half of the time.
+"""Two call paths of equal depth, alternating: a_outer -> a_mid -> a_leaf and b_outer -> b_mid ->
+b_leaf, each leaf spinning for SLICE_MS, once each per round in a random order. A stack holding an
+a_* and a b_* frame never happened, and each path gets half of the time.
 
 Usage: python alternating.py READY_FILE SLICE_MS. Stops after 120 s."""
 import random
@@ -8,8 +8,9 @@ import sys
 import time
 
 SLICE = float(sys.argv[2]) / 1000.0
-# Slices vary by up to 20% either way, alike for both paths, so the loop's period cannot stay in
-# step with the sampling period (which would favour one path); on average each path gets half.
+# Slices vary by up to 20% either way, alike for both paths, and each round runs the two paths in
+# a random order: the loop cannot stay in step with the sampling period (which would favour one
+# path), and samples a round apart see independent paths. Each round gives both paths one slice.
 jitter = random.Random(7)
 
 
@@ -48,8 +49,12 @@ def main():
         ready.write("ready\n")
     stop = time.monotonic() + 120
     while time.monotonic() < stop:
-        a_outer()
-        b_outer()
+        if jitter.random() < 0.5:
+            a_outer()
+            b_outer()
+        else:
+            b_outer()
+            a_outer()
 
 
 main()
