@@ -19,7 +19,7 @@ pub struct Stats {
     pub frames_joined: u64,
     pub marker_joins: u64,
     pub markers_established: u64,
-    /// Establishments abandoned because the thread moved while it was read.
+    /// Establishments abandoned: the thread moved while it was read, or a read or check failed.
     pub marker_races: u64,
     /// Remote reads (`process_vm_readv` calls) and bytes spent on Python samples.
     pub remote_reads: u64,
@@ -72,7 +72,7 @@ impl fmt::Display for Stats {
         writeln!(f, "frames walked in the kernel: {} ({:.1} per python sample)", self.kernel_frames, per(self.kernel_frames, py))?;
         writeln!(f, "frames from marker chains:  {} ({:.1} per python sample)", self.frames_joined, per(self.frames_joined, py))?;
         writeln!(f, "marker joins:               {} ({:.1}% of python samples)", self.marker_joins, percent(self.marker_joins, py))?;
-        writeln!(f, "markers established:        {} ({} abandoned: the thread moved)", self.markers_established, self.marker_races)?;
+        writeln!(f, "markers established:        {} ({} abandoned: the thread moved or a read failed)", self.markers_established, self.marker_races)?;
         writeln!(f, "remote reads:               {} ({:.2} per python sample)", self.remote_reads, per(self.remote_reads, py))?;
         writeln!(f, "remote bytes:               {} ({:.0} per python sample)", self.remote_bytes, per(self.remote_bytes, py))?;
         let code = &self.code_cache;
