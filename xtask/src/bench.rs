@@ -1,165 +1,355 @@
-//! `cargo xtask bench`: what profiling costs the profiled program and the host, side by side in
-//! one run (these machines are noisy, so only ratios within a run are reported).
+//! `cargo xtask bench`: what profiling costs, side by side with py-spy and CPython's own sampler
+//! (Tachyon, `python3.15 -m profiling.sampling`) in one run. These machines are noisy, so every
+//! comparison is made within the run. Writes `bench/RESULTS.md`, `bench/results.json` and the
+//! README's performance tables.
 //!
-//! For each test interpreter, a fixed CPU workload 100 frames deep runs alone, under
-//! `pyebpf record` and under py-spy, in interleaved rounds; the workload times its own work, so
-//! start-up is not counted. pyebpf's `--stats` gives its own CPU time and the eBPF sampler's time
-//! per sample, with and without the 3.15 marker. A second table gives the sampler's in-kernel time
-//! per sample for stacks 5 and 100 frames deep.
+//! - Profiler CPU per sample: each profiler attaches to a spinning process for a short and a long
+//!   run; the difference of their CPU times over the difference of their sample counts is the steady
+//!   state, and what remains of the short run is start-up.
+//! - Slowdown: a fixed workload timing its own work, alone and under each profiler.
+//! - Reads: pyebpf's remote reads and bytes per Python sample, with and without the 3.15 marker.
+//! - Fidelity: a known 60/30/10 split and two alternating call paths.
+//! - Scale: 1, 10 and 50 Python processes under `record -a`.
+
+mod fidelity;
+mod measure;
+mod report;
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Child, Command};
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
+use serde_json::{json, Value};
 
 use crate::run;
+use measure::{collapsed_samples, median, run_measured, stat_line, Measured};
 
-const ROUNDS: usize = 3;
-const ITERATIONS: &str = "40000000";
-const FREQUENCY: &str = "99";
+const VERSIONS: [&str; 3] = ["3.13", "3.14", "3.15"];
+const DEPTHS: [u32; 2] = [5, 100];
+const FREQUENCIES: [u32; 2] = [99, 999];
+/// Attach runs last ATTACH_S seconds (whole seconds: py-spy takes only those); their steady state is
+/// the CPU they use in the window between WINDOW_FROM and WINDOW_TO after they start.
+const ATTACH_S: u32 = 6;
+const WINDOW_FROM: Duration = Duration::from_millis(1500);
+const WINDOW_TO: Duration = Duration::from_millis(5000);
+const SLOWDOWN_ROUNDS: usize = 3;
+const SLOWDOWN_ITERATIONS: &str = "30000000";
+const PY_SPY_VERSION: &str = "0.4.3";
 
-struct Setup {
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Profiler {
+    Pyebpf,
+    PySpy,
+    Tachyon,
+}
+
+impl Profiler {
+    fn name(self) -> &'static str {
+        match self {
+            Profiler::Pyebpf => "pyebpf",
+            Profiler::PySpy => "py-spy",
+            Profiler::Tachyon => "Tachyon",
+        }
+    }
+
+    /// Tachyon is new in 3.15 and attaches only to its own version.
+    fn supports(self, version: &str) -> bool {
+        self != Profiler::Tachyon || version == "3.15"
+    }
+}
+
+const PROFILERS: [Profiler; 3] = [Profiler::Pyebpf, Profiler::PySpy, Profiler::Tachyon];
+
+struct Bench {
+    root: PathBuf,
     pyebpf: PathBuf,
     py_spy: PathBuf,
-    script: PathBuf,
+    pythons: PathBuf,
     out: PathBuf,
 }
 
 pub fn bench(root: &Path, pyebpf: PathBuf, pythons: &Path) -> Result<()> {
-    let setup = Setup {
+    let bench = Bench {
+        root: root.to_path_buf(),
         pyebpf,
         py_spy: ensure_py_spy(root)?,
-        script: root.join("tests/scripts/bench_work.py"),
+        pythons: pythons.to_path_buf(),
         out: root.join("target/bench"),
     };
-    std::fs::create_dir_all(&setup.out)?;
-    println!("| interpreter | alone (s) | pyebpf (s, ratio) | py-spy (s, ratio) | pyebpf CPU per sample | eBPF time per sample: default / --no-cache |");
-    println!("|---|---|---|---|---|---|");
-    for version in ["3.13", "3.14", "3.15"] {
-        let python = pythons.join(format!("usr/bin/python{version}"));
-        let mut alone = Vec::new();
-        let mut with_pyebpf = Vec::new();
-        let mut with_py_spy = Vec::new();
-        let mut stats = String::new();
-        for _ in 0..ROUNDS {
-            alone.push(workload_seconds(Command::new(&python).arg(&setup.script).arg(ITERATIONS))?);
-            let (seconds, stderr) = under_pyebpf(&setup, &python, &[])?;
-            with_pyebpf.push(seconds);
-            stats = stderr;
-            with_py_spy.push(workload_seconds(
-                Command::new(&setup.py_spy)
-                    .args(["record", "--rate", FREQUENCY, "--format", "raw", "-o"])
-                    .arg(setup.out.join("py-spy.txt"))
-                    .arg("--")
-                    .arg(&python)
-                    .arg(&setup.script)
-                    .arg(ITERATIONS),
-            )?);
-        }
-        let (_, uncached) = under_pyebpf(&setup, &python, &["--no-cache"])?;
-        let base = median(&mut alone);
-        let (pyebpf, py_spy) = (median(&mut with_pyebpf), median(&mut with_py_spy));
-        println!(
-            "| {version} | {base:.3} | {pyebpf:.3} ({:.3}) | {py_spy:.3} ({:.3}) | {} | {} / {} |",
-            pyebpf / base,
-            py_spy / base,
-            stat_value(&stats, "pyebpf CPU time:", "per sample"),
-            kernel_time(&stats),
-            kernel_time(&uncached),
-        );
+    std::fs::create_dir_all(&bench.out)?;
+    bench.check_competitors()?;
+    let started = Instant::now();
+    let mut results = json!({ "machine": report::machine(&bench)? });
+    eprintln!("bench: profiler CPU per sample");
+    results["cpu_per_sample"] = bench.cpu_per_sample()?;
+    eprintln!("bench: in-kernel cost and remote reads");
+    results["kernel_and_reads"] = bench.kernel_and_reads()?;
+    eprintln!("bench: slowdown of the profiled program");
+    results["slowdown"] = bench.slowdown()?;
+    eprintln!("bench: fidelity");
+    results["fidelity"] = fidelity::fidelity(&bench)?;
+    eprintln!("bench: scale");
+    results["scale"] = bench.scale()?;
+    results["machine"]["bench_seconds"] = json!(started.elapsed().as_secs_f64().round());
+    report::write(&bench, &results)
+}
+
+impl Bench {
+    fn python(&self, version: &str) -> PathBuf {
+        self.pythons.join(format!("usr/bin/python{version}"))
     }
-    kernel_cost(&setup, pythons, root)
-}
 
-/// The eBPF sampler's own time per sample, from `--stats`.
-fn kernel_time(stats: &str) -> String {
-    stats
-        .lines()
-        .find(|l| l.starts_with("eBPF program time:"))
-        .and_then(|l| l.split_once('(').map(|(_, rest)| rest.split(" per recorded sample").next().unwrap_or("?").to_string()))
-        .unwrap_or_else(|| "?".into())
-}
+    fn script(&self, name: &str) -> PathBuf {
+        self.root.join("tests/scripts").join(name)
+    }
 
-/// In-kernel time per sample of a thread spinning DEPTH frames deep, recorded at 999 Hz.
-fn kernel_cost(setup: &Setup, pythons: &Path, root: &Path) -> Result<()> {
-    println!();
-    println!("| interpreter | depth | eBPF time per sample | with --no-cache | share of one CPU at 99 Hz |");
-    println!("|---|---|---|---|---|");
-    for version in ["3.13", "3.14", "3.15"] {
-        for depth in ["5", "100"] {
-            let ready = setup.out.join("ready");
-            let _ = std::fs::remove_file(&ready);
-            let mut target = Command::new(pythons.join(format!("usr/bin/python{version}")))
-                .arg(root.join("tests/scripts/sampling_deep.py"))
-                .arg(&ready)
-                .arg(depth)
-                .spawn()?;
-            while !ready.exists() {
-                std::thread::sleep(std::time::Duration::from_millis(20));
+    /// Fails loudly, before any figure is taken, if a competitor cannot run.
+    fn check_competitors(&self) -> Result<()> {
+        let py_spy = Command::new(&self.py_spy).arg("--version").output().context("run py-spy")?;
+        if !py_spy.status.success() {
+            bail!("py-spy does not run: {}", String::from_utf8_lossy(&py_spy.stderr));
+        }
+        let tachyon = Command::new(self.python("3.15")).args(["-m", "profiling.sampling", "--help"]).output()?;
+        if !tachyon.status.success() {
+            bail!("python3.15 -m profiling.sampling does not run: {}", String::from_utf8_lossy(&tachyon.stderr));
+        }
+        Ok(())
+    }
+
+    /// Starts `script` under `version` with a ready file as its first argument; waits until ready.
+    fn spawn_ready(&self, version: &str, script: &str, args: &[&str]) -> Result<Target> {
+        static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let ready = self.out.join(format!("ready-{n}"));
+        let _ = std::fs::remove_file(&ready);
+        let child = Command::new(self.python(version)).arg(self.script(script)).arg(&ready).args(args).spawn()?;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !ready.exists() {
+            if Instant::now() > deadline {
+                bail!("{script} under python{version} never became ready");
             }
-            let pid = target.id().to_string();
-            let record = |extra: &[&str]| -> Result<String> {
-                let output = Command::new(&setup.pyebpf)
-                    .args(["record", "-p", &pid, "-F", "999", "-d", "4", "--stats", "-o"])
-                    .arg(setup.out.join("kernel.folded"))
-                    .args(extra)
-                    .output()?;
-                Ok(kernel_time(&String::from_utf8_lossy(&output.stderr)))
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(Target { child })
+    }
+
+    /// One profiler attached to `pid` for `seconds`, writing collapsed stacks.
+    fn attach(&self, profiler: Profiler, pid: u32, hz: u32, seconds: u32, extra: &[&str]) -> Result<Measured> {
+        self.attach_measured(profiler, pid, hz, seconds, extra, None)
+    }
+
+    fn attach_measured(
+        &self,
+        profiler: Profiler,
+        pid: u32,
+        hz: u32,
+        seconds: u32,
+        extra: &[&str],
+        window: Option<(Duration, Duration)>,
+    ) -> Result<Measured> {
+        let out = self.out.join(format!("{}.txt", profiler.name()));
+        let _ = std::fs::remove_file(&out);
+        let (pid, hz, seconds) = (pid.to_string(), hz.to_string(), seconds.to_string());
+        let mut command = match profiler {
+            Profiler::Pyebpf => {
+                let mut c = Command::new(&self.pyebpf);
+                c.args(["record", "--stats", "-p", &pid, "-F", &hz, "-d", &seconds, "-o"]).arg(&out).args(extra);
+                c
+            }
+            Profiler::PySpy => {
+                let mut c = Command::new(&self.py_spy);
+                c.args(["record", "--format", "raw", "--pid", &pid, "--rate", &hz, "--duration", &seconds, "-o"]).arg(&out);
+                c
+            }
+            Profiler::Tachyon => {
+                let mut c = Command::new(self.python("3.15"));
+                c.args(["-m", "profiling.sampling", "attach", "--collapsed", "-r", &hz, "-d", &seconds, "-o"]).arg(&out).arg(&pid);
+                c
+            }
+        };
+        let mut measured = run_measured(&mut command, window)?;
+        measured.samples = collapsed_samples(&out)?;
+        measured.collapsed = std::fs::read_to_string(&out)?;
+        if measured.samples == 0 {
+            bail!("{} recorded no samples of {pid}: {}", profiler.name(), measured.stderr);
+        }
+        Ok(measured)
+    }
+
+    /// Steady-state CPU per sample and start-up CPU of each profiler, for every version, depth and
+    /// frequency.
+    fn cpu_per_sample(&self) -> Result<Value> {
+        let mut rows = Vec::new();
+        for version in VERSIONS {
+            for depth in DEPTHS {
+                let target = self.spawn_ready(version, "sampling_deep.py", &[&depth.to_string()])?;
+                for hz in FREQUENCIES {
+                    for profiler in PROFILERS.into_iter().filter(|p| p.supports(version)) {
+                        let long = self.attach_measured(profiler, target.pid(), hz, ATTACH_S, &[], Some((WINDOW_FROM, WINDOW_TO)))?;
+                        // Samples come at a steady rate over the run, so the window holds its share.
+                        let rate = long.samples as f64 / f64::from(ATTACH_S);
+                        let window_s = (WINDOW_TO - WINDOW_FROM).as_secs_f64();
+                        let window_cpu = long.window_cpu_s.context("the profiler exited before the steady window ended")?;
+                        let steady_us = window_cpu * 1e6 / (rate * window_s);
+                        let startup_ms = (long.cpu_s - window_cpu / window_s * long.wall_s).max(0.0) * 1e3;
+                        let mut row = json!({
+                            "version": version, "depth": depth, "hz": hz, "profiler": profiler.name(),
+                            "steady_us_per_sample": steady_us, "startup_cpu_ms": startup_ms,
+                            "samples": long.samples, "cpu_s": long.cpu_s, "max_rss_mb": long.max_rss_mb,
+                        });
+                        if profiler == Profiler::Pyebpf {
+                            row["ebpf_us_per_sample"] = json!(stat_line(&long.stderr, "eBPF program time:").and_then(|l| measure::figure_before(&l, "us per recorded sample")));
+                        }
+                        eprintln!("  {version} depth {depth} {hz} Hz {}: {steady_us:.1} us/sample, start-up {startup_ms:.0} ms", profiler.name());
+                        rows.push(row);
+                    }
+                }
+            }
+        }
+        Ok(Value::Array(rows))
+    }
+
+    /// In-kernel time per sample (default, `--no-cache`, `--kernel`) and remote reads per Python
+    /// sample (default and `--no-cache`), 999 Hz.
+    fn kernel_and_reads(&self) -> Result<Value> {
+        let mut rows = Vec::new();
+        for version in VERSIONS {
+            for depth in DEPTHS {
+                let target = self.spawn_ready(version, "sampling_deep.py", &[&depth.to_string()])?;
+                let mut row = json!({ "version": version, "depth": depth });
+                for (label, extra) in [("default", &[][..]), ("no_cache", &["--no-cache"][..]), ("kernel", &["--kernel"][..])] {
+                    let run = self.attach(Profiler::Pyebpf, target.pid(), 999, 3, extra)?;
+                    let per = |label: &str, unit: &str| stat_line(&run.stderr, label).and_then(|l| measure::figure_before(&l, unit));
+                    row[label] = json!({
+                        "ebpf_us_per_sample": per("eBPF program time:", "us per recorded sample"),
+                        "remote_reads_per_python_sample": per("remote reads:", "per python sample"),
+                        "remote_bytes_per_python_sample": per("remote bytes:", "per python sample"),
+                    });
+                }
+                rows.push(row);
+            }
+        }
+        Ok(Value::Array(rows))
+    }
+
+    /// The fixed workload's own time alone and under each profiler, in interleaved rounds.
+    fn slowdown(&self) -> Result<Value> {
+        let mut rows = Vec::new();
+        let script = self.script("bench_work.py");
+        for version in VERSIONS {
+            let python = self.python(version);
+            let workload = |profiler: Profiler, hz: u32| -> Result<f64> {
+                let mut command = self.launch(profiler, hz);
+                // Tachyon runs the script in an interpreter of its own version.
+                if profiler != Profiler::Tachyon {
+                    command.arg(&python);
+                }
+                run_measured(command.arg(&script).arg(SLOWDOWN_ITERATIONS), None)?.workload_seconds()
             };
-            let (default, uncached) = (record(&[])?, record(&["--no-cache"])?);
-            target.kill()?;
-            target.wait()?;
-            let us: f64 = default.trim_end_matches(" us").parse().unwrap_or(f64::NAN);
-            println!("| {version} | {depth} | {default} | {uncached} | {:.3}% |", us * 99.0 / 1e4);
+            let mut alone = Vec::new();
+            let mut under: Vec<(Profiler, u32, Vec<f64>)> = Vec::new();
+            for _ in 0..SLOWDOWN_ROUNDS {
+                alone.push(run_measured(Command::new(&python).arg(&script).arg(SLOWDOWN_ITERATIONS), None)?.workload_seconds()?);
+                for hz in FREQUENCIES {
+                    for profiler in PROFILERS.into_iter().filter(|p| p.supports(version)) {
+                        let seconds = workload(profiler, hz)?;
+                        match under.iter_mut().find(|(p, h, _)| *p == profiler && *h == hz) {
+                            Some((_, _, times)) => times.push(seconds),
+                            None => under.push((profiler, hz, vec![seconds])),
+                        }
+                    }
+                }
+            }
+            let base = median(&mut alone);
+            let mut row = json!({ "version": version, "alone_s": base, "under": [] });
+            for (profiler, hz, mut times) in under {
+                let seconds = median(&mut times);
+                row["under"].as_array_mut().expect("array").push(json!({
+                    "profiler": profiler.name(), "hz": hz, "seconds": seconds, "ratio": seconds / base,
+                }));
+            }
+            eprintln!("  {version}: {row}");
+            rows.push(row);
+        }
+        Ok(Value::Array(rows))
+    }
+
+    /// A profiler command that launches the program given after it.
+    fn launch(&self, profiler: Profiler, hz: u32) -> Command {
+        let out = self.out.join(format!("launch-{}.txt", profiler.name()));
+        let hz = hz.to_string();
+        match profiler {
+            Profiler::Pyebpf => {
+                let mut c = Command::new(&self.pyebpf);
+                c.args(["record", "-F", &hz, "-o"]).arg(out).arg("--");
+                c
+            }
+            Profiler::PySpy => {
+                let mut c = Command::new(&self.py_spy);
+                c.args(["record", "--format", "raw", "--rate", &hz, "-o"]).arg(out).arg("--");
+                c
+            }
+            Profiler::Tachyon => {
+                // `run` starts the script in a child interpreter and samples it, as `attach` does.
+                let mut c = Command::new(self.python("3.15"));
+                c.args(["-m", "profiling.sampling", "run", "--collapsed", "-r", &hz, "-o"]).arg(out);
+                c
+            }
         }
     }
-    Ok(())
-}
 
-fn under_pyebpf(setup: &Setup, python: &Path, extra: &[&str]) -> Result<(f64, String)> {
-    let output = Command::new(&setup.pyebpf)
-        .args(["record", "-F", FREQUENCY, "--stats", "-o"])
-        .arg(setup.out.join("pyebpf.pb.gz"))
-        .args(extra)
-        .arg("--")
-        .arg(python)
-        .arg(&setup.script)
-        .arg(ITERATIONS)
-        .output()?;
-    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
-    if !output.status.success() {
-        bail!("pyebpf failed: {stderr}");
+    /// `record -a` with 1, 10 and 50 spinning Python processes: steady CPU, start-up CPU, max RSS,
+    /// lost samples.
+    fn scale(&self) -> Result<Value> {
+        let mut rows = Vec::new();
+        for count in [1usize, 10, 50] {
+            let mut targets = Vec::new();
+            for i in 0..count {
+                targets.push(self.spawn_ready(VERSIONS[i % VERSIONS.len()], "sampling_deep.py", &["20"])?);
+            }
+            for hz in FREQUENCIES {
+                let out = self.out.join("scale.txt");
+                let measured = run_measured(
+                    Command::new(&self.pyebpf).args(["record", "-a", "--stats", "-F", &hz.to_string(), "-d", &ATTACH_S.to_string(), "-o"]).arg(&out),
+                    Some((WINDOW_FROM, WINDOW_TO)),
+                )?;
+                let value = |label: &str| stat_line(&measured.stderr, label).and_then(|l| measure::first_number(&l));
+                let samples = value("samples:").unwrap_or(f64::NAN);
+                let window_s = (WINDOW_TO - WINDOW_FROM).as_secs_f64();
+                let steady_share = measured.window_cpu_s.context("pyebpf exited before the steady window ended")? / window_s;
+                let row = json!({
+                    "processes": count, "hz": hz, "cpu_s": measured.cpu_s, "wall_s": measured.wall_s,
+                    "share_of_one_core": steady_share,
+                    "us_per_sample": steady_share * 1e6 / (samples / f64::from(ATTACH_S)),
+                    "startup_cpu_ms": (measured.cpu_s - steady_share * measured.wall_s).max(0.0) * 1e3,
+                    "max_rss_mb": measured.max_rss_mb, "samples": samples,
+                    "lost": value("lost samples:"), "python_processes": value("python processes:"),
+                });
+                eprintln!("  {count} processes, {hz} Hz: {row}");
+                rows.push(row);
+            }
+        }
+        Ok(Value::Array(rows))
     }
-    Ok((parse_seconds(&output.stdout)?, stderr))
 }
 
-fn workload_seconds(command: &mut Command) -> Result<f64> {
-    let output = command.output().with_context(|| format!("start {command:?}"))?;
-    if !output.status.success() {
-        bail!("{command:?} failed: {}", String::from_utf8_lossy(&output.stderr));
+/// A spawned workload, killed when dropped.
+struct Target {
+    child: Child,
+}
+
+impl Target {
+    fn pid(&self) -> u32 {
+        self.child.id()
     }
-    parse_seconds(&output.stdout)
 }
 
-fn parse_seconds(stdout: &[u8]) -> Result<f64> {
-    let text = String::from_utf8_lossy(stdout);
-    // Profilers may print around the workload's own line.
-    text.lines().rev().find_map(|l| l.trim().parse().ok()).with_context(|| format!("no timing in workload output {text:?}"))
-}
-
-fn median(values: &mut [f64]) -> f64 {
-    values.sort_by(f64::total_cmp);
-    values[values.len() / 2]
-}
-
-/// The figure in parentheses on a `--stats` line, e.g. `12.3 per python sample`.
-fn stat_value(stats: &str, label: &str, unit: &str) -> String {
-    stats
-        .lines()
-        .find(|l| l.trim_start().starts_with(label))
-        .and_then(|l| l.split_once('(').map(|(_, rest)| rest.trim_end_matches(')').to_string()))
-        .map(|figure| figure.replace(unit, "").trim().to_string())
-        .unwrap_or_else(|| "?".into())
+impl Drop for Target {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }
 
 /// py-spy from PyPI in a venv under target/, for the comparison.
@@ -168,7 +358,7 @@ fn ensure_py_spy(root: &Path) -> Result<PathBuf> {
     let py_spy = venv.join("bin/py-spy");
     if !py_spy.exists() {
         run(Command::new("python3").args(["-m", "venv"]).arg(&venv))?;
-        run(Command::new(venv.join("bin/pip")).args(["install", "-q", "py-spy==0.4.3"]))?;
+        run(Command::new(venv.join("bin/pip")).args(["install", "-q", &format!("py-spy=={PY_SPY_VERSION}")]))?;
     }
     Ok(py_spy)
 }
