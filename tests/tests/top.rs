@@ -149,19 +149,22 @@ fn ctrl_c_quits_and_restores_the_terminal() {
 }
 
 #[test]
-fn sigterm_quits_and_restores_the_terminal() {
+fn sigterm_sighup_and_sigint_quit_and_restore_the_terminal() {
     let (python, _ready) = start_ready(&debian_python("3.14"), "own_time.py", &[]);
-    let dir = tempfile::tempdir().unwrap();
-    let modes = dir.path().join("modes");
-    let tmux = Tmux::start(&top_script(&format!("-p {} --python-only", python.pid()), &modes), 160, 45);
-    wait_for_hot_function(&tmux, Instant::now(), "sixty_percent");
-    let shell = tmux.shell_pid();
-    let children = fs::read_to_string(format!("/proc/{shell}/task/{shell}/children")).unwrap();
-    let top: i32 = children.split_whitespace().next().expect("pyebpf runs under the pane's shell").parse().unwrap();
-    assert!(fs::read_to_string(format!("/proc/{top}/cmdline")).unwrap().contains("top"), "pid {top} is not pyebpf top");
-    // SAFETY: kill only sends a signal to the pyebpf this test started.
-    assert_eq!(unsafe { libc::kill(top, libc::SIGTERM) }, 0);
-    assert_restored(&tmux, &modes, "0");
+    for (name, signal) in [("SIGTERM", libc::SIGTERM), ("SIGHUP", libc::SIGHUP), ("SIGINT", libc::SIGINT)] {
+        println!("{name}:");
+        let dir = tempfile::tempdir().unwrap();
+        let modes = dir.path().join("modes");
+        let tmux = Tmux::start(&top_script(&format!("-p {} --python-only", python.pid()), &modes), 160, 45);
+        wait_for_hot_function(&tmux, Instant::now(), "sixty_percent");
+        let shell = tmux.shell_pid();
+        let children = fs::read_to_string(format!("/proc/{shell}/task/{shell}/children")).unwrap();
+        let top: i32 = children.split_whitespace().next().expect("pyebpf runs under the pane's shell").parse().unwrap();
+        assert!(fs::read_to_string(format!("/proc/{top}/cmdline")).unwrap().contains("top"), "pid {top} is not pyebpf top");
+        // SAFETY: kill only sends a signal to the pyebpf this test started.
+        assert_eq!(unsafe { libc::kill(top, signal) }, 0);
+        assert_restored(&tmux, &modes, "0");
+    }
 }
 
 #[test]
@@ -183,4 +186,14 @@ fn top_in_a_too_small_terminal_is_a_one_line_error() {
     assert!(screen.contains("TOP-EXIT=1"), "{screen}");
     assert!(screen.contains("pyebpf: the terminal is 50x8; pyebpf top needs at least 60x10"), "{screen}");
     assert!(!tmux.alternate_on());
+}
+
+#[test]
+fn help_explains_the_view_and_its_keys() {
+    let output = Command::new(pyebpf()).args(["top", "--help"]).output().unwrap();
+    assert!(output.status.success());
+    let help = String::from_utf8_lossy(&output.stdout);
+    for text in ["OWN%", "TOTAL%", "file:line", "o sort by own", "t sort by total", "p switch", "space pause", "Ctrl-C quit", "--comm", "--python-only", "-F"] {
+        assert!(help.contains(text), "--help lacks {text}: {help}");
+    }
 }
