@@ -87,13 +87,13 @@ impl SampleResolver {
     }
 
     /// Attaches to processes already running (those the filter keeps), before sampling starts.
-    pub fn attach_all(&mut self, pids: impl IntoIterator<Item = u32>, stats: &mut Stats) {
+    fn attach_all(&mut self, pids: impl IntoIterator<Item = u32>, stats: &mut Stats) {
         let kept: Vec<u32> = pids.into_iter().filter(|&pid| self.filter.keeps_process(&self.names.name(pid, &[]))).collect();
         self.python.attach_all(kept, stats);
     }
 
     /// Tells the eBPF program about the processes attached so far.
-    pub fn register_all(&mut self, sampler: &mut Sampler) {
+    fn register_all(&mut self, sampler: &mut Sampler) {
         self.python.register_all(sampler);
     }
 
