@@ -9,17 +9,17 @@ use std::time::{Duration, Instant};
 
 use pyebpf_tests::{assert_one_line_error, debian_python, pyebpf, start_ready};
 
-/// A tmux server of the test's own (its own socket), killed when dropped.
+/// A tmux server of the test's own (its socket in a directory of its own), killed when dropped.
 struct Tmux {
-    socket: String,
+    socket: std::path::PathBuf,
+    _dir: tempfile::TempDir,
 }
 
 impl Tmux {
     /// Starts `sh -c SCRIPT` in a detached session of `width` x `height`.
     fn start(script: &str, width: u16, height: u16) -> Tmux {
-        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let tmux = Tmux { socket: format!("pyebpf-top-test-{}-{n}", std::process::id()) };
+        let dir = tempfile::tempdir().unwrap();
+        let tmux = Tmux { socket: dir.path().join("tmux"), _dir: dir };
         let (width, height) = (width.to_string(), height.to_string());
         tmux.run(&["new-session", "-d", "-x", &width, "-y", &height, "sh", "-c", script]);
         tmux
@@ -27,7 +27,7 @@ impl Tmux {
 
     fn run(&self, args: &[&str]) -> String {
         let output = Command::new("tmux")
-            .arg("-L")
+            .arg("-S")
             .arg(&self.socket)
             .args(args)
             .output()
@@ -66,7 +66,7 @@ impl Tmux {
 
 impl Drop for Tmux {
     fn drop(&mut self) {
-        let _ = Command::new("tmux").arg("-L").arg(&self.socket).arg("kill-server").output();
+        let _ = Command::new("tmux").arg("-S").arg(&self.socket).arg("kill-server").output();
     }
 }
 
