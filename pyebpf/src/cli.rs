@@ -26,6 +26,38 @@ pub enum Command {
     Record(RecordArgs),
     /// Print the Python stack of every thread of a running CPython 3.13+ process
     Dump(DumpArgs),
+    /// Live view of the hottest functions on the host, refreshed every second
+    #[command(long_about = TOP_ABOUT)]
+    Top(TopArgs),
+}
+
+const TOP_ABOUT: &str = "Live view of the hottest functions on the host, refreshed every second.\n\n\
+    Samples every process (or those of -p/--comm/--python-only) with the same sampler as `record` and \
+    shows one row per function and process: OWN% (samples whose innermost frame is the function) and \
+    TOTAL% (samples with the function anywhere on the stack), both shares of the last second's \
+    samples; OWN s and TOTAL s, the CPU seconds accumulated since top started; the function; for \
+    Python frames file:line (the line where the function starts), for native frames the module; and \
+    the process (COMM PID).\n\n\
+    Keys: o sort by own time, t sort by total time, p switch between Python frames only and merged \
+    native + Python frames, space pause the display (sampling goes on), q, Esc or Ctrl-C quit.\n\n\
+    Needs a terminal of at least 60x10 on standard output.";
+
+/// Which processes' samples are kept, for `record` and `top`.
+#[derive(Args, Debug)]
+pub struct FilterArgs {
+    /// Only processes whose name (comm) matches this regular expression
+    #[arg(long = "comm", value_name = "REGEX", value_parser = parse_comm_regex)]
+    pub comm: Option<regex::Regex>,
+
+    /// Only samples of Python (CPython 3.13+) processes
+    #[arg(long = "python-only")]
+    pub python_only: bool,
+}
+
+impl FilterArgs {
+    pub fn sample_filter(&self) -> crate::filter::SampleFilter {
+        crate::filter::SampleFilter { comm: self.comm.clone(), python_only: self.python_only }
+    }
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -92,13 +124,8 @@ pub struct RecordArgs {
     #[arg(long = "threads")]
     pub threads: bool,
 
-    /// Only processes whose name (comm) matches this regular expression
-    #[arg(long = "comm", value_name = "REGEX", value_parser = parse_comm_regex)]
-    pub comm: Option<regex::Regex>,
-
-    /// Only samples of Python (CPython 3.13+) processes
-    #[arg(long = "python-only")]
-    pub python_only: bool,
+    #[command(flatten)]
+    pub filter: FilterArgs,
 
     /// Capture kernel stacks too (frames end in `_[k]` in collapsed output)
     #[arg(long = "kernel")]
@@ -171,6 +198,25 @@ fn parse_ring_buffer_kb(text: &str) -> Result<u32, String> {
         return Err(bad());
     }
     Ok(kb)
+}
+
+#[derive(Args, Debug)]
+pub struct TopArgs {
+    /// Only this process (repeat for several; default: every process on the host)
+    #[arg(short = 'p', long = "pid", value_name = "PID")]
+    pub pid: Vec<u32>,
+
+    /// Sampling frequency per CPU, in Hz
+    #[arg(short = 'F', long = "frequency", value_name = "HZ", default_value_t = 99,
+          value_parser = clap::value_parser!(u64).range(1..=10_000))]
+    pub frequency: u64,
+
+    #[command(flatten)]
+    pub filter: FilterArgs,
+
+    /// Never write into a profiled process (see `record --read-only`)
+    #[arg(long = "read-only")]
+    pub read_only: bool,
 }
 
 #[derive(Args, Debug)]

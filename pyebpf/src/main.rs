@@ -18,6 +18,7 @@ fn main() {
     let result: anyhow::Result<()> = match cli.command {
         Command::Record(args) => pyebpf::record::run(args),
         Command::Dump(args) => pyebpf::cpython::dump::run(args),
+        Command::Top(args) => pyebpf::top::run(args),
     };
     if let Err(err) = result {
         report!("{err:#}");

@@ -25,7 +25,7 @@ use crate::summary::Summary;
 use crate::symbolize::Symbolizer;
 
 /// How often lost samples are checked and periodic upkeep runs.
-const TICK: Duration = Duration::from_millis(250);
+pub const TICK: Duration = Duration::from_millis(250);
 
 /// Turns raw samples into stacks.
 pub struct SampleResolver {
@@ -87,13 +87,13 @@ impl SampleResolver {
     }
 
     /// Attaches to processes already running (those the filter keeps), before sampling starts.
-    pub fn attach_all(&mut self, pids: impl IntoIterator<Item = u32>, stats: &mut Stats) {
+    fn attach_all(&mut self, pids: impl IntoIterator<Item = u32>, stats: &mut Stats) {
         let kept: Vec<u32> = pids.into_iter().filter(|&pid| self.filter.keeps_process(&self.names.name(pid, &[]))).collect();
         self.python.attach_all(kept, stats);
     }
 
     /// Tells the eBPF program about the processes attached so far.
-    pub fn register_all(&mut self, sampler: &mut Sampler) {
+    fn register_all(&mut self, sampler: &mut Sampler) {
         self.python.register_all(sampler);
     }
 
@@ -120,6 +120,27 @@ impl SampleResolver {
 
     pub fn finish(&self, stats: &mut Stats) {
         stats.code_cache = self.python.code_cache_counters();
+    }
+
+    /// Attaches to the processes already running (every process, or the sampler's targets),
+    /// loads the sampler, registers them, and starts sampling: how `record` and `top` begin.
+    pub fn start_sampler(&mut self, options: &SamplerOptions, stats: &mut Stats) -> Result<Sampler> {
+        self.attach_all(options.targets.clone().unwrap_or_else(process::all_pids), stats);
+        let mut sampler = Sampler::start(options)?;
+        self.register_all(&mut sampler);
+        sampler.start_sampling()?;
+        Ok(sampler)
+    }
+}
+
+/// Where resolved stacks go: `record`'s profile, or `top`'s current window.
+pub trait StackSink {
+    fn add_stack(&mut self, key: StackKey);
+}
+
+impl StackSink for Profile {
+    fn add_stack(&mut self, key: StackKey) {
+        self.add(key, 1);
     }
 }
 
@@ -168,21 +189,20 @@ async fn record(args: &RecordArgs, watched: &Watched, sink: &ProfileSink) -> Res
     // A closed terminal or session (SIGHUP) ends the recording like Ctrl-C: the profile is written.
     let mut hangup = signal(SignalKind::hangup()).context("install the SIGHUP handler")?;
     let options = SamplingOptions { marker: !args.no_cache, read_only: args.read_only, max_frames: args.max_python_frames };
-    let filter = SampleFilter { comm: args.comm.clone(), python_only: args.python_only };
-    let mut resolver = SampleResolver::new(options, args.no_native, filter);
+    let mut resolver = SampleResolver::new(options, args.no_native, args.filter.sample_filter());
     let mut stats = Stats::default();
-    resolver.attach_all(if args.all { process::all_pids() } else { args.pid.clone() }, &mut stats);
     let targets = if args.all { None } else { Some(args.pid.clone()) };
-    let mut sampler = Sampler::start(&SamplerOptions {
-        frequency_hz: args.frequency,
-        kernel_stacks: args.kernel,
-        targets,
-        follow_forks: !args.command.is_empty() || args.subprocesses,
-        ring_buffer_kb: args.ring_buffer_kb,
-        program_stats: args.stats,
-    })?;
-    resolver.register_all(&mut sampler);
-    sampler.start_sampling()?;
+    let mut sampler = resolver.start_sampler(
+        &SamplerOptions {
+            frequency_hz: args.frequency,
+            kernel_stacks: args.kernel,
+            targets,
+            follow_forks: !args.command.is_empty() || args.subprocesses,
+            ring_buffer_kb: args.ring_buffer_kb,
+            program_stats: args.stats,
+        },
+        &mut stats,
+    )?;
     let mut command = if args.command.is_empty() {
         None
     } else {
@@ -239,7 +259,8 @@ async fn record(args: &RecordArgs, watched: &Watched, sink: &ProfileSink) -> Res
     Ok((profile, stats))
 }
 
-fn add_samples(batch: &mut Vec<Record>, resolver: &mut SampleResolver, sampler: &mut Sampler, profile: &mut Profile, stats: &mut Stats) {
+/// Resolves a batch of records in order: samples become stacks in `sink`, events update the resolver.
+pub fn add_samples(batch: &mut Vec<Record>, resolver: &mut SampleResolver, sampler: &mut Sampler, sink: &mut impl StackSink, stats: &mut Stats) {
     if let Some(delay) = test_consumer_delay() {
         std::thread::sleep(delay);
     }
@@ -248,7 +269,7 @@ fn add_samples(batch: &mut Vec<Record>, resolver: &mut SampleResolver, sampler: 
             Record::Sample(record) => {
                 stats.samples += 1;
                 if let Some(key) = resolver.resolve(&record, sampler, stats) {
-                    profile.add(key, 1);
+                    sink.add_stack(key);
                 }
             }
             Record::Event(event) => resolver.process_event(&event, sampler),

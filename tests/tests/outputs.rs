@@ -5,7 +5,7 @@
 
 use std::fs;
 use std::os::unix::fs::MetadataExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
@@ -36,13 +36,20 @@ fn samples_written(stderr: &str) -> u64 {
 
 /// Chromium's DOM after it loaded `page` headless, with a profile directory of its own.
 fn chromium_dom(page: &Path) -> String {
+    chromium_dom_of(&format!("file://{}", page.display()), &[])
+}
+
+/// Chromium's DOM after it loaded `url` headless (with `extra` flags), with a profile directory
+/// of its own.
+fn chromium_dom_of(url: &str, extra: &[&str]) -> String {
     let profile = tempfile::tempdir().unwrap();
     let output = Command::new("timeout")
         .args(["120", "chromium", "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"])
         .args(["--disable-component-update", "--disable-sync", "--no-first-run"])
         .arg(format!("--user-data-dir={}", profile.path().display()))
+        .args(extra)
         .arg("--dump-dom")
-        .arg(format!("file://{}", page.display()))
+        .arg(url)
         .output()
         .expect("chromium (Debian's chromium package) must be installed; cargo xtask test installs it");
     assert!(output.status.success(), "chromium failed: {}", String::from_utf8_lossy(&output.stderr));
@@ -129,6 +136,69 @@ fn speedscope_file_keeps_the_format_and_weighs_samples_in_nanoseconds() {
     }
     assert_eq!(weight_sum, samples * (1_000_000_000 / HZ), "weights are not samples × period");
     assert!(file["activeProfileIndex"].as_u64().unwrap() < profiles.len() as u64);
+}
+
+/// The speedscope release the acceptance test loads files with (the npm package `speedscope`).
+const SPEEDSCOPE_VERSION: &str = "1.25.0";
+
+/// speedscope's published package, installed with npm once into a cache directory; returns the
+/// package's directory.
+fn speedscope_package() -> PathBuf {
+    let home = std::env::var("HOME").expect("HOME must be set");
+    let cache = Path::new(&home).join(".cache/pyebpf-test-npm").join(format!("speedscope-{SPEEDSCOPE_VERSION}"));
+    let package = cache.join("node_modules/speedscope");
+    if package.join("dist/release/index.html").exists() {
+        return package;
+    }
+    // Installed beside the cache and moved into place, so an interrupted install is never taken
+    // for a complete one.
+    fs::create_dir_all(cache.parent().unwrap()).unwrap();
+    let staging = tempfile::tempdir_in(cache.parent().unwrap()).unwrap();
+    let output = Command::new("npm")
+        .args(["install", "--no-save", "--no-audit", "--no-fund", "--prefix"])
+        .arg(staging.path())
+        .arg(format!("speedscope@{SPEEDSCOPE_VERSION}"))
+        .output()
+        .expect("npm must be installed (Debian's npm; cargo xtask test installs it)");
+    assert!(
+        output.status.success(),
+        "cannot install speedscope@{SPEEDSCOPE_VERSION} from the npm registry (is it reachable?): {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let _ = fs::remove_dir_all(&cache);
+    fs::rename(staging.keep(), &cache).unwrap();
+    assert!(package.join("dist/release/index.html").exists(), "speedscope@{SPEEDSCOPE_VERSION} has no dist/release/index.html");
+    package
+}
+
+#[test]
+fn speedscope_file_loads_in_speedscopes_own_importer() {
+    let (python, _ready) = start_ready(&debian_python("3.14"), "sampling_proportions.py", &[]);
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("run.speedscope.json");
+    samples_written(&record_pid(python.pid(), "3", &path, &[]));
+    let package = speedscope_package();
+
+    // What `speedscope FILE` (the package's bin/cli.mjs) does: a script that hands the file,
+    // base64-encoded, to the app's loadFileFromBase64, named by #localProfilePath. The app then
+    // imports it with its own importer; #view=sandwich lists every function as HTML.
+    let encoded = Command::new("base64").arg("-w0").arg(&path).output().unwrap();
+    assert!(encoded.status.success());
+    let loader = dir.path().join("load.js");
+    let file_name = serde_json::to_string("run.speedscope.json").unwrap();
+    fs::write(&loader, format!("speedscope.loadFileFromBase64({file_name}, \"{}\")", String::from_utf8(encoded.stdout).unwrap().trim())).unwrap();
+    let page = package.join("dist/release/index.html");
+    let url = format!("file://{}#localProfilePath={}&view=sandwich", page.display(), loader.display());
+    let dom = chromium_dom_of(&url, &["--virtual-time-budget=10000"]);
+
+    assert!(!dom.contains("Something went wrong"), "speedscope could not import the file: {dom}");
+    assert!(dom.contains(&format!("python3.14 ({})", python.pid())), "speedscope shows no profile of the process: {dom}");
+    assert!(dom.contains("Symbol Name"), "the sandwich view's table is missing: {dom}");
+    for function in ["sixty_percent", "thirty_percent", "ten_percent", "spin"] {
+        assert!(dom.contains(&format!(">{function} (")), "speedscope's function table lacks {function}");
+    }
+    // Weights in nanoseconds show as time (`777.78ms (55%)`), not as bare numbers.
+    assert!(dom.contains("ms ("), "speedscope did not read the weights as time: {dom}");
 }
 
 #[test]

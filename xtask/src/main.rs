@@ -78,7 +78,7 @@ fn build(root: &Path, release: bool) -> Result<PathBuf> {
 }
 
 fn test(root: &Path, filter: &[String]) -> Result<()> {
-    toolchain::ensure_apt_packages(&[("go", "golang-go"), ("patchelf", "patchelf"), ("gcc", "gcc"), ("strace", "strace"), ("chromium", "chromium")])?;
+    toolchain::ensure_apt_packages(&[("go", "golang-go"), ("patchelf", "patchelf"), ("gcc", "gcc"), ("strace", "strace"), ("chromium", "chromium"), ("tmux", "tmux"), ("npm", "npm")])?;
     let pythons = pythons::ensure_installed()?;
     let binary = build(root, true)?;
     let object = toolchain::ebpf_object_path(root);

@@ -1,0 +1,212 @@
+//! `pyebpf top`: a live view of the hottest functions on the host, refreshed every second, fed by
+//! the same sampler and resolver as `record`.
+
+mod render;
+mod tally;
+mod terminal;
+
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use ratatui::crossterm::event::{Event, KeyCode, KeyEvent, KeyEventKind, KeyModifiers};
+use tokio::signal::unix::{signal, SignalKind};
+
+use crate::bpf::{check_privileges, SamplerOptions};
+use crate::cli::TopArgs;
+use crate::process::{self, Watched};
+use crate::python_sampling::SamplingOptions;
+use crate::record::{add_samples, SampleResolver, TICK};
+use crate::stats::Stats;
+use tally::{FrameView, Snapshot, SortBy, Tally};
+use terminal::Screen;
+
+/// How often the view takes a new window of samples.
+const REFRESH: Duration = Duration::from_secs(1);
+
+/// What the screen shows.
+pub struct View {
+    sort: SortBy,
+    frames: FrameView,
+    paused: bool,
+    /// The last window's rows while running; the window shown when paused.
+    shown: Snapshot,
+    /// Windows ended so far.
+    windows: u64,
+    lost: u64,
+    frequency_hz: u64,
+    /// Which processes are sampled, in words.
+    targets: String,
+}
+
+/// What a key asks for.
+#[derive(Debug, PartialEq, Eq)]
+enum Action {
+    Redraw,
+    Quit,
+    Nothing,
+}
+
+impl View {
+    fn key(&mut self, key: KeyEvent) -> Action {
+        if key.kind == KeyEventKind::Release {
+            return Action::Nothing;
+        }
+        match key.code {
+            // Raw mode delivers Ctrl-C as a key, not as SIGINT.
+            KeyCode::Char('c') if key.modifiers.contains(KeyModifiers::CONTROL) => return Action::Quit,
+            KeyCode::Char('q') | KeyCode::Esc => return Action::Quit,
+            KeyCode::Char('o') => self.sort = SortBy::Own,
+            KeyCode::Char('t') => self.sort = SortBy::Total,
+            KeyCode::Char('p') => self.frames = self.frames.toggled(),
+            KeyCode::Char(' ') => self.paused = !self.paused,
+            _ => return Action::Nothing,
+        }
+        self.shown.sort(self.sort);
+        Action::Redraw
+    }
+
+    /// A window ended: shown unless paused (sampling goes on either way).
+    fn window_ended(&mut self, mut snapshot: Snapshot, lost: u64) -> Action {
+        self.windows += 1;
+        if self.paused {
+            return Action::Nothing;
+        }
+        snapshot.sort(self.sort);
+        self.shown = snapshot;
+        self.lost = lost;
+        Action::Redraw
+    }
+}
+
+pub fn run(args: TopArgs) -> Result<()> {
+    // Before anything is loaded: top only makes sense on a terminal big enough for it.
+    terminal::check_stdout(render::MIN_WIDTH, render::MIN_HEIGHT)?;
+    check_privileges()?;
+    let _watched = Watched::open(&args.pid)?;
+    process::raise_open_file_limit();
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().context("start the async runtime")?;
+    runtime.block_on(top(&args))
+}
+
+async fn top(args: &TopArgs) -> Result<()> {
+    let mut interrupt = signal(SignalKind::interrupt()).context("install the SIGINT handler")?;
+    let mut terminate = signal(SignalKind::terminate()).context("install the SIGTERM handler")?;
+    let mut hangup = signal(SignalKind::hangup()).context("install the SIGHUP handler")?;
+    let options = SamplingOptions { marker: true, read_only: args.read_only, max_frames: 512 };
+    let mut resolver = SampleResolver::new(options, false, args.filter.sample_filter());
+    let mut stats = Stats::default();
+    let targets = (!args.pid.is_empty()).then(|| args.pid.clone());
+    let sampler_options = SamplerOptions {
+        frequency_hz: args.frequency,
+        kernel_stacks: false,
+        targets,
+        follow_forks: false,
+        ring_buffer_kb: 4096,
+        program_stats: false,
+    };
+    let mut sampler = resolver.start_sampler(&sampler_options, &mut stats)?;
+    // The screen is taken only once sampling runs, so a failure to load says so on the normal screen.
+    let mut screen = Screen::open()?;
+    let mut keys = terminal::read_keys();
+    let mut view = View {
+        sort: SortBy::Own,
+        frames: FrameView::Merged,
+        paused: false,
+        shown: Snapshot::default(),
+        windows: 0,
+        lost: 0,
+        frequency_hz: args.frequency,
+        targets: describe_targets(args),
+    };
+    screen.draw(&view)?;
+    let mut tally = Tally::default();
+    let mut refresh = tokio::time::interval_at(tokio::time::Instant::now() + REFRESH, REFRESH);
+    let mut upkeep = tokio::time::interval(TICK);
+    let mut batch = Vec::new();
+    loop {
+        let action = tokio::select! {
+            read = sampler.read_samples(&mut batch) => {
+                read?;
+                add_samples(&mut batch, &mut resolver, &mut sampler, &mut tally, &mut stats);
+                Action::Nothing
+            }
+            _ = refresh.tick() => view.window_ended(tally.end_window(), sampler.lost_samples()),
+            _ = upkeep.tick() => {
+                resolver.upkeep(&mut sampler);
+                Action::Nothing
+            }
+            event = keys.recv() => match event {
+                Some(Ok(Event::Key(key))) => view.key(key),
+                Some(Ok(Event::Resize(..))) => Action::Redraw,
+                Some(Ok(_)) => Action::Nothing,
+                Some(Err(err)) => return Err(err).context("cannot read the keyboard"),
+                None => Action::Quit,
+            },
+            _ = interrupt.recv() => Action::Quit,
+            _ = terminate.recv() => Action::Quit,
+            _ = hangup.recv() => Action::Quit,
+        };
+        match action {
+            Action::Quit => return Ok(()),
+            Action::Redraw => screen.draw(&view)?,
+            Action::Nothing => {}
+        }
+    }
+}
+
+fn describe_targets(args: &TopArgs) -> String {
+    let mut text = match args.pid.as_slice() {
+        [] => "all processes".to_string(),
+        pids => format!("PID {}", pids.iter().map(u32::to_string).collect::<Vec<_>>().join(", ")),
+    };
+    if let Some(comm) = &args.filter.comm {
+        text.push_str(&format!(", comm ~ {comm}"));
+    }
+    if args.filter.python_only {
+        text.push_str(", Python processes");
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn view() -> View {
+        View { sort: SortBy::Own, frames: FrameView::Merged, paused: false, shown: Snapshot::default(), windows: 0, lost: 0, frequency_hz: 99, targets: String::new() }
+    }
+
+    fn press(view: &mut View, code: KeyCode, modifiers: KeyModifiers) -> Action {
+        view.key(KeyEvent::new(code, modifiers))
+    }
+
+    #[test]
+    fn keys_sort_switch_frames_pause_and_quit() {
+        let mut view = view();
+        assert_eq!(press(&mut view, KeyCode::Char('t'), KeyModifiers::NONE), Action::Redraw);
+        assert_eq!(view.sort, SortBy::Total);
+        press(&mut view, KeyCode::Char('o'), KeyModifiers::NONE);
+        assert_eq!(view.sort, SortBy::Own);
+        press(&mut view, KeyCode::Char('p'), KeyModifiers::NONE);
+        assert_eq!(view.frames, FrameView::PythonOnly);
+        press(&mut view, KeyCode::Char(' '), KeyModifiers::NONE);
+        assert!(view.paused);
+        assert_eq!(press(&mut view, KeyCode::Char('x'), KeyModifiers::NONE), Action::Nothing);
+        assert_eq!(press(&mut view, KeyCode::Char('c'), KeyModifiers::CONTROL), Action::Quit);
+        assert_eq!(press(&mut view, KeyCode::Char('q'), KeyModifiers::NONE), Action::Quit);
+    }
+
+    #[test]
+    fn a_paused_view_keeps_its_window() {
+        let mut view = view();
+        let mut tally = Tally::default();
+        view.paused = true;
+        crate::record::StackSink::add_stack(&mut tally, crate::output::test_profile::key(1, 1, "a", vec![]));
+        assert_eq!(view.window_ended(tally.end_window(), 0), Action::Nothing);
+        assert_eq!((view.shown.samples, view.windows), (0, 1));
+        view.paused = false;
+        crate::record::StackSink::add_stack(&mut tally, crate::output::test_profile::key(1, 1, "a", vec![]));
+        assert_eq!(view.window_ended(tally.end_window(), 3), Action::Redraw);
+        assert_eq!((view.shown.samples, view.lost), (1, 3));
+    }
+}
