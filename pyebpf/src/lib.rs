@@ -12,6 +12,7 @@ pub mod process;
 pub mod processes;
 pub mod progress;
 pub mod python_sampling;
+pub mod reader;
 pub mod record;
 pub mod report;
 pub mod stack;

@@ -9,7 +9,7 @@ use anyhow::{Context, Result};
 use pyebpf_common::{ProcessEvent, SampleRecord};
 use tokio::signal::unix::{signal, SignalKind};
 
-use crate::bpf::{check_privileges, Record, Sampler, SamplerOptions};
+use crate::bpf::{check_privileges, Sampler, SamplerOptions};
 use crate::cli::{GroupBy, RecordArgs};
 use crate::filter::SampleFilter;
 use crate::merge::{self, NativeStack};
@@ -18,6 +18,7 @@ use crate::output::{self, ProfileSink, Rendering};
 use crate::process::{self, Launched, ProcessNames, Watched};
 use crate::processes::ProcessTable;
 use crate::progress::Progress;
+use crate::reader::{Record, RecordBatch};
 use crate::report;
 use crate::stack::{Frame, Profile, StackKey};
 use crate::stats::Stats;
@@ -201,7 +202,7 @@ async fn record(args: &RecordArgs, watched: &Watched, sink: &ProfileSink) -> Res
         tokio::time::interval_at(tokio::time::Instant::now() + period, period)
     });
     let mut tick = tokio::time::interval(TICK);
-    let mut batch = Vec::new();
+    let mut batch = RecordBatch::default();
     let mut lost_reported = 0;
     let progress = Progress::start();
     loop {
@@ -225,13 +226,14 @@ async fn record(args: &RecordArgs, watched: &Watched, sink: &ProfileSink) -> Res
             }
         }
     }
-    // What the kernel sent before the stop is still in the ring buffer.
+    // What the kernel sent before the stop is still in the ring buffer or the reader's queue.
     if tokio::time::timeout(Duration::from_millis(20), sampler.read_samples(&mut batch)).await.is_ok() {
         add_samples(&mut batch, &mut resolver, &mut sampler, &mut profile, &mut stats);
     }
     progress.finish();
     resolver.finish(&mut stats);
     stats.lost_samples = sampler.lost_samples();
+    (stats.reader_dropped_batches, stats.reader_dropped_samples) = sampler.reader_drops();
     (stats.program_run_time_ns, stats.program_runs) =
         sampler.program_run_time().map_or((0, 0), |(time, runs)| (time.as_nanos() as u64, runs));
     stats.own_cpu_ns = own_cpu_ns();
@@ -239,15 +241,15 @@ async fn record(args: &RecordArgs, watched: &Watched, sink: &ProfileSink) -> Res
     Ok((profile, stats))
 }
 
-fn add_samples(batch: &mut Vec<Record>, resolver: &mut SampleResolver, sampler: &mut Sampler, profile: &mut Profile, stats: &mut Stats) {
+fn add_samples(batch: &mut RecordBatch, resolver: &mut SampleResolver, sampler: &mut Sampler, profile: &mut Profile, stats: &mut Stats) {
     if let Some(delay) = test_consumer_delay() {
         std::thread::sleep(delay);
     }
-    for record in batch.drain(..) {
+    while let Some(record) = batch.next() {
         match record {
             Record::Sample(record) => {
                 stats.samples += 1;
-                if let Some(key) = resolver.resolve(&record, sampler, stats) {
+                if let Some(key) = resolver.resolve(record, sampler, stats) {
                     profile.add(key, 1);
                 }
             }
