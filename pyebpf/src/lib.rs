@@ -7,6 +7,7 @@ pub mod cpython;
 pub mod filter;
 pub mod kernel_btf;
 pub mod merge;
+pub mod native_ids;
 pub mod output;
 pub mod process;
 pub mod processes;
