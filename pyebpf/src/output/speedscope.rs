@@ -134,10 +134,13 @@ fn entry(frame: &Frame) -> FrameEntry {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
+
     use serde_json::Value;
 
     use super::super::test_profile::sample_profile;
     use super::*;
+    use crate::stack::StackKey;
 
     fn render(threads: bool) -> Value {
         let mut profile = sample_profile();
