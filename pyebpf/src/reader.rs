@@ -266,10 +266,8 @@ impl RecordBatch {
             self.next_record += 1;
             let item = &raw.bytes[start..end];
             match kind(item) {
-                Some(record_kind::SAMPLE) => {
-                    if decode_sample(item, &mut self.sample, &mut self.sample_dirty) {
-                        return Some(Record::Sample(&self.sample));
-                    }
+                Some(record_kind::SAMPLE) if decode_sample(item, &mut self.sample, &mut self.sample_dirty) => {
+                    return Some(Record::Sample(&self.sample));
                 }
                 Some(record_kind::EXEC | record_kind::EXIT) => {
                     if let Some(event) = decode_event(item) {
