@@ -1,14 +1,14 @@
 //! Loading the embedded eBPF sampler, attaching it to every CPU, and reading its samples.
 
-use std::mem::size_of;
 
 use aya::maps::{Array, HashMap, MapData, PerCpuArray, RingBuf};
 use aya::programs::perf_event::{PerfEventConfig, PerfEventScope, SamplePolicy, SoftwareEvent};
 use aya::programs::{BtfTracePoint, PerfEvent};
 use aya::{Ebpf, EbpfLoader};
 use crate::kernel_btf::{Btf, VMLINUX_BTF};
-use pyebpf_common::{config_flags, maps, record_kind, Config, MarkerChain, ProcessEvent, PyProcConfig, SampleRecord};
-use tokio::io::unix::AsyncFd;
+use pyebpf_common::{config_flags, maps, Config, MarkerChain, PyProcConfig};
+
+use crate::reader::{RecordBatch, RingReader};
 
 /// The object built by `cargo xtask build`; empty when the crate was built without it.
 static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/pyebpf-ebpf.o"));
@@ -35,8 +35,10 @@ pub enum BpfError {
     KernelBtf(#[from] crate::kernel_btf::BtfError),
     #[error("cannot parse the kernel's BTF ({VMLINUX_BTF}): {0}")]
     AyaBtf(#[source] aya::BtfError),
-    #[error("cannot poll the sample ring buffer: {0}")]
+    #[error("cannot start the ring-buffer reader: {0}")]
     Poll(std::io::Error),
+    #[error("the ring-buffer reader stopped (it could not poll the ring buffer)")]
+    ReaderStopped,
 }
 
 fn map_error(name: &'static str) -> impl FnOnce(aya::maps::MapError) -> BpfError {
@@ -57,13 +59,6 @@ pub struct SamplerOptions {
     pub program_stats: bool,
 }
 
-/// One record of the ring buffer: a sample, or a lifecycle event of a sampled process, in the
-/// order they happened.
-pub enum Record {
-    Sample(Box<SampleRecord>),
-    Event(ProcessEvent),
-}
-
 /// The running sampler. Dropping it detaches the programs.
 pub struct Sampler {
     ebpf: Ebpf,
@@ -72,7 +67,7 @@ pub struct Sampler {
     _program_stats: Option<std::os::fd::OwnedFd>,
     /// The eBPF programs' own diagnostics, with debug logging on.
     kernel_log: Option<aya_log::EbpfLogger<&'static dyn log::Log>>,
-    samples: AsyncFd<RingBuf<MapData>>,
+    samples: RingReader,
     lost: PerCpuArray<MapData, u64>,
     targets: HashMap<MapData, u32, u8>,
     py_procs: HashMap<MapData, u32, PyProcConfig>,
@@ -185,10 +180,7 @@ impl Sampler {
             frequency_hz: options.frequency_hz,
             _program_stats: program_stats,
             kernel_log,
-            // SAFETY: the ring buffer owns its map fd, which stays open and unchanged as long as
-            // the AsyncFd owns the ring buffer.
-            samples: unsafe { AsyncFd::register_with_interest(samples, tokio::io::Interest::READABLE) }
-                .map_err(|err| BpfError::Poll(err.into()))?,
+            samples: RingReader::start(samples, kb as usize * 1024).map_err(BpfError::Poll)?,
             lost,
             targets,
             py_procs,
@@ -197,20 +189,28 @@ impl Sampler {
         })
     }
 
-    /// Waits until a batch of samples is pending, or at most [`POLL_INTERVAL`], then moves all
-    /// pending records into `out`.
-    pub async fn read_samples(&mut self, out: &mut Vec<Record>) -> Result<(), BpfError> {
+    /// Waits until the reader thread hands over records, then takes all it has into `out` (the
+    /// records `out` held before are done with).
+    pub async fn read_samples(&mut self, out: &mut RecordBatch) -> Result<(), BpfError> {
         if let Some(kernel_log) = &mut self.kernel_log {
             kernel_log.flush();
         }
-        if let Ok(woken) = tokio::time::timeout(POLL_INTERVAL, self.samples.readable_mut()).await {
-            let mut guard = woken.map_err(BpfError::Poll)?;
-            drain(guard.get_inner_mut(), out);
-            guard.clear_ready();
-            return Ok(());
+        if self.samples.read(out).await {
+            Ok(())
+        } else {
+            Err(BpfError::ReaderStopped)
         }
-        drain(self.samples.get_mut(), out);
-        Ok(())
+    }
+
+    /// Batches the reader thread handed over that were not read yet.
+    pub fn queued_batches(&self) -> usize {
+        self.samples.queued()
+    }
+
+    /// Batches and samples the reader thread dropped because the consumer was behind.
+    pub fn reader_drops(&self) -> (u64, u64) {
+        let drops = self.samples.drops();
+        (drops.batches.load(std::sync::atomic::Ordering::Relaxed), drops.samples.load(std::sync::atomic::Ordering::Relaxed))
     }
 
     /// Attaches the sampler to every online CPU: sampling starts. Separate from [`Sampler::start`]
@@ -238,15 +238,18 @@ impl Sampler {
         Some((info.run_time(), info.run_count()))
     }
 
-    /// Samples dropped in the kernel because the ring buffer was full, summed over CPUs.
+    /// Samples lost: dropped in the kernel because the ring buffer was full (summed over CPUs),
+    /// or by the reader thread because the consumer was behind.
     pub fn lost_samples(&self) -> u64 {
-        self.lost.get(&0, 0).map(|per_cpu| per_cpu.iter().sum()).unwrap_or(0)
+        let in_kernel: u64 = self.lost.get(&0, 0).map(|per_cpu| per_cpu.iter().sum()).unwrap_or(0);
+        in_kernel + self.reader_drops().1
     }
 
-    /// Exec and exit events dropped in the kernel because the ring buffer was full: a process
-    /// they were about may keep stale state until the periodic check finds it.
+    /// Exec and exit events dropped in the kernel because the ring buffer was full, or by the
+    /// reader thread: a process they were about may keep stale state until the periodic check finds it.
     pub fn lost_events(&self) -> u64 {
-        self.lost.get(&1, 0).map(|per_cpu| per_cpu.iter().sum()).unwrap_or(0)
+        let in_kernel: u64 = self.lost.get(&1, 0).map(|per_cpu| per_cpu.iter().sum()).unwrap_or(0);
+        in_kernel + self.samples.drops().events.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Adds a process to the sampled set (only matters when sampling is filtered).
@@ -284,50 +287,4 @@ impl Sampler {
     pub fn set_marker_chain(&mut self, tid: u32, chain: &MarkerChain) -> Result<(), BpfError> {
         self.py_markers.insert(tid, chain, 0).map_err(map_error(maps::PY_MARKERS))
     }
-}
-
-/// How long samples may wait in the ring buffer before the reader looks: the kernel wakes the
-/// reader only once a quarter of the buffer is pending.
-const POLL_INTERVAL: std::time::Duration = std::time::Duration::from_millis(10);
-
-fn drain(ring: &mut RingBuf<MapData>, out: &mut Vec<Record>) {
-    while let Some(item) = ring.next() {
-        if let Some(record) = decode(&item) {
-            out.push(record);
-        }
-    }
-}
-
-/// Tells records apart by their leading kind.
-fn decode(item: &[u8]) -> Option<Record> {
-    let kind = u32::from_ne_bytes(item.get(..4)?.try_into().ok()?);
-    match kind {
-        record_kind::SAMPLE => decode_sample(item).map(Record::Sample),
-        record_kind::EXEC | record_kind::EXIT => decode_event(item).map(Record::Event),
-        _ => None,
-    }
-}
-
-fn decode_event(item: &[u8]) -> Option<ProcessEvent> {
-    if item.len() != size_of::<ProcessEvent>() {
-        return None;
-    }
-    // SAFETY: exactly one ProcessEvent's bytes; it is plain data, any bit pattern is valid.
-    Some(unsafe { std::ptr::read_unaligned(item.as_ptr() as *const ProcessEvent) })
-}
-
-/// A sample as sent: the fixed part, then as many Python frames as it says (the rest stays zero).
-fn decode_sample(item: &[u8]) -> Option<Box<SampleRecord>> {
-    if item.len() < SampleRecord::HEADER_LEN || item.len() > size_of::<SampleRecord>() {
-        return None;
-    }
-    let mut record: Box<std::mem::MaybeUninit<SampleRecord>> = Box::new_zeroed();
-    // SAFETY: the item is at most a record long; all-zero bytes are a valid SampleRecord (plain
-    // data), and the copied prefix is what the kernel wrote of one.
-    let record = unsafe {
-        std::ptr::copy_nonoverlapping(item.as_ptr(), record.as_mut_ptr() as *mut u8, item.len());
-        record.assume_init()
-    };
-    let frames = (item.len() - SampleRecord::HEADER_LEN) / size_of::<pyebpf_common::PyFrameRecord>();
-    (record.py.frames_len as usize == frames).then_some(record)
 }

@@ -12,41 +12,43 @@
 //! Where the frame bases cannot place any entry frame, interpreter activations are recognised by
 //! name (`_PyEval_EvalFrameDefault`) and matched to segments in order.
 
-use crate::stack::{Frame, NativeFrame, PythonFrame};
+use crate::stack::NativeFrame;
 
-/// One entry of a thread's Python frame chain, innermost first.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum PyStackItem {
-    Frame(PythonFrame),
+/// One entry of a thread's Python frame chain, innermost first; `F` is the resolved frame.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PyStackItem<F> {
+    Frame(F),
     /// An entry frame at this address: the end of the segment run by one interpreter activation.
     SegmentEnd { entry_frame: u64 },
 }
 
+/// What the merge needs to know of one user stack entry (its frames: one, or several inlined).
+pub trait NativeLevel {
+    /// The address lies in a mapping of the process.
+    fn is_mapped(&self) -> bool;
+    /// One of its frames runs Python code (by symbol name).
+    fn runs_python(&self) -> bool;
+}
+
 /// A sample's user stack.
-#[derive(Clone, Debug, Default)]
-pub struct NativeStack {
-    /// The frames of each stack entry, innermost first (an inlined call gives several).
-    pub levels: Vec<Vec<NativeFrame>>,
+#[derive(Clone, Copy, Debug)]
+pub struct NativeStack<'a, L> {
+    /// Each stack entry, innermost first.
+    pub levels: &'a [L],
     /// The frame base (frame-pointer value) of each level, innermost first; may be shorter.
-    pub frame_bases: Vec<u64>,
+    pub frame_bases: &'a [u64],
     /// The stack pointer at the sample: the innermost level's frame starts there.
     pub sp: u64,
 }
 
-impl NativeStack {
+impl<L: NativeLevel> NativeStack<'_, L> {
     /// Levels up to the first return address that lies in no mapping: an unwind that ran into
     /// code without frame pointers continues from garbage there.
-    fn trusted_levels(&self) -> usize {
-        let mapped = |level: &Vec<NativeFrame>| level.iter().any(|f| f.module.is_some());
-        if !self.levels.iter().any(mapped) {
+    pub fn trusted_levels(&self) -> usize {
+        if !self.levels.iter().any(L::is_mapped) {
             return self.levels.len();
         }
-        self.levels.iter().skip(1).position(|level| !mapped(level)).map_or(self.levels.len(), |i| i + 1)
-    }
-
-    /// The frames worth showing when there is no Python stack to merge.
-    pub fn trusted_frames(&self) -> Vec<Frame> {
-        self.levels[..self.trusted_levels()].iter().flatten().cloned().map(Frame::Native).collect()
+        self.levels.iter().skip(1).position(|level| !level.is_mapped()).map_or(self.levels.len(), |i| i + 1)
     }
 
     /// The level whose stack frame holds `addr`.
@@ -58,33 +60,106 @@ impl NativeStack {
     }
 }
 
-struct Segment<'a> {
-    frames: Vec<&'a PythonFrame>,
+/// A piece of a merged stack, innermost first: a native level or a Python frame.
+#[derive(Debug)]
+pub enum Merged<'a, L, F> {
+    Native(&'a L),
+    Python(&'a F),
+}
+
+/// The Python frames `python[start..end]` run by one interpreter activation.
+#[derive(Clone, Copy, Debug)]
+struct Segment {
+    start: usize,
+    end: usize,
     entry_frame: Option<u64>,
 }
 
-/// Splits the Python chain into the segments of successive interpreter activations, innermost first.
-fn python_segments(python: &[PyStackItem]) -> Vec<Segment<'_>> {
-    let mut segments = Vec::new();
-    let mut frames = Vec::new();
-    for item in python {
-        match item {
-            PyStackItem::Frame(frame) => frames.push(frame),
-            PyStackItem::SegmentEnd { entry_frame } => {
-                if !frames.is_empty() {
-                    segments.push(Segment { frames: std::mem::take(&mut frames), entry_frame: Some(*entry_frame) });
+/// Merges stacks with buffers reused from sample to sample.
+#[derive(Debug, Default)]
+pub struct Merger {
+    segments: Vec<Segment>,
+    placed: Vec<Option<usize>>,
+}
+
+impl Merger {
+    /// Merges a native stack and a Python stack, both innermost first, into `emit`.
+    ///
+    /// A segment that could not be placed goes right before the next placed one, or, after the
+    /// last, below the native frames that were captured: those are above it, so the order stays right.
+    pub fn merge<'a, L: NativeLevel, F>(&mut self, native: &NativeStack<'a, L>, python: &'a [PyStackItem<F>], mut emit: impl FnMut(Merged<'a, L, F>)) {
+        self.split_segments(python);
+        let trusted = native.trusted_levels();
+        self.place_segments(native, trusted);
+        let segments = &self.segments;
+        let placed = &self.placed;
+        let emit_segments = |emit: &mut dyn FnMut(Merged<'a, L, F>), segments: &[Segment]| {
+            for segment in segments {
+                for item in &python[segment.start..segment.end] {
+                    if let PyStackItem::Frame(frame) = item {
+                        emit(Merged::Python(frame));
+                    }
                 }
             }
+        };
+        let mut next = 0;
+        for (level, frames) in native.levels[..trusted].iter().enumerate() {
+            let next_placed = (next..segments.len()).find(|&k| placed[k].is_some());
+            match next_placed {
+                Some(k) if placed[k] == Some(level) => {
+                    emit_segments(&mut emit, &segments[next..=k]);
+                    next = k + 1;
+                }
+                _ => emit(Merged::Native(frames)),
+            }
+        }
+        emit_segments(&mut emit, &segments[next..]);
+    }
+
+    /// Splits the Python chain into the segments of successive interpreter activations, innermost first.
+    fn split_segments<F>(&mut self, python: &[PyStackItem<F>]) {
+        self.segments.clear();
+        let mut start = 0;
+        for (i, item) in python.iter().enumerate() {
+            if let PyStackItem::SegmentEnd { entry_frame } = item {
+                if python[start..i].iter().any(|item| matches!(item, PyStackItem::Frame(_))) {
+                    self.segments.push(Segment { start, end: i, entry_frame: Some(*entry_frame) });
+                }
+                start = i + 1;
+            }
+        }
+        if python[start..].iter().any(|item| matches!(item, PyStackItem::Frame(_))) {
+            self.segments.push(Segment { start, end: python.len(), entry_frame: None });
         }
     }
-    if !frames.is_empty() {
-        segments.push(Segment { frames, entry_frame: None });
+
+    /// For each segment, the native level it replaces, if any.
+    fn place_segments<L: NativeLevel>(&mut self, native: &NativeStack<'_, L>, trusted: usize) {
+        self.placed.clear();
+        let mut next_free = 0;
+        for segment in &self.segments {
+            let level = segment.entry_frame.and_then(|entry| native.level_holding(entry, trusted)).filter(|&level| level >= next_free);
+            if let Some(level) = level {
+                next_free = level + 1;
+            }
+            self.placed.push(level);
+        }
+        if self.placed.iter().any(Option::is_some) {
+            return;
+        }
+        // No entry frame could be placed (no frame pointers): fall back to names, in order.
+        let levels = native.levels;
+        let mut interpreter_levels = (0..trusted)
+            .filter(|&i| levels[i].runs_python())
+            .filter(|&i| i == 0 || !levels[i - 1].runs_python());
+        for placed in &mut self.placed {
+            *placed = interpreter_levels.next();
+        }
     }
-    segments
 }
 
 /// Symbols of native frames that run Python code.
-fn is_interpreter_frame(frame: &NativeFrame) -> bool {
+pub fn is_interpreter_frame(frame: &NativeFrame) -> bool {
     frame.symbol.as_deref().is_some_and(|name| {
         name == "_PyEval_EvalFrameDefault"
             // The perf trampoline (`-X perf`) names each Python function `py::qualname:file`.
@@ -92,68 +167,12 @@ fn is_interpreter_frame(frame: &NativeFrame) -> bool {
     })
 }
 
-/// For each segment, the native level it replaces, if any.
-fn place_segments(native: &NativeStack, segments: &[Segment<'_>], trusted: usize) -> Vec<Option<usize>> {
-    let mut placed = Vec::with_capacity(segments.len());
-    let mut next_free = 0;
-    for segment in segments {
-        let level = segment
-            .entry_frame
-            .and_then(|entry| native.level_holding(entry, trusted))
-            .filter(|&level| level >= next_free);
-        if let Some(level) = level {
-            next_free = level + 1;
-        }
-        placed.push(level);
-    }
-    if placed.iter().any(Option::is_some) {
-        return placed;
-    }
-    // No entry frame could be placed (no frame pointers): fall back to names, in order.
-    let mut interpreter_levels = (0..trusted)
-        .filter(|&i| native.levels[i].iter().any(is_interpreter_frame))
-        .filter(|&i| i == 0 || !native.levels[i - 1].iter().any(is_interpreter_frame));
-    segments.iter().map(|_| interpreter_levels.next()).collect()
-}
-
-/// Merges a native stack and a Python stack, both innermost first.
-///
-/// A segment that could not be placed goes right before the next placed one, or, after the last,
-/// below the native frames that were captured: those are above it, so the order stays right.
-pub fn merge_stacks(native: &NativeStack, python: &[PyStackItem]) -> Vec<Frame> {
-    let segments = python_segments(python);
-    let trusted = native.trusted_levels();
-    let placed = place_segments(native, &segments, trusted);
-    let emit = |merged: &mut Vec<Frame>, segments: &[Segment<'_>]| {
-        for segment in segments {
-            merged.extend(segment.frames.iter().map(|f| Frame::Python((*f).clone())));
-        }
-    };
-    let mut merged = Vec::new();
-    let mut next = 0;
-    for (level, frames) in native.levels[..trusted].iter().enumerate() {
-        let next_placed = (next..segments.len()).find(|&k| placed[k].is_some());
-        match next_placed {
-            Some(k) if placed[k] == Some(level) => {
-                emit(&mut merged, &segments[next..=k]);
-                next = k + 1;
-            }
-            _ => merged.extend(frames.iter().cloned().map(Frame::Native)),
-        }
-    }
-    emit(&mut merged, &segments[next..]);
-    merged
-}
-
 /// The Python frames alone, innermost first (`--no-native`).
-pub fn python_only(python: &[PyStackItem]) -> Vec<Frame> {
-    python
-        .iter()
-        .filter_map(|item| match item {
-            PyStackItem::Frame(frame) => Some(Frame::Python(frame.clone())),
-            PyStackItem::SegmentEnd { .. } => None,
-        })
-        .collect()
+pub fn python_frames<F>(python: &[PyStackItem<F>]) -> impl Iterator<Item = &F> {
+    python.iter().filter_map(|item| match item {
+        PyStackItem::Frame(frame) => Some(frame),
+        PyStackItem::SegmentEnd { .. } => None,
+    })
 }
 
 #[cfg(test)]
@@ -161,7 +180,41 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
-    use crate::stack::Module;
+    use crate::stack::{Frame, Module, PythonFrame};
+
+    type Item = PyStackItem<PythonFrame>;
+
+    /// The merged stack as frames.
+    fn merge_stacks(native: &Owned, python: &[Item]) -> Vec<Frame> {
+        let stack = NativeStack { levels: &native.levels, frame_bases: &native.frame_bases, sp: native.sp };
+        let mut merged = Vec::new();
+        Merger::default().merge(&stack, python, |piece| match piece {
+            Merged::Native(level) => merged.extend(level.iter().cloned().map(Frame::Native)),
+            Merged::Python(frame) => merged.push(Frame::Python(frame.clone())),
+        });
+        merged
+    }
+
+    fn python_only(python: &[Item]) -> Vec<Frame> {
+        python_frames(python).cloned().map(Frame::Python).collect()
+    }
+
+    impl NativeLevel for Vec<NativeFrame> {
+        fn is_mapped(&self) -> bool {
+            self.iter().any(|f| f.module.is_some())
+        }
+
+        fn runs_python(&self) -> bool {
+            self.iter().any(is_interpreter_frame)
+        }
+    }
+
+    #[derive(Default)]
+    struct Owned {
+        levels: Vec<Vec<NativeFrame>>,
+        frame_bases: Vec<u64>,
+        sp: u64,
+    }
 
     fn module() -> Option<Arc<Module>> {
         Some(Arc::new(Module { path: "python3".into(), start: 0, limit: 1 << 40, file_offset: 0, build_id: None }))
@@ -175,18 +228,18 @@ mod tests {
         vec![NativeFrame { addr: 0x5a5a_5a5a, module: None, symbol: None, file: None, line: None }]
     }
 
-    fn py(name: &str) -> PyStackItem {
+    fn py(name: &str) -> Item {
         PyStackItem::Frame(PythonFrame { qualname: name.into(), filename: "t.py".into(), first_line: 1, line: 1 })
     }
 
-    fn end(entry_frame: u64) -> PyStackItem {
+    fn end(entry_frame: u64) -> Item {
         PyStackItem::SegmentEnd { entry_frame }
     }
 
     /// A stack whose level `i` owns the stack range (1000 + 100 * i, 1100 + 100 * i).
-    fn stack(levels: Vec<Vec<NativeFrame>>) -> NativeStack {
+    fn stack(levels: Vec<Vec<NativeFrame>>) -> Owned {
         let frame_bases = (0..levels.len() as u64).map(|i| 1100 + 100 * i).collect();
-        NativeStack { levels, frame_bases, sp: 1000 }
+        Owned { levels, frame_bases, sp: 1000 }
     }
 
     fn names(frames: &[Frame]) -> Vec<String> {
@@ -223,14 +276,14 @@ mod tests {
 
     #[test]
     fn without_frame_bases_interpreter_frames_are_found_by_name() {
-        let n = NativeStack { levels: vec![native("_PyEval_EvalFrameDefault"), native("cfunc"), native("_PyEval_EvalFrameDefault"), native("main")], ..Default::default() };
+        let n = Owned { levels: vec![native("_PyEval_EvalFrameDefault"), native("cfunc"), native("_PyEval_EvalFrameDefault"), native("main")], ..Default::default() };
         let p = [py("inner"), end(1), py("outer"), end(2)];
         assert_eq!(names(&merge_stacks(&n, &p)), ["py:inner", "cfunc", "py:outer", "main"]);
     }
 
     #[test]
     fn an_unwind_into_garbage_stops_there_and_python_follows() {
-        let n = NativeStack { levels: vec![native("PyLong_Add"), garbage(), native("libc+0x29fb9")], ..Default::default() };
+        let n = Owned { levels: vec![native("PyLong_Add"), garbage(), native("libc+0x29fb9")], ..Default::default() };
         let p = [py("inner"), end(1), py("outer"), end(2)];
         assert_eq!(names(&merge_stacks(&n, &p)), ["PyLong_Add", "py:inner", "py:outer"]);
     }

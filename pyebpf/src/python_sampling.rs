@@ -24,6 +24,7 @@ use crate::chain::{FrameLink, LinkKind, LinkReader};
 use crate::cpython::memory::ProcessMemory;
 use crate::cpython::{PyError, PyProcess};
 use crate::merge::PyStackItem;
+use crate::stack::{Frame, FrameId, FrameTable};
 use crate::stats::Stats;
 
 /// How often thread lists are re-read to register new threads and drop dead ones.
@@ -58,8 +59,14 @@ struct EstablishedChain {
     seq_base: u64,
     addrs: Vec<u64>,
     /// The resolved frame at each position (`None`: a frame Python's own view leaves out).
-    items: Vec<Option<PyStackItem>>,
+    items: Vec<Option<PyItem>>,
 }
+
+/// A Python stack entry with its frame interned.
+pub type PyItem = PyStackItem<FrameId>;
+
+/// Frames resolved per process at most (then forgotten, and resolved again on demand).
+const MAX_FRAME_IDS: usize = 100_000;
 
 /// Chains kept per thread, newest first: samples still in flight when a chain is replaced (a
 /// consumer that fell behind) may have joined an older one.
@@ -87,13 +94,10 @@ struct PythonProcess {
     /// `co_version` of each code object decoded, by address: a different version at the same
     /// address is another code object.
     code_versions: HashMap<u64, u32>,
-}
-
-/// The Python side of a sample.
-pub struct PythonStack {
-    pub items: Vec<PyStackItem>,
-    /// The chain was cut at the first frame that could not be proven.
-    pub truncated: bool,
+    /// The frame of each (code object, `co_version`, instruction) seen: versions are never
+    /// reused, so a hit is the same code object at the same place. `None`: a frame Python's own
+    /// view leaves out.
+    frame_ids: hashbrown::HashMap<(u64, u32, u64), Option<FrameId>>,
 }
 
 /// A process found not to be CPython 3.13+ (or unreadable), until it execs or exits.
@@ -184,6 +188,7 @@ impl PythonSampling {
             threads_read: Instant::now(),
             not_python: HashSet::new(),
             code_versions: HashMap::new(),
+            frame_ids: hashbrown::HashMap::new(),
         };
         self.processes.insert(pid, process);
         true
@@ -230,8 +235,10 @@ impl PythonSampling {
         }
     }
 
-    /// The Python stack of a sample, if it is one of a Python thread.
-    pub fn python_stack(&mut self, record: &SampleRecord, sampler: &mut Sampler, stats: &mut Stats) -> Option<PythonStack> {
+    /// The Python stack of a sample into `items` (innermost first), if it is one of a Python
+    /// thread; `Some(true)` when the chain was cut at the first frame that could not be proven.
+    pub fn python_stack(&mut self, record: &SampleRecord, sampler: &mut Sampler, stats: &mut Stats, frames: &mut FrameTable, items: &mut Vec<PyItem>) -> Option<bool> {
+        items.clear();
         let process = self.processes.get_mut(&record.tgid)?;
         let py = &record.py;
         if py.status & py_status::THREAD_KNOWN == 0 {
@@ -244,14 +251,14 @@ impl PythonSampling {
         let before = process.py.remote_counters();
         let walked = &record.py_frames[..(py.frames_len as usize).min(MAX_PY_FRAMES)];
         stats.kernel_frames += walked.len() as u64;
-        let (mut items, mut truncated) = process.resolve_walked(walked);
+        let mut truncated = process.resolve_walked(walked, frames, items);
         if !truncated {
-            truncated = !process.complete_chain(record, &mut items, stats);
+            truncated = !process.complete_chain(record, items, stats);
         }
         stats.truncated_samples += u64::from(truncated);
         if self.options.marker && !self.options.read_only {
             let gen = self.next_gen;
-            if process.maybe_establish(record, gen, sampler, stats) {
+            if process.maybe_establish(record, gen, sampler, stats, frames) {
                 self.next_gen += 1;
             }
         }
@@ -259,7 +266,7 @@ impl PythonSampling {
         stats.remote_reads += after.reads - before.reads;
         stats.remote_bytes += after.bytes - before.bytes;
         stats.python_samples += 1;
-        Some(PythonStack { items, truncated })
+        Some(truncated)
     }
 
     /// Code-object cache counters summed over processes, for `--stats`.
@@ -274,33 +281,48 @@ fn link_of(py: &PyProcess<ProcessMemory>, frame: &PyFrameRecord) -> FrameLink {
 }
 
 impl PythonProcess {
-    /// The frames the kernel walked, resolved; cut (and `true`) at the first frame whose code
-    /// object cannot be proven to be the one that ran.
-    fn resolve_walked(&mut self, walked: &[PyFrameRecord]) -> (Vec<PyStackItem>, bool) {
-        let mut items = Vec::with_capacity(walked.len());
+    /// The frames the kernel walked, resolved into `items`; cut (and `true`) at the first frame
+    /// whose code object cannot be proven to be the one that ran.
+    fn resolve_walked(&mut self, walked: &[PyFrameRecord], frames: &mut FrameTable, items: &mut Vec<PyItem>) -> bool {
         for frame in walked {
             let link = link_of(&self.py, frame);
-            match self.resolve_link(&link, frame.code_version) {
+            match self.resolve_link(&link, frame.code_version, frames) {
                 Ok(Some(item)) => items.push(item),
                 Ok(None) => {}
                 Err(err) => {
                     log::debug!("pid {}: frame {:#x}: {err}", self.py.pid(), link.addr);
-                    return (items, true);
+                    return true;
                 }
             }
         }
-        (items, false)
+        false
     }
 
     /// A frame link as a stack item; `Ok(None)` for frames Python's own view leaves out. The code
     /// object must still be the one with `version`, else the decode would name another function.
-    fn resolve_link(&mut self, link: &FrameLink, version: u32) -> Result<Option<PyStackItem>, PyError> {
+    fn resolve_link(&mut self, link: &FrameLink, version: u32, frames: &mut FrameTable) -> Result<Option<PyItem>, PyError> {
         if link.kind == LinkKind::Entry {
             return Ok(Some(PyStackItem::SegmentEnd { entry_frame: link.addr }));
         }
         if link.code == 0 {
             return Ok(None);
         }
+        let key = (link.code, version, link.instr_ptr);
+        if let Some(&id) = self.frame_ids.get(&key) {
+            return Ok(id.map(PyStackItem::Frame));
+        }
+        let resolved = self.decode_link(link, version)?;
+        if self.frame_ids.len() >= MAX_FRAME_IDS {
+            self.frame_ids.clear();
+        }
+        let id = resolved.map(|frame| frames.intern(Frame::Python(frame)));
+        self.frame_ids.insert(key, id);
+        Ok(id.map(PyStackItem::Frame))
+    }
+
+    /// Decodes a frame's function and line from its code object, checking the object is still
+    /// the one with `version`.
+    fn decode_link(&mut self, link: &FrameLink, version: u32) -> Result<Option<crate::stack::PythonFrame>, PyError> {
         if self.code_versions.get(&link.code) != Some(&version) {
             self.py.forget_code(link.code);
             self.code_versions.remove(&link.code);
@@ -316,13 +338,13 @@ impl PythonProcess {
                 self.code_versions.clear();
             }
             self.code_versions.insert(link.code, now);
-            return Ok(resolved.map(|r| PyStackItem::Frame(r.frame)));
+            return Ok(resolved.map(|r| r.frame));
         }
-        Ok(self.py.frame_info(link)?.map(|r| PyStackItem::Frame(r.frame)))
+        Ok(self.py.frame_info(link)?.map(|r| r.frame))
     }
 
     /// Appends the proven rest of the chain; false when the walk ended on something unproven.
-    fn complete_chain(&mut self, record: &SampleRecord, items: &mut Vec<PyStackItem>, stats: &mut Stats) -> bool {
+    fn complete_chain(&mut self, record: &SampleRecord, items: &mut Vec<PyItem>, stats: &mut Stats) -> bool {
         let py = &record.py;
         if py.status & py_status::COMPLETE != 0 {
             return true;
@@ -336,13 +358,13 @@ impl PythonProcess {
         let tail = chain.items.get(py.marker_position as usize + 1..).unwrap_or_default();
         stats.frames_joined += tail.len() as u64;
         stats.marker_joins += 1;
-        items.extend(tail.iter().flatten().cloned());
+        items.extend(tail.iter().flatten().copied());
         true
     }
 
     /// Establishes a new marker chain for the sampled thread when the kernel had to walk far;
     /// true when `gen` was used.
-    fn maybe_establish(&mut self, record: &SampleRecord, gen: u64, sampler: &mut Sampler, stats: &mut Stats) -> bool {
+    fn maybe_establish(&mut self, record: &SampleRecord, gen: u64, sampler: &mut Sampler, stats: &mut Stats, frames: &mut FrameTable) -> bool {
         let joined_near_leaf = record.py.status & py_status::JOINED != 0 && record.py.frames_len <= ESTABLISH_AFTER_FRAMES;
         // A chain deeper than the kernel walks could only be proven by reading all of it here.
         let too_deep = record.py.status & py_status::TOO_DEEP != 0;
@@ -359,7 +381,7 @@ impl PythonProcess {
         // While the marker moves, the eBPF program must not join the old chain: a marker moved
         // by returns of the new marker frame could land on an address the old chain also holds.
         sampler.remove_marker_chain(record.tid);
-        let established = self.establish(record.tid, tstate, gen);
+        let established = self.establish(record.tid, tstate, gen, frames);
         let thread = self.threads.get_mut(&record.tid).expect("looked up above");
         thread.established_at = Some(Instant::now());
         match established {
@@ -389,7 +411,7 @@ impl PythonProcess {
     }
 
     /// The protocol in the module comment. `Ok(None)`: the thread moved while it was read.
-    fn establish(&mut self, tid: u32, tstate: u64, gen: u64) -> Result<Option<EstablishedChain>, PyError> {
+    fn establish(&mut self, tid: u32, tstate: u64, gen: u64, frames: &mut FrameTable) -> Result<Option<EstablishedChain>, PyError> {
         let before = self.py.read_marker_state(tstate)?;
         if before.current_frame == 0 {
             return Ok(None);
@@ -414,7 +436,7 @@ impl PythonProcess {
             let link = self.py.read_link(addr)?;
             let version = if link.kind == LinkKind::Code { self.py.code_version(link.code)? } else { 0 };
             addrs.push(addr);
-            items.push(self.resolve_link(&link, version)?);
+            items.push(self.resolve_link(&link, version, frames)?);
             if Some(addr) == anchor_addr {
                 joined = anchor.take();
                 break;

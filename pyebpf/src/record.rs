@@ -9,17 +9,19 @@ use anyhow::{Context, Result};
 use pyebpf_common::{ProcessEvent, SampleRecord};
 use tokio::signal::unix::{signal, SignalKind};
 
-use crate::bpf::{check_privileges, Record, Sampler, SamplerOptions};
+use crate::bpf::{check_privileges, Sampler, SamplerOptions};
 use crate::cli::{GroupBy, RecordArgs};
 use crate::filter::SampleFilter;
-use crate::merge::{self, NativeStack};
-use crate::python_sampling::{PythonSampling, SamplingOptions};
+use crate::merge::{python_frames, Merged, Merger, NativeStack};
+use crate::native_ids::{IdLevel, NativeIds};
+use crate::python_sampling::{PyItem, PythonSampling, SamplingOptions};
 use crate::output::{self, ProfileSink, Rendering};
 use crate::process::{self, Launched, ProcessNames, Watched};
 use crate::processes::ProcessTable;
 use crate::progress::Progress;
+use crate::reader::{Record, RecordBatch};
 use crate::report;
-use crate::stack::{Frame, Profile, StackKey};
+use crate::stack::{FrameId, Profile, SampleStack};
 use crate::stats::Stats;
 use crate::summary::Summary;
 use crate::symbolize::Symbolizer;
@@ -30,60 +32,86 @@ pub const TICK: Duration = Duration::from_millis(250);
 /// Turns raw samples into stacks.
 pub struct SampleResolver {
     symbolizer: Symbolizer,
+    native: NativeIds,
     names: ProcessNames,
     python: PythonSampling,
     processes: ProcessTable,
     no_native: bool,
     filter: SampleFilter,
+    scratch: Scratch,
+}
+
+/// Buffers reused from sample to sample, so a sample seen before allocates nothing.
+#[derive(Default)]
+struct Scratch {
+    python: Vec<PyItem>,
+    levels: Vec<IdLevel>,
+    frames: Vec<FrameId>,
+    merger: Merger,
 }
 
 impl SampleResolver {
     pub fn new(options: SamplingOptions, no_native: bool, filter: SampleFilter) -> Self {
         SampleResolver {
             symbolizer: Symbolizer::new(),
+            native: NativeIds::default(),
             names: ProcessNames::default(),
             python: PythonSampling::new(options),
             processes: ProcessTable::default(),
             no_native,
             filter,
+            scratch: Scratch::default(),
         }
     }
 
-    /// The sample's stack, or None when the filter drops it (checked before any remote read).
-    pub fn resolve(&mut self, record: &SampleRecord, sampler: &mut Sampler, stats: &mut Stats) -> Option<StackKey> {
+    /// Resolves the sample's stack and counts it in `profile`; false when the filter drops it
+    /// (checked before any remote read).
+    pub fn resolve(&mut self, record: &SampleRecord, sampler: &mut Sampler, stats: &mut Stats, profile: &mut Profile) -> bool {
         let comm = self.names.name(record.tgid, &record.comm);
         if !self.filter.keeps_process(&comm) {
-            return None;
+            return false;
         }
         let labels = self.processes.sampled(record.tgid);
         self.python.discover(record.tgid, sampler, stats);
         if self.filter.python_only && !self.python.is_python(record.tgid) {
-            return None;
+            return false;
         }
-        let python = self.python.python_stack(record, sampler, stats);
-        let kernel_len = (record.kernel_len as usize).min(record.kernel_stack.len());
-        let mut frames: Vec<Frame> = Vec::new();
-        if !(self.no_native && python.is_some()) {
-            frames.extend(self.symbolizer.kernel_frames(&record.kernel_stack[..kernel_len]).into_iter().map(Frame::Kernel));
+        let Scratch { python, levels, frames, merger } = &mut self.scratch;
+        let truncated = self.python.python_stack(record, sampler, stats, &mut profile.frames, python);
+        frames.clear();
+        if !(self.no_native && truncated.is_some()) {
+            let kernel_len = (record.kernel_len as usize).min(record.kernel_stack.len());
+            self.native.kernel_frames(&mut self.symbolizer, &mut profile.frames, &record.kernel_stack[..kernel_len], frames);
         }
-        let truncated = python.as_ref().is_some_and(|p| p.truncated);
-        match python {
-            Some(python) if self.no_native => frames.extend(merge::python_only(&python.items)),
-            python => {
-                let user_len = (record.user_len as usize).min(record.user_stack.len());
-                let bases_len = (record.frame_bases_len as usize).min(record.user_frame_bases.len());
-                let native = NativeStack {
-                    levels: self.symbolizer.user_levels(record.tgid, &record.user_stack[..user_len]),
-                    frame_bases: record.user_frame_bases[..bases_len].to_vec(),
-                    sp: record.user_sp,
-                };
-                match python {
-                    Some(python) => frames.extend(merge::merge_stacks(&native, &python.items)),
-                    None => frames.extend(native.trusted_frames()),
+        if self.no_native && truncated.is_some() {
+            frames.extend(python_frames(python).copied());
+        } else {
+            let user_len = (record.user_len as usize).min(record.user_stack.len());
+            self.native.user_levels(&mut self.symbolizer, &mut profile.frames, record.tgid, &record.user_stack[..user_len], levels);
+            let bases_len = (record.frame_bases_len as usize).min(record.user_frame_bases.len());
+            let stack = NativeStack { levels, frame_bases: &record.user_frame_bases[..bases_len], sp: record.user_sp };
+            let native = &self.native;
+            if truncated.is_some() {
+                merger.merge(&stack, python, |piece| match piece {
+                    Merged::Native(level) => frames.extend_from_slice(native.frames(level)),
+                    Merged::Python(&id) => frames.push(id),
+                });
+            } else {
+                for level in &levels[..stack.trusted_levels()] {
+                    frames.extend_from_slice(native.frames(level));
                 }
             }
         }
-        Some(StackKey { pid: record.tgid, tid: record.tid, comm, frames, truncated, labels: Some(labels) })
+        let sample = SampleStack {
+            pid: record.tgid,
+            tid: record.tid,
+            comm: &comm,
+            frames,
+            truncated: truncated.unwrap_or(false),
+            labels: Some(&labels),
+        };
+        profile.add_sample(sample, 1);
+        true
     }
 
     /// Attaches to processes already running (those the filter keeps), before sampling starts.
@@ -115,6 +143,7 @@ impl SampleResolver {
         self.processes.forget(pid);
         self.python.forget(pid, sampler);
         self.symbolizer.forget_process(pid);
+        self.native.forget_process(pid);
         self.names.forget(pid);
     }
 
@@ -130,17 +159,6 @@ impl SampleResolver {
         self.register_all(&mut sampler);
         sampler.start_sampling()?;
         Ok(sampler)
-    }
-}
-
-/// Where resolved stacks go: `record`'s profile, or `top`'s current window.
-pub trait StackSink {
-    fn add_stack(&mut self, key: StackKey);
-}
-
-impl StackSink for Profile {
-    fn add_stack(&mut self, key: StackKey) {
-        self.add(key, 1);
     }
 }
 
@@ -163,15 +181,15 @@ pub fn run(args: RecordArgs) -> Result<()> {
 
 /// `--rotate`: ends the period, writes its profile, and starts the next one in `profile`.
 fn rotate(sink: &ProfileSink, profile: &mut Profile, period_started: &mut Instant, lost: u64) {
-    let mut finished = std::mem::replace(profile, Profile::new(profile.frequency_hz));
+    let next = profile.next_period();
+    let mut finished = std::mem::replace(profile, next);
     finished.duration_ns = period_started.elapsed().as_nanos() as i64;
     *period_started = Instant::now();
     profile.start_unix_ns = unix_now_ns();
     // A period that cannot be written is lost, but the next ones may still be: keep recording.
     match sink.write(&finished) {
         Ok(name) => {
-            let processes: std::collections::HashSet<u32> = finished.counts.keys().map(|k| k.pid).collect();
-            report!("wrote {} samples of {} processes to {name} ({lost} lost)", finished.total_samples(), processes.len());
+            report!("wrote {} samples of {} processes to {name} ({lost} lost)", finished.total_samples(), finished.processes());
         }
         Err(err) => report!("cannot write the profile: {err}"),
     }
@@ -221,7 +239,7 @@ async fn record(args: &RecordArgs, watched: &Watched, sink: &ProfileSink) -> Res
         tokio::time::interval_at(tokio::time::Instant::now() + period, period)
     });
     let mut tick = tokio::time::interval(TICK);
-    let mut batch = Vec::new();
+    let mut batch = RecordBatch::default();
     let mut lost_reported = 0;
     let progress = Progress::start();
     loop {
@@ -245,13 +263,14 @@ async fn record(args: &RecordArgs, watched: &Watched, sink: &ProfileSink) -> Res
             }
         }
     }
-    // What the kernel sent before the stop is still in the ring buffer.
+    // What the kernel sent before the stop is still in the ring buffer or the reader's queue.
     if tokio::time::timeout(Duration::from_millis(20), sampler.read_samples(&mut batch)).await.is_ok() {
         add_samples(&mut batch, &mut resolver, &mut sampler, &mut profile, &mut stats);
     }
     progress.finish();
     resolver.finish(&mut stats);
     stats.lost_samples = sampler.lost_samples();
+    (stats.reader_dropped_batches, stats.reader_dropped_samples) = sampler.reader_drops();
     (stats.program_run_time_ns, stats.program_runs) =
         sampler.program_run_time().map_or((0, 0), |(time, runs)| (time.as_nanos() as u64, runs));
     stats.own_cpu_ns = own_cpu_ns();
@@ -259,18 +278,16 @@ async fn record(args: &RecordArgs, watched: &Watched, sink: &ProfileSink) -> Res
     Ok((profile, stats))
 }
 
-/// Resolves a batch of records in order: samples become stacks in `sink`, events update the resolver.
-pub fn add_samples(batch: &mut Vec<Record>, resolver: &mut SampleResolver, sampler: &mut Sampler, sink: &mut impl StackSink, stats: &mut Stats) {
+/// Resolves a batch of records in order: samples become stacks in `profile`, events update the resolver.
+pub fn add_samples(batch: &mut RecordBatch, resolver: &mut SampleResolver, sampler: &mut Sampler, profile: &mut Profile, stats: &mut Stats) {
     if let Some(delay) = test_consumer_delay() {
         std::thread::sleep(delay);
     }
-    for record in batch.drain(..) {
+    while let Some(record) = batch.next() {
         match record {
             Record::Sample(record) => {
                 stats.samples += 1;
-                if let Some(key) = resolver.resolve(&record, sampler, stats) {
-                    sink.add_stack(key);
-                }
+                resolver.resolve(record, sampler, stats, profile);
             }
             Record::Event(event) => resolver.process_event(&event, sampler),
         }

@@ -1,8 +1,10 @@
 //! The profile model every stage shares: resolved frames, samples and their counts.
 //! Frames are stored innermost first, as the kernel and pprof order them.
 
-use std::collections::HashMap;
+use std::hash::{Hash, Hasher};
 use std::sync::Arc;
+
+use hashbrown::HashMap;
 
 /// A loaded file in a process's address space (one executable mapping of `/proc/PID/maps`).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -79,10 +81,145 @@ pub struct ProcessLabels {
     pub cgroup: Option<Arc<str>>,
 }
 
-/// Aggregated samples of one recording.
+/// A frame's index in its profile's [`FrameTable`].
+pub type FrameId = u32;
+
+/// Every distinct frame of a recording, once: stacks are slices of ids into it.
+#[derive(Clone, Debug, Default)]
+pub struct FrameTable {
+    frames: Vec<Frame>,
+    ids: HashMap<Frame, FrameId>,
+}
+
+impl FrameTable {
+    /// The frame's id, added if new.
+    pub fn intern(&mut self, frame: Frame) -> FrameId {
+        if let Some(&id) = self.ids.get(&frame) {
+            return id;
+        }
+        let id = self.frames.len() as FrameId;
+        self.frames.push(frame.clone());
+        self.ids.insert(frame, id);
+        id
+    }
+
+    pub fn frame(&self, id: FrameId) -> &Frame {
+        &self.frames[id as usize]
+    }
+
+    pub fn len(&self) -> usize {
+        self.frames.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.frames.is_empty()
+    }
+}
+
+/// One aggregated stack as kept: the labels plus the frames' ids, innermost first.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct StoredStack {
+    pid: u32,
+    tid: u32,
+    comm: Arc<str>,
+    frames: Box<[FrameId]>,
+    truncated: bool,
+    labels: Option<Arc<ProcessLabels>>,
+}
+
+/// A sample's stack as resolved, borrowing everything: what is looked up (without allocating)
+/// in the aggregated stacks.
+#[derive(Debug, Clone, Copy)]
+pub struct SampleStack<'a> {
+    pub pid: u32,
+    pub tid: u32,
+    pub comm: &'a Arc<str>,
+    pub frames: &'a [FrameId],
+    pub truncated: bool,
+    pub labels: Option<&'a Arc<ProcessLabels>>,
+}
+
+impl Hash for SampleStack<'_> {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        // The same fields, in the same order, as StoredStack's Hash.
+        self.pid.hash(state);
+        self.tid.hash(state);
+        self.comm.hash(state);
+        self.frames.hash(state);
+        self.truncated.hash(state);
+        self.labels.map(|labels| &**labels).hash(state);
+    }
+}
+
+impl Hash for StoredStack {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        self.as_sample().hash(state)
+    }
+}
+
+impl StoredStack {
+    fn as_sample(&self) -> SampleStack<'_> {
+        SampleStack {
+            pid: self.pid,
+            tid: self.tid,
+            comm: &self.comm,
+            frames: &self.frames,
+            truncated: self.truncated,
+            labels: self.labels.as_ref(),
+        }
+    }
+}
+
+impl hashbrown::Equivalent<StoredStack> for SampleStack<'_> {
+    fn equivalent(&self, key: &StoredStack) -> bool {
+        self.pid == key.pid
+            && self.tid == key.tid
+            && self.truncated == key.truncated
+            && self.frames == &*key.frames
+            && (Arc::ptr_eq(self.comm, &key.comm) || self.comm == &key.comm)
+            && self.labels.map(|labels| &**labels) == key.labels.as_deref()
+    }
+}
+
+/// One aggregated stack as the output writers read it: labels and frames from the interned tables.
+#[derive(Debug, Clone, Copy)]
+pub struct Stack<'a> {
+    pub pid: u32,
+    pub tid: u32,
+    pub comm: &'a str,
+    pub frames: Frames<'a>,
+    pub truncated: bool,
+    pub labels: Option<&'a ProcessLabels>,
+}
+
+/// A stack's frames, innermost first.
+#[derive(Debug, Clone, Copy)]
+pub struct Frames<'a> {
+    ids: &'a [FrameId],
+    table: &'a FrameTable,
+}
+
+impl<'a> Frames<'a> {
+    pub fn iter(&self) -> impl DoubleEndedIterator<Item = &'a Frame> + ExactSizeIterator + 'a {
+        let table = self.table;
+        self.ids.iter().map(move |&id| table.frame(id))
+    }
+
+    pub fn len(&self) -> usize {
+        self.ids.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.ids.is_empty()
+    }
+}
+
+/// Aggregated samples of one recording: each distinct frame once in [`Profile::frames`], each
+/// distinct stack once with its count.
 #[derive(Debug, Default)]
 pub struct Profile {
-    pub counts: HashMap<StackKey, u64>,
+    pub frames: FrameTable,
+    counts: HashMap<StoredStack, u64>,
     /// Sampling frequency per CPU, in Hz.
     pub frequency_hz: u64,
     /// Wall-clock start (ns since the Unix epoch) and length of the recording.
@@ -97,8 +234,65 @@ impl Profile {
         Profile { frequency_hz, ..Default::default() }
     }
 
+    /// An empty profile for the next period of a recording: the same settings, and the same frame
+    /// table, so frame ids the resolver keeps stay valid.
+    pub fn next_period(&self) -> Profile {
+        Profile { frames: self.frames.clone(), group_by_container: self.group_by_container, ..Profile::new(self.frequency_hz) }
+    }
+
+    /// Adds an owned stack, interning its frames.
     pub fn add(&mut self, key: StackKey, count: u64) {
-        *self.counts.entry(key).or_insert(0) += count;
+        let frames: Vec<FrameId> = key.frames.into_iter().map(|frame| self.frames.intern(frame)).collect();
+        let sample = SampleStack {
+            pid: key.pid,
+            tid: key.tid,
+            comm: &key.comm,
+            frames: &frames,
+            truncated: key.truncated,
+            labels: key.labels.as_ref(),
+        };
+        self.add_sample(sample, count);
+    }
+
+    /// Adds a resolved sample; allocates only for a stack not seen before.
+    pub fn add_sample(&mut self, sample: SampleStack<'_>, count: u64) {
+        if let Some(total) = self.counts.get_mut(&sample) {
+            *total += count;
+            return;
+        }
+        let stored = StoredStack {
+            pid: sample.pid,
+            tid: sample.tid,
+            comm: sample.comm.clone(),
+            frames: sample.frames.into(),
+            truncated: sample.truncated,
+            labels: sample.labels.cloned(),
+        };
+        self.counts.insert(stored, count);
+    }
+
+    /// Every aggregated stack with its count, in no particular order.
+    pub fn stacks(&self) -> impl Iterator<Item = (Stack<'_>, u64)> {
+        self.counts.iter().map(|(stored, &count)| {
+            let stack = Stack {
+                pid: stored.pid,
+                tid: stored.tid,
+                comm: &stored.comm,
+                frames: Frames { ids: &stored.frames, table: &self.frames },
+                truncated: stored.truncated,
+                labels: stored.labels.as_deref(),
+            };
+            (stack, count)
+        })
+    }
+
+    /// Distinct stacks.
+    pub fn len(&self) -> usize {
+        self.counts.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.counts.is_empty()
     }
 
     /// Nanoseconds of CPU time one sample stands for.
@@ -110,24 +304,32 @@ impl Profile {
         self.counts.values().sum()
     }
 
+    /// Distinct processes sampled.
+    pub fn processes(&self) -> usize {
+        self.counts.keys().map(|stored| stored.pid).collect::<std::collections::HashSet<_>>().len()
+    }
+
     /// The profile with Python frames aggregated per function (`--function`): line numbers are
     /// dropped, so stacks that differed only in the executing lines become one.
     pub fn by_function(&self) -> Profile {
         let mut merged = Profile {
-            counts: HashMap::with_capacity(self.counts.len()),
             frequency_hz: self.frequency_hz,
             start_unix_ns: self.start_unix_ns,
             duration_ns: self.duration_ns,
             group_by_container: self.group_by_container,
+            ..Default::default()
         };
-        for (key, &count) in &self.counts {
-            let mut key = key.clone();
-            for frame in &mut key.frames {
-                if let Frame::Python(python) = frame {
+        let mut ids = Vec::new();
+        for (stored, &count) in &self.counts {
+            ids.clear();
+            for &id in &stored.frames {
+                let mut frame = self.frames.frame(id).clone();
+                if let Frame::Python(python) = &mut frame {
                     python.line = 0;
                 }
+                ids.push(merged.frames.intern(frame));
             }
-            merged.add(key, count);
+            merged.add_sample(SampleStack { frames: &ids, ..stored.as_sample() }, count);
         }
         merged
     }
@@ -149,9 +351,9 @@ mod tests {
         profile.add(key(5), 3);
         let merged = profile.by_function();
         assert_eq!(merged.frequency_hz, 99);
-        assert_eq!(merged.counts.len(), 1);
-        let (key, count) = merged.counts.iter().next().unwrap();
-        assert_eq!(*count, 5);
+        assert_eq!(merged.len(), 1);
+        let (key, count) = merged.stacks().next().unwrap();
+        assert_eq!(count, 5);
         assert!(key.frames.iter().all(|f| matches!(f, Frame::Python(p) if p.line == 0 && p.first_line == 3)));
     }
 }

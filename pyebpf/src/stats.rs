@@ -7,7 +7,11 @@ use crate::cpython::CodeCacheCounters;
 #[derive(Debug, Default, Clone)]
 pub struct Stats {
     pub samples: u64,
+    /// Samples lost, in the kernel (ring buffer full) or by the reader thread (below).
     pub lost_samples: u64,
+    /// Batches (and their samples) the ring-buffer reader dropped because the consumer was behind.
+    pub reader_dropped_batches: u64,
+    pub reader_dropped_samples: u64,
     /// Samples that carried Python frames.
     pub python_samples: u64,
     /// Python samples cut at the first frame that could not be proven (depth limit, unreadable
@@ -53,6 +57,11 @@ impl fmt::Display for Stats {
         let py = self.python_samples;
         writeln!(f, "samples:                    {}", self.samples)?;
         writeln!(f, "lost samples:               {}", self.lost_samples)?;
+        writeln!(
+            f,
+            "  by the reader:            {} ({} batches: the consumer was behind)",
+            self.reader_dropped_samples, self.reader_dropped_batches
+        )?;
         writeln!(
             f,
             "pyebpf CPU time:            {:.1} ms ({:.1} us per sample)",

@@ -50,12 +50,12 @@ impl Summary {
             duration_s: profile.duration_ns as f64 / 1e9,
             samples: profile.total_samples(),
             frequency_hz: profile.frequency_hz,
-            processes: profile.counts.keys().map(|key| key.pid).collect::<HashSet<_>>().len(),
+            processes: profile.processes(),
             python_processes: stats.python_processes,
             top: python_functions(profile).into_iter().filter(|time| time.own > 0).take(TOP).collect(),
             lost: stats.lost_samples,
             truncated: stats.truncated_samples,
-            unresolved: profile.counts.iter().filter(|(key, _)| key.frames.is_empty()).map(|(_, count)| count).sum(),
+            unresolved: profile.stacks().filter(|(key, _)| key.frames.is_empty()).map(|(_, count)| count).sum(),
             output,
             open_command,
         }
@@ -67,10 +67,10 @@ impl Summary {
 pub fn python_functions(profile: &Profile) -> Vec<FunctionTime> {
     let mut times: HashMap<Function, (u64, u64)> = HashMap::new();
     let mut seen = HashSet::new();
-    for (key, &count) in &profile.counts {
+    for (key, count) in profile.stacks() {
         seen.clear();
         let mut innermost = true;
-        for frame in &key.frames {
+        for frame in key.frames.iter() {
             let Frame::Python(python) = frame else { continue };
             let function = Function { qualname: python.qualname.clone(), filename: python.filename.clone() };
             let time = times.entry(function.clone()).or_default();

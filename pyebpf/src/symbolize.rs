@@ -383,7 +383,7 @@ fn could_be_code(addr: u64) -> bool {
 
 /// The address to look up for a stack entry: return addresses (every entry but the first) point
 /// after the call, possibly into the next function or line, so look at the call instruction.
-fn call_site(depth: usize, addr: u64) -> u64 {
+pub(crate) fn call_site(depth: usize, addr: u64) -> u64 {
     if depth == 0 {
         addr
     } else {

@@ -96,6 +96,8 @@ fn test(root: &Path, filter: &[String]) -> Result<()> {
     // Unit and fuzz tests may share the CPUs; end-to-end tests measure sample counts, one at a time.
     cargo_test(&["--release", "--workspace", "--exclude", "pyebpf-tests", "--lib", "--bins"])?;
     cargo_test(&["--profile", "fuzz", "--package", "pyebpf", "--test", "fuzz_reader"])?;
+    // Real BPF and a real interpreter: needs the sampler to itself, like the end-to-end tests.
+    cargo_test(&["--release", "--package", "pyebpf", "--test", "alloc_free"])?;
     let mut e2e = vec!["--release", "--package", "pyebpf-tests", "--", "--test-threads=1"];
     e2e.extend(filter.iter().map(String::as_str));
     cargo_test(&e2e)

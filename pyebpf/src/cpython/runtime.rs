@@ -2,6 +2,7 @@
 //! opened through `/proc/PID/root` (so containers work), its `.PyRuntime` section or `_PyRuntime`
 //! symbol, plus the load bias of where the file is mapped.
 
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 use object::read::ReadCache;
@@ -76,12 +77,16 @@ fn process_error(pid: u32, err: procfs::ProcError) -> PyError {
 /// `_PyRuntime`'s address if this ELF file defines it, given where its first page is mapped, and
 /// the file's `Py_Version`.
 fn runtime_in_file(file: &Path, mapped_at: u64) -> Option<(u64, Option<PyVersion>)> {
-    if std::fs::metadata(file).ok()?.len() > MAX_ELF_SIZE {
+    // Non-blocking: a hostile process may have put a FIFO where its mapped file was, and opening
+    // one for reading would wait for a writer forever. Only a regular file is read.
+    let opened = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(file).ok()?;
+    let metadata = opened.metadata().ok()?;
+    if !metadata.is_file() || metadata.len() > MAX_ELF_SIZE {
         return None;
     }
     // Read on demand: headers and symbol tables only, not the whole (often 8 MB) interpreter, for
     // every process attached.
-    let data = ReadCache::new(std::fs::File::open(file).ok()?);
+    let data = ReadCache::new(opened);
     let elf = object::File::parse(&data).ok()?;
     let runtime = elf
         .section_by_name(".PyRuntime")

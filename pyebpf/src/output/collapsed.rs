@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::io::{self, Write};
 
-use crate::stack::{Profile, StackKey};
+use crate::stack::{Profile, Stack};
 
 use super::{frame_name, process_frame, thread_frame, TRUNCATED_FRAME};
 
@@ -19,10 +19,10 @@ pub(super) fn write(profile: &Profile, threads: bool, out: &mut impl Write) -> i
 /// become one line. Sorted, so equal profiles give byte-equal files.
 pub(super) fn merged_lines(profile: &Profile, threads: bool) -> BTreeMap<String, u64> {
     let mut lines = BTreeMap::new();
-    for (key, count) in &profile.counts {
-        let mut line = render_stack(key, threads);
+    for (key, count) in profile.stacks() {
+        let mut line = render_stack(&key, threads);
         if profile.group_by_container {
-            line.insert_str(0, &format!("{};", sanitize(&container_frame(key))));
+            line.insert_str(0, &format!("{};", sanitize(&container_frame(&key))));
         }
         *lines.entry(line).or_insert(0) += count;
     }
@@ -30,14 +30,14 @@ pub(super) fn merged_lines(profile: &Profile, threads: bool) -> BTreeMap<String,
 }
 
 /// The root frame of `--group-by container`: the cgroup path, or `[host]` outside any.
-fn container_frame(key: &StackKey) -> String {
-    match key.labels.as_ref().and_then(|labels| labels.cgroup.as_deref()) {
+fn container_frame(key: &Stack<'_>) -> String {
+    match key.labels.and_then(|labels| labels.cgroup.as_deref()) {
         Some(cgroup) => format!("[cgroup {cgroup}]"),
         None => "[host]".to_string(),
     }
 }
 
-fn render_stack(key: &StackKey, threads: bool) -> String {
+fn render_stack(key: &Stack<'_>, threads: bool) -> String {
     let mut line = sanitize(&process_frame(key));
     if threads {
         line.push(';');

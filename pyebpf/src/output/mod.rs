@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 use thiserror::Error;
 
 use crate::cli::OutputFormat;
-use crate::stack::{Frame, KernelFrame, NativeFrame, Profile, PythonFrame, StackKey};
+use crate::stack::{Frame, KernelFrame, NativeFrame, Profile, PythonFrame, Stack};
 
 use destination::{Destination, STDOUT};
 
@@ -54,7 +54,7 @@ pub struct Rendering {
 pub(crate) const TRUNCATED_FRAME: &str = "[truncated]";
 
 /// The root frame of a process's stacks.
-pub(crate) fn process_frame(key: &StackKey) -> String {
+pub(crate) fn process_frame(key: &Stack<'_>) -> String {
     format!("{} ({})", key.comm, key.pid)
 }
 

@@ -13,7 +13,7 @@ use flate2::write::GzEncoder;
 use flate2::Compression;
 use prost::Message;
 
-use crate::stack::{Frame, KernelFrame, Module, NativeFrame, Profile, PythonFrame, StackKey};
+use crate::stack::{Frame, KernelFrame, Module, NativeFrame, Profile, PythonFrame, Stack};
 
 use super::{kernel_name, native_name};
 
@@ -41,10 +41,10 @@ fn build(profile: &Profile) -> proto::Profile {
     let samples = builder.value_type("samples", "count");
     let cpu = builder.value_type("cpu", "nanoseconds");
     let period = to_i64(profile.period_ns());
-    let mut keys: Vec<_> = profile.counts.iter().collect();
+    let mut keys: Vec<_> = profile.stacks().collect();
     // A stable sample order keeps the file the same for the same profile.
     keys.sort_by_key(|(key, _)| (key.pid, key.tid));
-    let sample = keys.into_iter().map(|(key, &count)| builder.sample(key, count, period)).collect();
+    let sample = keys.into_iter().map(|(key, count)| builder.sample(&key, count, period)).collect();
     proto::Profile {
         sample_type: vec![samples, cpu],
         sample,
@@ -122,15 +122,15 @@ impl Builder {
         proto::ValueType { r#type: self.string(kind), unit: self.string(unit) }
     }
 
-    fn sample(&mut self, key: &StackKey, count: u64, period: i64) -> proto::Sample {
+    fn sample(&mut self, key: &Stack<'_>, count: u64, period: i64) -> proto::Sample {
         let location_id = key.frames.iter().map(|frame| self.location(frame)).collect();
         let count = to_i64(count);
         let mut label = vec![
             self.number_label("pid", key.pid.into()),
             self.number_label("tid", key.tid.into()),
-            self.string_label("comm", &key.comm),
+            self.string_label("comm", key.comm),
         ];
-        if let Some(labels) = &key.labels {
+        if let Some(labels) = key.labels {
             if let Some(ns_pid) = labels.ns_pid {
                 label.push(self.number_label("ns_pid", ns_pid.into()));
             }

@@ -7,7 +7,7 @@ use std::io::{self, Write};
 
 use serde::Serialize;
 
-use crate::stack::{Frame, Profile, StackKey};
+use crate::stack::{Frame, Profile, Stack};
 
 use super::{frame_name, process_frame, thread_frame, Rendering, TRUNCATED_FRAME};
 
@@ -66,14 +66,14 @@ fn file(profile: &Profile, rendering: &Rendering) -> File {
     let mut frames = FrameTable::default();
     // (pid, tid or 0) -> profile name and samples per stack; sorted, so output is stable.
     let mut grouped: BTreeMap<(u32, u32), (String, StackCounts)> = BTreeMap::new();
-    for (key, &count) in &profile.counts {
+    for (key, count) in profile.stacks() {
         let (group, name) = if rendering.threads {
-            ((key.pid, key.tid), format!("{} {}", process_frame(key), thread_frame(key.tid)))
+            ((key.pid, key.tid), format!("{} {}", process_frame(&key), thread_frame(key.tid)))
         } else {
-            ((key.pid, 0), process_frame(key))
+            ((key.pid, 0), process_frame(&key))
         };
         let stacks = &mut grouped.entry(group).or_insert_with(|| (name, BTreeMap::new())).1;
-        *stacks.entry(frames.stack(key)).or_insert(0) += count;
+        *stacks.entry(frames.stack(&key)).or_insert(0) += count;
     }
     let period = profile.period_ns();
     let profiles: Vec<SampledProfile> = grouped
@@ -113,7 +113,7 @@ impl FrameTable {
     }
 
     /// A sample's frames as indices, root first; a cut Python chain starts at `[truncated]`.
-    fn stack(&mut self, key: &StackKey) -> Vec<usize> {
+    fn stack(&mut self, key: &Stack<'_>) -> Vec<usize> {
         let mut stack = Vec::with_capacity(key.frames.len() + 1);
         if key.truncated {
             stack.push(self.intern(FrameEntry { name: TRUNCATED_FRAME.to_string(), file: None, line: None }));
@@ -134,15 +134,25 @@ fn entry(frame: &Frame) -> FrameEntry {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
+
     use serde_json::Value;
 
     use super::super::test_profile::sample_profile;
     use super::*;
+    use crate::stack::StackKey;
 
     fn render(threads: bool) -> Value {
         let mut profile = sample_profile();
-        let mut truncated = profile.counts.keys().find(|k| k.pid == 200).unwrap().clone();
-        truncated.truncated = true;
+        let (stack, _) = profile.stacks().find(|(k, _)| k.pid == 200).unwrap();
+        let truncated = StackKey {
+            pid: stack.pid,
+            tid: stack.tid,
+            comm: stack.comm.into(),
+            frames: stack.frames.iter().cloned().collect(),
+            truncated: true,
+            labels: stack.labels.cloned().map(Arc::new),
+        };
         profile.add(truncated, 1);
         let mut out = Vec::new();
         write(&profile, &Rendering { threads, title: "pyebpf record -a".into() }, &mut out).unwrap();

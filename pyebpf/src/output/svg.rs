@@ -53,12 +53,12 @@ fn palette(profile: &Profile, threads: bool) -> PaletteMap {
         palette.insert(name, color);
     };
     add(TRUNCATED_FRAME.to_string(), Kind::Grouping);
-    for key in profile.counts.keys() {
-        add(sanitize(&process_frame(key)), Kind::Grouping);
+    for (key, _) in profile.stacks() {
+        add(sanitize(&process_frame(&key)), Kind::Grouping);
         if threads {
             add(thread_frame(key.tid), Kind::Grouping);
         }
-        for frame in &key.frames {
+        for frame in key.frames.iter() {
             let kind = match frame {
                 Frame::Python(_) => Kind::Python,
                 Frame::Native(_) => Kind::Native,

@@ -15,6 +15,7 @@ use crate::bpf::{check_privileges, SamplerOptions};
 use crate::cli::TopArgs;
 use crate::process::{self, Watched};
 use crate::python_sampling::SamplingOptions;
+use crate::reader::RecordBatch;
 use crate::record::{add_samples, SampleResolver, TICK};
 use crate::stats::Stats;
 use tally::{FrameView, Snapshot, SortBy, Tally};
@@ -122,12 +123,12 @@ async fn top(args: &TopArgs) -> Result<()> {
     let mut tally = Tally::default();
     let mut refresh = tokio::time::interval_at(tokio::time::Instant::now() + REFRESH, REFRESH);
     let mut upkeep = tokio::time::interval(TICK);
-    let mut batch = Vec::new();
+    let mut batch = RecordBatch::default();
     loop {
         let action = tokio::select! {
             read = sampler.read_samples(&mut batch) => {
                 read?;
-                add_samples(&mut batch, &mut resolver, &mut sampler, &mut tally, &mut stats);
+                add_samples(&mut batch, &mut resolver, &mut sampler, tally.window_mut(), &mut stats);
                 Action::Nothing
             }
             _ = refresh.tick() => view.window_ended(tally.end_window(), sampler.lost_samples()),
@@ -201,11 +202,11 @@ mod tests {
         let mut view = view();
         let mut tally = Tally::default();
         view.paused = true;
-        crate::record::StackSink::add_stack(&mut tally, crate::output::test_profile::key(1, 1, "a", vec![]));
+        tally.window_mut().add(crate::output::test_profile::key(1, 1, "a", vec![]), 1);
         assert_eq!(view.window_ended(tally.end_window(), 0), Action::Nothing);
         assert_eq!((view.shown.samples, view.windows), (0, 1));
         view.paused = false;
-        crate::record::StackSink::add_stack(&mut tally, crate::output::test_profile::key(1, 1, "a", vec![]));
+        tally.window_mut().add(crate::output::test_profile::key(1, 1, "a", vec![]), 1);
         assert_eq!(view.window_ended(tally.end_window(), 3), Action::Redraw);
         assert_eq!((view.shown.samples, view.lost), (1, 3));
     }

@@ -6,8 +6,7 @@ use std::collections::{HashMap, HashSet};
 use std::path::Path;
 use std::sync::Arc;
 
-use crate::record::StackSink;
-use crate::stack::{Frame, StackKey};
+use crate::stack::{Frame, Profile, Stack};
 
 /// A function is dropped from the accumulated times after this many windows without a sample,
 /// so a long-running top over churning processes keeps a bounded table.
@@ -57,7 +56,7 @@ pub struct Function {
 }
 
 impl Function {
-    fn of(key: &StackKey, frame: &Frame) -> Function {
+    fn of(stack: &Stack<'_>, frame: &Frame) -> Function {
         let unknown = || Arc::<str>::from("[unknown]");
         let (name, location, python) = match frame {
             Frame::Python(python) => (python.qualname.clone(), format!("{}:{}", python.filename, python.first_line).into(), true),
@@ -67,7 +66,7 @@ impl Function {
             }
             Frame::Kernel(kernel) => (kernel.symbol.clone().unwrap_or_else(unknown), "[kernel]".into(), false),
         };
-        Function { pid: key.pid, comm: key.comm.clone(), name, location, python }
+        Function { pid: stack.pid, comm: stack.comm.into(), name, location, python }
     }
 }
 
@@ -121,29 +120,24 @@ struct SoFar {
 /// Collects the stacks of the current window and turns them into rows when it ends.
 #[derive(Default)]
 pub struct Tally {
-    window: HashMap<StackKey, u64>,
-    samples: u64,
+    window: Profile,
     so_far: [HashMap<Function, SoFar>; 2],
     windows: u64,
 }
 
-impl StackSink for Tally {
-    fn add_stack(&mut self, mut key: StackKey) {
-        // Threads and labels are not shown: stacks that differ only there are one.
-        key.tid = 0;
-        key.labels = None;
-        key.truncated = false;
-        *self.window.entry(key).or_insert(0) += 1;
-        self.samples += 1;
-    }
-}
-
 impl Tally {
+    /// Where the resolver adds the current window's samples.
+    pub fn window_mut(&mut self) -> &mut Profile {
+        &mut self.window
+    }
+
     /// Ends the window: its rows in both views (unsorted), with the accumulated counts updated.
     pub fn end_window(&mut self) -> Snapshot {
         self.windows += 1;
-        let window = std::mem::take(&mut self.window);
-        let mut snapshot = Snapshot { samples: std::mem::take(&mut self.samples), rows: Default::default() };
+        // The next window keeps the frame table: the resolver holds ids into it.
+        let next = self.window.next_period();
+        let window = std::mem::replace(&mut self.window, next);
+        let mut snapshot = Snapshot { samples: window.total_samples(), rows: Default::default() };
         for view in [FrameView::Merged, FrameView::PythonOnly] {
             let counts = window_counts(&window, view);
             let so_far = &mut self.so_far[view.index()];
@@ -163,14 +157,14 @@ impl Tally {
 }
 
 /// Own and total samples per function of one window, in one view.
-fn window_counts(window: &HashMap<StackKey, u64>, view: FrameView) -> HashMap<Function, (u64, u64)> {
+fn window_counts(window: &Profile, view: FrameView) -> HashMap<Function, (u64, u64)> {
     let mut counts: HashMap<Function, (u64, u64)> = HashMap::new();
     let mut seen = HashSet::new();
-    for (key, &count) in window {
+    for (stack, count) in window.stacks() {
         seen.clear();
-        let frames = key.frames.iter().filter(|frame| view == FrameView::Merged || matches!(frame, Frame::Python(_)));
+        let frames = stack.frames.iter().filter(|frame| view == FrameView::Merged || matches!(frame, Frame::Python(_)));
         for (depth, frame) in frames.enumerate() {
-            let function = Function::of(key, frame);
+            let function = Function::of(&stack, frame);
             if depth == 0 {
                 counts.entry(function.clone()).or_default().0 += count;
             }
@@ -194,7 +188,7 @@ mod tests {
 
     fn add(tally: &mut Tally, frames: Vec<Frame>, times: u64) {
         for _ in 0..times {
-            tally.add_stack(key(10, 11, "python3.14", frames.clone()));
+            tally.window_mut().add(key(10, 11, "python3.14", frames.clone()), 1);
         }
     }
 
@@ -265,8 +259,8 @@ mod tests {
     #[test]
     fn processes_are_kept_apart() {
         let mut tally = Tally::default();
-        tally.add_stack(key(1, 1, "a", vec![python("f", "/w.py", 1, 1)]));
-        tally.add_stack(key(2, 2, "b", vec![python("f", "/w.py", 1, 1)]));
+        tally.window_mut().add(key(1, 1, "a", vec![python("f", "/w.py", 1, 1)]), 1);
+        tally.window_mut().add(key(2, 2, "b", vec![python("f", "/w.py", 1, 1)]), 1);
         let snapshot = tally.end_window();
         let mut pids: Vec<u32> = snapshot.rows(FrameView::PythonOnly).iter().map(|row| row.function.pid).collect();
         pids.sort();

@@ -1,0 +1,132 @@
+//! Native and kernel stack entries as interned frames, resolved once per address: a sample whose
+//! addresses were all seen before costs one hash lookup per entry and allocates nothing.
+//!
+//! A user address outside every known mapping is looked up again at most every
+//! [`UNMAPPED_RECHECK`] (a library loaded since may hold it), like the symbolizer re-reads maps.
+
+use std::time::{Duration, Instant};
+
+use hashbrown::HashMap;
+
+use crate::merge::{is_interpreter_frame, NativeLevel};
+use crate::stack::{Frame, FrameId, FrameTable};
+use crate::symbolize::{call_site, Symbolizer};
+
+/// How long an address found in no mapping is taken as such before it is looked up again.
+const UNMAPPED_RECHECK: Duration = Duration::from_millis(100);
+
+/// Frame ids kept at most (in levels); beyond, every cache starts afresh.
+const MAX_LEVEL_IDS: usize = 1 << 20;
+
+/// One user stack entry: its frames (one, or several for inlined calls) in [`NativeIds`].
+#[derive(Clone, Copy, Debug)]
+pub struct IdLevel {
+    first: u32,
+    len: u32,
+    mapped: bool,
+    runs_python: bool,
+    /// When an unmapped entry was looked up.
+    checked_at: Option<Instant>,
+}
+
+impl NativeLevel for IdLevel {
+    fn is_mapped(&self) -> bool {
+        self.mapped
+    }
+
+    fn runs_python(&self) -> bool {
+        self.runs_python
+    }
+}
+
+/// Resolved entries of each process, by call-site address.
+type ProcessLevels = HashMap<u64, IdLevel>;
+
+#[derive(Default)]
+pub struct NativeIds {
+    user: HashMap<u32, ProcessLevels>,
+    /// The frames of every level, back to back.
+    level_ids: Vec<FrameId>,
+    kernel: HashMap<u64, FrameId>,
+}
+
+impl NativeIds {
+    /// The frames of a level, innermost first.
+    pub fn frames(&self, level: &IdLevel) -> &[FrameId] {
+        &self.level_ids[level.first as usize..(level.first + level.len) as usize]
+    }
+
+    /// A user stack as `bpf_get_stack` returns it (innermost first), as levels into `out`.
+    pub fn user_levels(&mut self, symbolizer: &mut Symbolizer, frames: &mut FrameTable, pid: u32, stack: &[u64], out: &mut Vec<IdLevel>) {
+        out.clear();
+        if let Some(levels) = self.user.get(&pid) {
+            for (depth, &addr) in stack.iter().enumerate() {
+                match levels.get(&call_site(depth, addr)) {
+                    Some(level) if level.checked_at.is_none_or(|at| at.elapsed() < UNMAPPED_RECHECK) => out.push(*level),
+                    _ => break,
+                }
+            }
+            if out.len() == stack.len() {
+                return;
+            }
+        }
+        self.resolve_user(symbolizer, frames, pid, stack, out);
+    }
+
+    fn resolve_user(&mut self, symbolizer: &mut Symbolizer, frames: &mut FrameTable, pid: u32, stack: &[u64], out: &mut Vec<IdLevel>) {
+        self.enforce_bound();
+        out.clear();
+        let resolved = symbolizer.user_levels(pid, stack);
+        let levels = self.user.entry(pid).or_default();
+        for (depth, (&addr, native)) in stack.iter().zip(resolved).enumerate() {
+            let mapped = native.iter().any(|frame| frame.module.is_some());
+            let level = IdLevel {
+                first: self.level_ids.len() as u32,
+                len: native.len() as u32,
+                mapped,
+                runs_python: native.iter().any(is_interpreter_frame),
+                checked_at: (!mapped).then(Instant::now),
+            };
+            self.level_ids.extend(native.into_iter().map(|frame| frames.intern(Frame::Native(frame))));
+            levels.insert(call_site(depth, addr), level);
+            out.push(level);
+        }
+    }
+
+    /// A kernel stack (innermost first) as frame ids appended to `out`.
+    pub fn kernel_frames(&mut self, symbolizer: &mut Symbolizer, frames: &mut FrameTable, stack: &[u64], out: &mut Vec<FrameId>) {
+        let start = out.len();
+        for (depth, &addr) in stack.iter().enumerate() {
+            match self.kernel.get(&call_site(depth, addr)) {
+                Some(&id) => out.push(id),
+                None => {
+                    out.truncate(start);
+                    self.enforce_bound();
+                    for frame in symbolizer.kernel_frames(stack) {
+                        let addr = frame.addr;
+                        let id = frames.intern(Frame::Kernel(frame));
+                        self.kernel.insert(addr, id);
+                        out.push(id);
+                    }
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Drops what was resolved in `pid`'s address space (it exited or replaced its program).
+    pub fn forget_process(&mut self, pid: u32) {
+        self.user.remove(&pid);
+    }
+
+    /// Starts afresh when the levels' frames grow past their bound (processes come and go).
+    fn enforce_bound(&mut self) {
+        if self.level_ids.len() > MAX_LEVEL_IDS {
+            self.user.clear();
+            self.level_ids.clear();
+        }
+        if self.kernel.len() > MAX_LEVEL_IDS {
+            self.kernel.clear();
+        }
+    }
+}

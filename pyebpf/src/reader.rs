@@ -1,0 +1,309 @@
+//! The ring-buffer reader: a thread of its own that drains the kernel's `SAMPLES` ring buffer into
+//! batches and hands them to the consumer (resolving, symbolizing, aggregating) through a channel,
+//! so a slow consumer step (a cold DWARF parse can take seconds) never leaves the ring buffer full.
+//!
+//! Batches are raw record bytes in buffers that travel back to the reader once consumed, so the
+//! steady state allocates nothing. What the consumer has not taken is bounded ([`MAX_QUEUED_BYTES`]
+//! or a few ring buffers' worth): beyond that the reader drops the batch and counts its records as
+//! lost, rather than block (which would let the ring buffer overflow silently) or grow unbounded.
+
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use aya::maps::{MapData, RingBuf};
+use pyebpf_common::{record_kind, ProcessEvent, PyFrameRecord, SampleRecord};
+
+/// How long samples may wait in the ring buffer before the reader looks: the kernel wakes the
+/// reader only once a quarter of the buffer is pending.
+const POLL_INTERVAL: Duration = Duration::from_millis(10);
+
+/// Record bytes waiting for the consumer at most, unless four ring buffers' worth is more.
+const MAX_QUEUED_BYTES: usize = 64 << 20;
+
+/// Batches the channel holds at most (the byte bound usually binds first).
+const MAX_QUEUED_BATCHES: usize = 4096;
+
+/// Records drained from the ring buffer in one go, as sent: each record's bytes, back to back.
+#[derive(Default)]
+struct RawBatch {
+    bytes: Vec<u8>,
+    /// The end of each record in `bytes`.
+    ends: Vec<usize>,
+}
+
+impl RawBatch {
+    fn clear(&mut self) {
+        self.bytes.clear();
+        self.ends.clear();
+    }
+
+    fn records(&self) -> impl Iterator<Item = &[u8]> {
+        let starts = std::iter::once(0).chain(self.ends.iter().copied());
+        starts.zip(self.ends.iter().copied()).map(|(start, end)| &self.bytes[start..end])
+    }
+}
+
+/// What the reader dropped because the consumer was behind.
+#[derive(Debug, Default)]
+pub struct ReaderDrops {
+    pub batches: AtomicU64,
+    pub samples: AtomicU64,
+    pub events: AtomicU64,
+}
+
+/// State shared by the reader thread and the consumer.
+#[derive(Default)]
+struct Shared {
+    stop: AtomicBool,
+    queued_bytes: AtomicUsize,
+    drops: ReaderDrops,
+}
+
+/// The reader thread, running until dropped.
+pub struct RingReader {
+    batches: tokio::sync::mpsc::Receiver<RawBatch>,
+    recycle: mpsc::Sender<RawBatch>,
+    shared: Arc<Shared>,
+    thread: Option<JoinHandle<()>>,
+}
+
+/// The ring buffer, moved to the reader thread; only that thread touches it from then on.
+struct OwnedRing(RingBuf<MapData>);
+
+// SAFETY: the ring buffer is its map's fd plus mappings of the kernel's pages, used by one thread
+// at a time (created on one, then moved to the reader thread for good).
+unsafe impl Send for OwnedRing {}
+
+impl RingReader {
+    /// Starts the thread; `ring_bytes` is the ring buffer's size.
+    pub fn start(ring: RingBuf<MapData>, ring_bytes: usize) -> std::io::Result<RingReader> {
+        let (sender, batches) = tokio::sync::mpsc::channel(MAX_QUEUED_BATCHES);
+        let (recycle, recycled) = mpsc::channel();
+        let shared = Arc::new(Shared::default());
+        let reader = Reader {
+            ring: OwnedRing(ring),
+            sender,
+            recycled,
+            shared: shared.clone(),
+            max_queued: MAX_QUEUED_BYTES.max(4 * ring_bytes),
+        };
+        let thread = std::thread::Builder::new().name("pyebpf-reader".into()).spawn(move || reader.run())?;
+        Ok(RingReader { batches, recycle, shared, thread: Some(thread) })
+    }
+
+    /// Waits for the next batch, then takes every batch queued into `out` (whose consumed buffers
+    /// go back to the reader first). False when the reader has stopped (a poll error).
+    pub async fn read(&mut self, out: &mut RecordBatch) -> bool {
+        self.give_back(out);
+        let Some(first) = self.batches.recv().await else { return false };
+        self.take(out, first);
+        while let Ok(next) = self.batches.try_recv() {
+            self.take(out, next);
+        }
+        true
+    }
+
+    /// Batches waiting for the consumer.
+    pub fn queued(&self) -> usize {
+        self.batches.len()
+    }
+
+    pub fn drops(&self) -> &ReaderDrops {
+        &self.shared.drops
+    }
+
+    fn give_back(&self, out: &mut RecordBatch) {
+        for mut raw in out.raw.drain(..) {
+            raw.clear();
+            // The reader has stopped when this fails; the buffer just goes.
+            let _ = self.recycle.send(raw);
+        }
+        out.next_raw = 0;
+        out.next_record = 0;
+    }
+
+    fn take(&self, out: &mut RecordBatch, raw: RawBatch) {
+        self.shared.queued_bytes.fetch_sub(raw.bytes.len(), Ordering::Relaxed);
+        out.raw.push(raw);
+    }
+}
+
+impl Drop for RingReader {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::Relaxed);
+        self.batches.close();
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+struct Reader {
+    ring: OwnedRing,
+    sender: tokio::sync::mpsc::Sender<RawBatch>,
+    recycled: mpsc::Receiver<RawBatch>,
+    shared: Arc<Shared>,
+    max_queued: usize,
+}
+
+impl Reader {
+    fn run(mut self) {
+        let fd = self.ring.0.as_raw_fd();
+        let mut batch = RawBatch::default();
+        while !self.shared.stop.load(Ordering::Relaxed) {
+            if let Err(err) = wait_readable(fd, POLL_INTERVAL) {
+                log::warn!("cannot poll the sample ring buffer: {err}");
+                return;
+            }
+            drain(&mut self.ring.0, &mut batch);
+            if batch.ends.is_empty() {
+                continue;
+            }
+            batch = match self.send(batch) {
+                Some(kept) => kept,
+                None => return,
+            };
+        }
+    }
+
+    /// Sends a batch and returns an empty buffer to fill next; None once the consumer is gone.
+    fn send(&mut self, mut batch: RawBatch) -> Option<RawBatch> {
+        let queued = self.shared.queued_bytes.load(Ordering::Relaxed);
+        if queued + batch.bytes.len() > self.max_queued {
+            self.count_dropped(&batch);
+            batch.clear();
+            return Some(batch);
+        }
+        let len = batch.bytes.len();
+        self.shared.queued_bytes.fetch_add(len, Ordering::Relaxed);
+        match self.sender.try_send(batch) {
+            Ok(()) => Some(self.recycled.try_recv().unwrap_or_default()),
+            Err(tokio::sync::mpsc::error::TrySendError::Full(mut batch)) => {
+                self.shared.queued_bytes.fetch_sub(len, Ordering::Relaxed);
+                self.count_dropped(&batch);
+                batch.clear();
+                Some(batch)
+            }
+            Err(tokio::sync::mpsc::error::TrySendError::Closed(_)) => None,
+        }
+    }
+
+    fn count_dropped(&self, batch: &RawBatch) {
+        let drops = &self.shared.drops;
+        drops.batches.fetch_add(1, Ordering::Relaxed);
+        for record in batch.records() {
+            let counter = if kind(record) == Some(record_kind::SAMPLE) { &drops.samples } else { &drops.events };
+            counter.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// Waits until the ring buffer's fd is readable or `timeout` passed.
+fn wait_readable(fd: RawFd, timeout: Duration) -> std::io::Result<()> {
+    let mut poll_fd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+    // SAFETY: one valid pollfd for the duration of the call.
+    let result = unsafe { libc::poll(&mut poll_fd, 1, timeout.as_millis() as libc::c_int) };
+    if result < 0 {
+        let err = std::io::Error::last_os_error();
+        if err.kind() != std::io::ErrorKind::Interrupted {
+            return Err(err);
+        }
+    }
+    Ok(())
+}
+
+fn drain(ring: &mut RingBuf<MapData>, batch: &mut RawBatch) {
+    while let Some(item) = ring.next() {
+        batch.bytes.extend_from_slice(&item);
+        batch.ends.push(batch.bytes.len());
+    }
+}
+
+fn kind(item: &[u8]) -> Option<u32> {
+    Some(u32::from_ne_bytes(item.get(..4)?.try_into().ok()?))
+}
+
+/// One record of the ring buffer: a sample, or a lifecycle event of a sampled process, in the
+/// order they happened.
+pub enum Record<'a> {
+    Sample(&'a SampleRecord),
+    Event(ProcessEvent),
+}
+
+/// The records the consumer took in one read, decoded one at a time into a reused sample.
+pub struct RecordBatch {
+    raw: Vec<RawBatch>,
+    next_raw: usize,
+    next_record: usize,
+    sample: Box<SampleRecord>,
+    /// Bytes of `sample` the previous record wrote: what must be zeroed again before a shorter one.
+    sample_dirty: usize,
+}
+
+impl Default for RecordBatch {
+    fn default() -> Self {
+        // SAFETY: all-zero bytes are a valid SampleRecord (plain data).
+        let sample = unsafe { Box::<SampleRecord>::new_zeroed().assume_init() };
+        RecordBatch { raw: Vec::new(), next_raw: 0, next_record: 0, sample, sample_dirty: 0 }
+    }
+}
+
+impl RecordBatch {
+    /// The next record; malformed ones are skipped.
+    #[allow(clippy::should_implement_trait)] // lends from self: not an Iterator
+    pub fn next(&mut self) -> Option<Record<'_>> {
+        loop {
+            let raw = self.raw.get(self.next_raw)?;
+            let Some(&end) = raw.ends.get(self.next_record) else {
+                self.next_raw += 1;
+                self.next_record = 0;
+                continue;
+            };
+            let start = if self.next_record == 0 { 0 } else { raw.ends[self.next_record - 1] };
+            self.next_record += 1;
+            let item = &raw.bytes[start..end];
+            match kind(item) {
+                Some(record_kind::SAMPLE) if decode_sample(item, &mut self.sample, &mut self.sample_dirty) => {
+                    return Some(Record::Sample(&self.sample));
+                }
+                Some(record_kind::EXEC | record_kind::EXIT) => {
+                    if let Some(event) = decode_event(item) {
+                        return Some(Record::Event(event));
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+}
+
+fn decode_event(item: &[u8]) -> Option<ProcessEvent> {
+    if item.len() != size_of::<ProcessEvent>() {
+        return None;
+    }
+    // SAFETY: exactly one ProcessEvent's bytes; it is plain data, any bit pattern is valid.
+    Some(unsafe { std::ptr::read_unaligned(item.as_ptr() as *const ProcessEvent) })
+}
+
+/// A sample as sent: the fixed part, then as many Python frames as it says; the rest of `sample`
+/// is zero. True when the record is well formed.
+fn decode_sample(item: &[u8], sample: &mut SampleRecord, dirty: &mut usize) -> bool {
+    if item.len() < SampleRecord::HEADER_LEN || item.len() > size_of::<SampleRecord>() {
+        return false;
+    }
+    let bytes = sample as *mut SampleRecord as *mut u8;
+    // SAFETY: both ranges lie within the record; all byte patterns are a valid SampleRecord
+    // (plain data), so the copied prefix and the zeroed rest leave a valid one.
+    unsafe {
+        std::ptr::copy_nonoverlapping(item.as_ptr(), bytes, item.len());
+        if *dirty > item.len() {
+            std::ptr::write_bytes(bytes.add(item.len()), 0, *dirty - item.len());
+        }
+    }
+    *dirty = item.len();
+    let frames = (item.len() - SampleRecord::HEADER_LEN) / size_of::<PyFrameRecord>();
+    sample.py.frames_len as usize == frames
+}
