@@ -82,7 +82,12 @@ fn runtime_in_file(file: &Path, mapped_at: u64) -> Option<(u64, Option<PyVersion
     // Read on demand: headers and symbol tables only, not the whole (often 8 MB) interpreter, for
     // every process attached.
     let data = ReadCache::new(std::fs::File::open(file).ok()?);
-    let elf = object::File::parse(&data).ok()?;
+    runtime_in_elf(&data, mapped_at)
+}
+
+/// [`runtime_in_file`] on the file's bytes, however they are read (public for fuzzing).
+pub fn runtime_in_elf<'data, R: ReadRef<'data>>(data: R, mapped_at: u64) -> Option<(u64, Option<PyVersion>)> {
+    let elf = object::File::parse(data).ok()?;
     let runtime = elf
         .section_by_name(".PyRuntime")
         .map(|section| section.address())
