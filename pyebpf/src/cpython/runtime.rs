@@ -56,13 +56,20 @@ pub fn find_runtime(pid: u32) -> Result<Runtime, PyError> {
     }
     // libpython first: where both are mapped, the executable only links it.
     candidates.sort_by_key(|(path, _)| !path.to_string_lossy().contains("libpython"));
+    // An interpreter pyebpf may not open (a directory its user cannot enter) is named as such,
+    // not taken for a process without Python.
+    let mut unreadable = None;
     for (path, base) in &candidates {
         let file = PathBuf::from(format!("/proc/{pid}/root")).join(path.strip_prefix("/").unwrap_or(path));
-        if let Some((address, version)) = runtime_in_file(&file, *base) {
-            return Ok(Runtime { address, file: path.clone(), version });
+        match runtime_in_file(&file, *base) {
+            Ok(Some((address, version))) => return Ok(Runtime { address, file: path.clone(), version }),
+            Err(cause) if cause.kind() == std::io::ErrorKind::PermissionDenied => {
+                unreadable.get_or_insert_with(|| PyError::InterpreterUnreadable { pid, path: path.clone(), cause });
+            }
+            Ok(None) | Err(_) => {}
         }
     }
-    Err(PyError::NotPython(pid))
+    Err(unreadable.unwrap_or(PyError::NotPython(pid)))
 }
 
 /// Why `/proc/PID` could not be read: the process is gone, or it is not ours to read.
@@ -74,15 +81,15 @@ fn process_error(pid: u32, err: procfs::ProcError) -> PyError {
 }
 
 /// `_PyRuntime`'s address if this ELF file defines it, given where its first page is mapped, and
-/// the file's `Py_Version`.
-fn runtime_in_file(file: &Path, mapped_at: u64) -> Option<(u64, Option<PyVersion>)> {
-    if std::fs::metadata(file).ok()?.len() > MAX_ELF_SIZE {
-        return None;
+/// the file's `Py_Version`; an error only when the file cannot be opened.
+fn runtime_in_file(file: &Path, mapped_at: u64) -> std::io::Result<Option<(u64, Option<PyVersion>)>> {
+    if std::fs::metadata(file)?.len() > MAX_ELF_SIZE {
+        return Ok(None);
     }
     // Read on demand: headers and symbol tables only, not the whole (often 8 MB) interpreter, for
     // every process attached.
-    let data = ReadCache::new(std::fs::File::open(file).ok()?);
-    runtime_in_elf(&data, mapped_at)
+    let data = ReadCache::new(std::fs::File::open(file)?);
+    Ok(runtime_in_elf(&data, mapped_at))
 }
 
 /// [`runtime_in_file`] on the file's bytes, however they are read (public for fuzzing).
