@@ -358,3 +358,57 @@ fn hostile_targets_are_survived_and_never_written() {
         targets
     });
 }
+
+/// A busy program named `python3.99` that unlinked itself and left FIFOs at both names its
+/// mapping may be looked up by (`python3.99` and `python3.99 (deleted)`): opening either blocks
+/// until a writer comes, so pyebpf must not open what a target names without checking it.
+fn target_behind_fifos(dir: &Path) -> Killed {
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let program = dir.join("python3.99");
+    std::fs::copy("/usr/bin/yes", &program).unwrap();
+    let child = Killed(Command::new(&program).stdout(Stdio::null()).spawn().unwrap());
+    std::thread::sleep(Duration::from_millis(200));
+    std::fs::remove_file(&program).unwrap();
+    for name in ["python3.99", "python3.99 (deleted)"] {
+        let status = Command::new("mkfifo").arg(dir.join(name)).status().unwrap();
+        assert!(status.success(), "mkfifo {name}");
+    }
+    child
+}
+
+/// Runs `pyebpf ARGS` under `timeout 30` (`prefix` first, e.g. setpriv), asserting it ends.
+fn ends_in_time(prefix: &[&str], bin: &Path, args: &[&str]) -> Output {
+    let (program, rest) = prefix.split_first().map_or(("timeout", &[][..]), |(first, rest)| (*first, rest));
+    let mut command = Command::new(program);
+    command.args(rest);
+    if !prefix.is_empty() {
+        command.arg("timeout");
+    }
+    let output = command.args(["30"]).arg(bin).args(args).output().unwrap();
+    assert_ne!(output.status.code(), Some(124), "pyebpf {args:?} hung on a FIFO a target named: {output:?}");
+    output
+}
+
+#[test]
+fn a_fifo_in_place_of_a_mapped_file_blocks_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = target_behind_fifos(dir.path());
+    let pid = target.pid().to_string();
+    let dumped = ends_in_time(&[], &pyebpf(), &["dump", "-p", &pid]);
+    assert_one_line_error(&dumped, "not a CPython process");
+    let out = dir.path().join("p.folded");
+    let recorded = ends_in_time(&[], &pyebpf(), &["record", "-p", &pid, "-d", "2", "-o", out.to_str().unwrap()]);
+    assert!(recorded.status.success(), "{recorded:?}");
+    assert!(total(&stacks_of(&std::fs::read_to_string(&out).unwrap(), target.pid())) > 0, "no samples of the target");
+    // Without CAP_SYS_ADMIN, /proc/PID/map_files is closed and symbolization falls back to the
+    // path the target names.
+    let shared = tempfile::tempdir().unwrap();
+    let bin = runnable_by_anyone(shared.path());
+    std::fs::set_permissions(shared.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
+    let out = shared.path().join("p.folded");
+    let caps = "--inh-caps=-all,+bpf,+perfmon,+sys_ptrace";
+    let nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", caps, "--ambient-caps=-all,+bpf,+perfmon,+sys_ptrace", "--"];
+    let recorded = ends_in_time(&nobody, &bin, &["record", "-p", &pid, "-d", "2", "-o", out.to_str().unwrap()]);
+    assert!(recorded.status.success(), "{recorded:?}");
+    assert!(total(&stacks_of(&std::fs::read_to_string(&out).unwrap(), target.pid())) > 0, "no samples of the target");
+}

@@ -1,5 +1,5 @@
 //! Finding `_PyRuntime` in a process: the Python executable or `libpython3.X.so` mapped in it,
-//! opened through `/proc/PID/root` (so containers work), its `.PyRuntime` section or `_PyRuntime`
+//! opened inside `/proc/PID/root` (so containers work; see [`crate::target_file`]), its `.PyRuntime` section or `_PyRuntime`
 //! symbol, plus the load bias of where the file is mapped.
 
 use std::path::{Path, PathBuf};
@@ -60,8 +60,7 @@ pub fn find_runtime(pid: u32) -> Result<Runtime, PyError> {
     // not taken for a process without Python.
     let mut unreadable = None;
     for (path, base) in &candidates {
-        let file = PathBuf::from(format!("/proc/{pid}/root")).join(path.strip_prefix("/").unwrap_or(path));
-        match runtime_in_file(&file, *base) {
+        match runtime_in_file(pid, path, *base) {
             Ok(Some((address, version))) => return Ok(Runtime { address, file: path.clone(), version }),
             Err(cause) if cause.kind() == std::io::ErrorKind::PermissionDenied => {
                 unreadable.get_or_insert_with(|| PyError::InterpreterUnreadable { pid, path: path.clone(), cause });
@@ -80,15 +79,16 @@ fn process_error(pid: u32, err: procfs::ProcError) -> PyError {
     }
 }
 
-/// `_PyRuntime`'s address if this ELF file defines it, given where its first page is mapped, and
-/// the file's `Py_Version`; an error only when the file cannot be opened.
-fn runtime_in_file(file: &Path, mapped_at: u64) -> std::io::Result<Option<(u64, Option<PyVersion>)>> {
-    if std::fs::metadata(file)?.len() > MAX_ELF_SIZE {
+/// `_PyRuntime`'s address if the ELF file `pid` maps at `path` defines it, given where its first
+/// page is mapped, and the file's `Py_Version`; an error only when the file cannot be opened.
+fn runtime_in_file(pid: u32, path: &Path, mapped_at: u64) -> std::io::Result<Option<(u64, Option<PyVersion>)>> {
+    let file = crate::target_file::open_in_root(pid, path)?;
+    if file.metadata()?.len() > MAX_ELF_SIZE {
         return Ok(None);
     }
     // Read on demand: headers and symbol tables only, not the whole (often 8 MB) interpreter, for
     // every process attached.
-    let data = ReadCache::new(std::fs::File::open(file)?);
+    let data = ReadCache::new(file);
     Ok(runtime_in_elf(&data, mapped_at))
 }
 
