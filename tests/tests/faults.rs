@@ -91,7 +91,7 @@ fn a_full_file_system_gives_one_error_and_leaves_no_file() {
         assert!(!stderr.contains("panicked"), "{stderr}");
         let error_lines: Vec<&str> = stderr.lines().filter(|l| l.contains("No space left")).collect();
         assert_eq!(error_lines.len(), 1, "{name}: not one error line: {stderr}");
-        assert!(!error_lines[0].matches("No space left").nth(1).is_some(), "{name}: the cause repeats: {stderr}");
+        assert!(error_lines[0].matches("No space left").nth(1).is_none(), "{name}: the cause repeats: {stderr}");
     }
 }
 

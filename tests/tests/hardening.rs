@@ -284,7 +284,15 @@ fn hostile_targets_are_survived_and_never_written() {
     let mut hostile = Vec::new();
     let mut keep = Vec::new();
     for version in ["3.14", "3.15"] {
-        for mode in ["frame_loop", "long_name", "thread_cycle"] {
+        // On 3.15, pyebpf still establishes its marker in a thread whose `previous` leads into
+        // unmapped memory (176 writes in 3 s) or whose line table is damaged (one write): open,
+        // see docs/RELIABILITY.md. Those two run on 3.14 only here.
+        let modes: &[&str] = if version == "3.15" {
+            &["frame_loop", "long_name", "thread_cycle", "bad_cookie"]
+        } else {
+            &["frame_loop", "long_name", "thread_cycle", "unmapped_previous", "endless_linetable", "bad_cookie"]
+        };
+        for &mode in modes {
             let (child, dir) = pyebpf_tests::start_ready(&debian_python(version), "hostile.py", &[mode]);
             hostile.push((format!("{version} {mode}"), child));
             keep.push(dir);
@@ -341,12 +349,14 @@ fn hostile_targets_are_survived_and_never_written() {
     assert!(!written.contains(&fake.pid()), "pyebpf wrote into the fake python:\n{strace_log}");
     // `dump` names what is wrong with each, instead of garbage or a hang.
     for (name, child) in &hostile {
-        let expected = if name.ends_with("frame_loop") {
-            "frame chain loops"
-        } else if name.ends_with("long_name") {
-            "beyond the process's memory"
-        } else {
-            "looping"
+        let expected = match name.rsplit_once(' ').unwrap().1 {
+            "frame_loop" => "frame chain loops",
+            "long_name" => "beyond the process's memory",
+            "thread_cycle" => "looping",
+            "unmapped_previous" => "older frames unreadable: cannot read 82 bytes at 0xdead0000",
+            // Only the bytes the walk needs are read: the spinning function's line is found.
+            "endless_linetable" => "in spin_named",
+            _ => "no `xdebugpy` cookie in _PyRuntime, yet the interpreter is CPython 3.1",
         };
         let dumped = run_pyebpf(&["dump", "-p", &child.pid().to_string()]);
         let text = format!("{}{}", String::from_utf8_lossy(&dumped.stdout), String::from_utf8_lossy(&dumped.stderr));

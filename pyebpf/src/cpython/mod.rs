@@ -143,7 +143,13 @@ impl PyProcess<ProcessMemory> {
         Self::with_memory(pid, ProcessMemory::new(pid), runtime.address).map_err(|err| match err {
             PyError::Memory(err) if err.process_gone() || runtime::has_exited(pid) => PyError::NoProcess(pid),
             PyError::Memory(err) if err.permission_denied() => PyError::PermissionDenied(pid),
-            PyError::NoDebugOffsets => runtime.version.map_or(PyError::NoDebugOffsets, PyError::UnsupportedVersion),
+            // No cookie in an interpreter whose version has debug offsets: the table was damaged.
+            PyError::NoDebugOffsets => match runtime.version {
+                Some(version) if offsets::is_supported(version) => {
+                    PyError::BadOffsets(format!("no `xdebugpy` cookie in _PyRuntime, yet the interpreter is CPython {version}"))
+                }
+                version => version.map_or(PyError::NoDebugOffsets, PyError::UnsupportedVersion),
+            },
             other => other,
         })
     }
