@@ -59,11 +59,27 @@ fn assert_complete(file: &Path) {
     }
 }
 
+/// A 3.14 process spinning 600 frames deep in functions with 42-character hexadecimal names:
+/// any profile of it is well over 4 KiB, even gzipped.
+fn deep_hex_spinner() -> Killed {
+    const SOURCE: &str = "import hashlib, sys\n\
+        sys.setrecursionlimit(5000)\n\
+        names = ['f_' + hashlib.sha1(str(i).encode()).hexdigest() for i in range(600)]\n\
+        src = ''.join(f'def {n}():\\n    {names[i + 1]}()\\n' for i, n in enumerate(names[:-1]))\n\
+        src += f'def {names[-1]}():\\n    while True: pass\\n'\n\
+        exec(src)\n\
+        globals()[names[0]]()\n";
+    let child = Killed(Command::new(debian_python("3.14")).args(["-c", SOURCE]).stdin(Stdio::null()).spawn().unwrap());
+    std::thread::sleep(Duration::from_millis(500));
+    child
+}
+
 /// `-o` on a 1 MiB tmpfs (private mount namespace) with 4 KiB left: one line naming the cause,
 /// a failed exit, and no file left behind: not the profile, not a temporary.
 #[test]
 fn a_full_file_system_gives_one_error_and_leaves_no_file() {
-    let _busy = spinner("3.14");
+    let mut busy = deep_hex_spinner();
+    assert!(matches!(busy.0.try_wait(), Ok(None)), "the deep spinner did not start");
     let dir = tempfile::tempdir().unwrap();
     const SCRIPT: &str = r#"mount -t tmpfs -o size=1m pyebpf-full "$1" || exit 97
         head -c 1044480 /dev/zero > "$1/fill"
