@@ -20,4 +20,5 @@ pub mod stack;
 pub mod stats;
 pub mod summary;
 pub mod symbolize;
+pub mod target_file;
 pub mod top;

@@ -252,6 +252,16 @@ impl Default for RecordBatch {
 }
 
 impl RecordBatch {
+    /// A batch of these ring-buffer items, as the reader would hand them over (public for fuzzing).
+    pub fn from_items<'i>(items: impl IntoIterator<Item = &'i [u8]>) -> RecordBatch {
+        let mut raw = RawBatch::default();
+        for item in items {
+            raw.bytes.extend_from_slice(item);
+            raw.ends.push(raw.bytes.len());
+        }
+        RecordBatch { raw: vec![raw], ..RecordBatch::default() }
+    }
+
     /// The next record; malformed ones are skipped.
     #[allow(clippy::should_implement_trait)] // lends from self: not an Iterator
     pub fn next(&mut self) -> Option<Record<'_>> {

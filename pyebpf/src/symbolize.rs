@@ -345,7 +345,9 @@ impl Symbolizer {
         let known = self.opened_files.get(&id).cloned();
         let candidates = known.into_iter().chain(file_paths(pid, batch.start, batch.limit, batch.path_in_process));
         for path in candidates {
-            let source = Source::Elf(Elf::new(path.clone()));
+            let mut elf = Elf::new(path.clone());
+            elf.debug_syms = may_follow_debug_link(&path, id);
+            let source = Source::Elf(elf);
             match self.blazesym.symbolize(&source, Input::FileOffset(&batch.offsets)) {
                 Ok(results) => return (results.iter().map(resolved).collect(), Some(path)),
                 Err(err) => log::debug!("cannot symbolize {}: {err}", path.display()),
@@ -447,11 +449,37 @@ fn read_executable_maps(pid: u32) -> procfs::ProcResult<Vec<MemoryMap>> {
 }
 
 /// Ways to open a mapped file, most robust first: `map_files` reaches the exact file mapped (also in
-/// containers and after deletion) but needs CAP_SYS_ADMIN; the process's root reaches its path.
+/// containers and after deletion) but needs CAP_SYS_ADMIN; the process's root reaches its path,
+/// offered only while it names a regular file inside that root (see [`crate::target_file`]: the
+/// target controls the path, and a FIFO there would block blazesym's open forever).
 fn file_paths(pid: u32, start: u64, limit: u64, path: &Path) -> impl Iterator<Item = PathBuf> {
     let map_file = PathBuf::from(format!("/proc/{pid}/map_files/{start:x}-{limit:x}"));
     let rooted = PathBuf::from(format!("/proc/{pid}/root")).join(path.strip_prefix("/").unwrap_or(path));
-    [map_file, rooted].into_iter()
+    let rooted = safe_rooted(pid, path, rooted);
+    std::iter::once(map_file).chain(rooted)
+}
+
+/// Whether blazesym may read this file's DWARF. With it, blazesym follows the file's debug link:
+/// it canonicalizes the path it opened, which for a `map_files` link is the path the target names
+/// (`NAME (deleted)`, say), and opens that and what it finds beside it (a FIFO there blocks it
+/// forever). Only a file that canonical path still reaches, in a directory only root can change,
+/// is safe; others are symbolized from their ELF symbols alone.
+fn may_follow_debug_link(path: &Path, id: FileId) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(canonical) = std::fs::canonicalize(path) else { return false };
+    let (Ok(file), Some(Ok(dir))) = (std::fs::symlink_metadata(&canonical), canonical.parent().map(std::fs::symlink_metadata)) else {
+        return false;
+    };
+    let same_file = file.is_file() && file.ino() == id.inode && (libc::major(file.dev()) as i32, libc::minor(file.dev()) as i32) == id.dev;
+    same_file && dir.uid() == 0 && dir.mode() & 0o022 == 0
+}
+
+/// `rooted` if it resolves to the same regular file as `path` resolved inside the process's root.
+fn safe_rooted(pid: u32, path: &Path, rooted: PathBuf) -> Option<PathBuf> {
+    use std::os::unix::fs::MetadataExt;
+    let checked = crate::target_file::open_in_root(pid, path).ok()?.metadata().ok()?;
+    let plain = std::fs::symlink_metadata(&rooted).ok()?;
+    (plain.is_file() && plain.dev() == checked.dev() && plain.ino() == checked.ino()).then_some(rooted)
 }
 
 fn pseudo_path(path: &MMapPath) -> Arc<str> {

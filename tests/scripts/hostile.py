@@ -3,7 +3,10 @@
 Usage: hostile.py READY_FILE MODE, MODE one of
 - frame_loop: the spinning function's _PyInterpreterFrame.previous points at itself;
 - long_name: the spinning function's co_qualname claims a length of 2**40;
-- thread_cycle: the only thread state's `next` points at itself.
+- thread_cycle: the only thread state's `next` points at itself;
+- unmapped_previous: the spinning function's _PyInterpreterFrame.previous points into unmapped memory;
+- endless_linetable: the spinning function's co_linetable (bytes) claims a length of 2**40;
+- bad_cookie: _PyRuntime's debug-offsets cookie and version are overwritten.
 READY_FILE is written just before the corruption; from then on the process only spins (no
 allocation, no call that would follow what was corrupted: the interpreter itself would loop or crash).
 """
@@ -35,6 +38,16 @@ def spin_looped(ready):
     assert previous.value == caller, "unexpected _PyInterpreterFrame layout"
     open(ready, "w").close()
     previous.value = here
+    while True:
+        pass
+
+
+def spin_unmapped(ready):
+    here = interpreter_frame(sys._getframe())
+    previous = pointer_at(here + INTERPRETER_FRAME_PREVIOUS)
+    assert previous.value == interpreter_frame(sys._getframe(1)), "unexpected _PyInterpreterFrame layout"
+    open(ready, "w").close()
+    previous.value = 0xDEAD0000  # below any mapping of a 64-bit process
     while True:
         pass
 
@@ -71,6 +84,22 @@ def main():
         spin_named()
     elif mode == "thread_cycle":
         spin_cycled(ready)
+    elif mode == "unmapped_previous":
+        spin_unmapped(ready)
+    elif mode == "endless_linetable":
+        table = spin_named.__code__.co_linetable
+        size = ctypes.c_ssize_t.from_address(id(table) + STR_LENGTH)  # PyVarObject.ob_size
+        assert size.value == len(table), "unexpected bytes layout"
+        open(ready, "w").close()
+        size.value = 1 << 40
+        spin_named()
+    elif mode == "bad_cookie":
+        runtime = ctypes.addressof(ctypes.c_char.in_dll(ctypes.pythonapi, "_PyRuntime"))
+        assert ctypes.string_at(runtime, 8) == b"xdebugpy", "unexpected _Py_DebugOffsets cookie"
+        ctypes.memmove(runtime, b"hostile!", 8)
+        ctypes.c_uint64.from_address(runtime + 8).value = 0xFFFFFFFF
+        open(ready, "w").close()
+        spin_named()
     else:
         raise SystemExit(f"unknown mode {mode}")
 

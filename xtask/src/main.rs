@@ -78,7 +78,16 @@ fn build(root: &Path, release: bool) -> Result<PathBuf> {
 }
 
 fn test(root: &Path, filter: &[String]) -> Result<()> {
-    toolchain::ensure_apt_packages(&[("go", "golang-go"), ("patchelf", "patchelf"), ("gcc", "gcc"), ("strace", "strace"), ("chromium", "chromium"), ("tmux", "tmux"), ("npm", "npm")])?;
+    toolchain::ensure_apt_packages(&[
+        ("go", "golang-go"),
+        ("patchelf", "patchelf"),
+        ("gcc", "gcc"),
+        ("strace", "strace"),
+        ("chromium", "chromium"),
+        ("tmux", "tmux"),
+        ("npm", "npm"),
+        ("bpftool", "bpftool"),
+    ])?;
     let pythons = pythons::ensure_installed()?;
     let binary = build(root, true)?;
     let object = toolchain::ebpf_object_path(root);
@@ -95,7 +104,7 @@ fn test(root: &Path, filter: &[String]) -> Result<()> {
     };
     // Unit and fuzz tests may share the CPUs; end-to-end tests measure sample counts, one at a time.
     cargo_test(&["--release", "--workspace", "--exclude", "pyebpf-tests", "--lib", "--bins"])?;
-    cargo_test(&["--profile", "fuzz", "--package", "pyebpf", "--test", "fuzz_reader"])?;
+    cargo_test(&["--profile", "fuzz", "--package", "pyebpf", "--test", "fuzz_reader", "--test", "fuzz_parsers"])?;
     // Real BPF and a real interpreter: needs the sampler to itself, like the end-to-end tests.
     cargo_test(&["--release", "--package", "pyebpf", "--test", "alloc_free"])?;
     let mut e2e = vec!["--release", "--package", "pyebpf-tests", "--", "--test-threads=1"];

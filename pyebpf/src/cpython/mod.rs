@@ -50,6 +50,8 @@ pub enum PyError {
     PermissionDenied(u32),
     #[error("process {0} is not a CPython process (no python3 executable or libpython3 mapped)")]
     NotPython(u32),
+    #[error("cannot open {}, the interpreter of process {pid}: {cause} (files in directories pyebpf's user cannot enter need CAP_DAC_READ_SEARCH)", path.display())]
+    InterpreterUnreadable { pid: u32, path: std::path::PathBuf, cause: std::io::Error },
     #[error("no _Py_DebugOffsets in _PyRuntime: CPython older than 3.13?")]
     NoDebugOffsets,
     #[error("CPython {0} is not supported (3.13, 3.14 and 3.15.0b4 or later are)")]
@@ -141,7 +143,13 @@ impl PyProcess<ProcessMemory> {
         Self::with_memory(pid, ProcessMemory::new(pid), runtime.address).map_err(|err| match err {
             PyError::Memory(err) if err.process_gone() || runtime::has_exited(pid) => PyError::NoProcess(pid),
             PyError::Memory(err) if err.permission_denied() => PyError::PermissionDenied(pid),
-            PyError::NoDebugOffsets => runtime.version.map_or(PyError::NoDebugOffsets, PyError::UnsupportedVersion),
+            // No cookie in an interpreter whose version has debug offsets: the table was damaged.
+            PyError::NoDebugOffsets => match runtime.version {
+                Some(version) if offsets::is_supported(version) => {
+                    PyError::BadOffsets(format!("no `xdebugpy` cookie in _PyRuntime, yet the interpreter is CPython {version}"))
+                }
+                version => version.map_or(PyError::NoDebugOffsets, PyError::UnsupportedVersion),
+            },
             other => other,
         })
     }

@@ -146,6 +146,11 @@ impl std::fmt::Display for PyVersion {
 }
 
 /// The layout of a version, for releases and release candidates whose layout is known.
+/// Whether this version has debug offsets pyebpf reads.
+pub(super) fn is_supported(version: PyVersion) -> bool {
+    layout_for(version).is_some()
+}
+
 fn layout_for(version: PyVersion) -> Option<&'static Layout> {
     let release_candidate_or_later = version.level() >= 0xc;
     match (version.major(), version.minor()) {

@@ -1,8 +1,7 @@
 //! Finding `_PyRuntime` in a process: the Python executable or `libpython3.X.so` mapped in it,
-//! opened through `/proc/PID/root` (so containers work), its `.PyRuntime` section or `_PyRuntime`
+//! opened inside `/proc/PID/root` (so containers work; see [`crate::target_file`]), its `.PyRuntime` section or `_PyRuntime`
 //! symbol, plus the load bias of where the file is mapped.
 
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 use object::read::ReadCache;
@@ -57,13 +56,19 @@ pub fn find_runtime(pid: u32) -> Result<Runtime, PyError> {
     }
     // libpython first: where both are mapped, the executable only links it.
     candidates.sort_by_key(|(path, _)| !path.to_string_lossy().contains("libpython"));
+    // An interpreter pyebpf may not open (a directory its user cannot enter) is named as such,
+    // not taken for a process without Python.
+    let mut unreadable = None;
     for (path, base) in &candidates {
-        let file = PathBuf::from(format!("/proc/{pid}/root")).join(path.strip_prefix("/").unwrap_or(path));
-        if let Some((address, version)) = runtime_in_file(&file, *base) {
-            return Ok(Runtime { address, file: path.clone(), version });
+        match runtime_in_file(pid, path, *base) {
+            Ok(Some((address, version))) => return Ok(Runtime { address, file: path.clone(), version }),
+            Err(cause) if cause.kind() == std::io::ErrorKind::PermissionDenied => {
+                unreadable.get_or_insert_with(|| PyError::InterpreterUnreadable { pid, path: path.clone(), cause });
+            }
+            Ok(None) | Err(_) => {}
         }
     }
-    Err(PyError::NotPython(pid))
+    Err(unreadable.unwrap_or(PyError::NotPython(pid)))
 }
 
 /// Why `/proc/PID` could not be read: the process is gone, or it is not ours to read.
@@ -74,20 +79,22 @@ fn process_error(pid: u32, err: procfs::ProcError) -> PyError {
     }
 }
 
-/// `_PyRuntime`'s address if this ELF file defines it, given where its first page is mapped, and
-/// the file's `Py_Version`.
-fn runtime_in_file(file: &Path, mapped_at: u64) -> Option<(u64, Option<PyVersion>)> {
-    // Non-blocking: a hostile process may have put a FIFO where its mapped file was, and opening
-    // one for reading would wait for a writer forever. Only a regular file is read.
-    let opened = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(file).ok()?;
-    let metadata = opened.metadata().ok()?;
-    if !metadata.is_file() || metadata.len() > MAX_ELF_SIZE {
-        return None;
+/// `_PyRuntime`'s address if the ELF file `pid` maps at `path` defines it, given where its first
+/// page is mapped, and the file's `Py_Version`; an error only when the file cannot be opened.
+fn runtime_in_file(pid: u32, path: &Path, mapped_at: u64) -> std::io::Result<Option<(u64, Option<PyVersion>)>> {
+    let file = crate::target_file::open_in_root(pid, path)?;
+    if file.metadata()?.len() > MAX_ELF_SIZE {
+        return Ok(None);
     }
     // Read on demand: headers and symbol tables only, not the whole (often 8 MB) interpreter, for
     // every process attached.
-    let data = ReadCache::new(opened);
-    let elf = object::File::parse(&data).ok()?;
+    let data = ReadCache::new(file);
+    Ok(runtime_in_elf(&data, mapped_at))
+}
+
+/// [`runtime_in_file`] on the file's bytes, however they are read (public for fuzzing).
+pub fn runtime_in_elf<'data, R: ReadRef<'data>>(data: R, mapped_at: u64) -> Option<(u64, Option<PyVersion>)> {
+    let elf = object::File::parse(data).ok()?;
     let runtime = elf
         .section_by_name(".PyRuntime")
         .map(|section| section.address())

@@ -1,0 +1,69 @@
+//! Opening a file a target process names (a path in its `/proc/PID/maps`), without letting the
+//! target choose what pyebpf opens. The target controls that path and everything along it: it can
+//! unlink its mapped interpreter and put a FIFO at `NAME (deleted)` (a plain open blocks pyebpf
+//! forever), or a symlink to a device (opening some has effects: a watchdog arms) or to a file
+//! of the host (an absolute link is resolved from pyebpf's root, not the target's).
+//!
+//! So the path is resolved by `openat2` inside `/proc/PID/root` (`RESOLVE_IN_ROOT`: absolute links
+//! and `..` stay in the target's root; no magic links), as an `O_PATH` handle, which opens nothing;
+//! only a regular file is then opened for reading, through that handle, so no second lookup races.
+
+use std::fs::File;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::path::Path;
+
+/// Opens `path`, as process `pid` names it, for reading, if it is a regular file.
+pub fn open_in_root(pid: u32, path: &Path) -> io::Result<File> {
+    let root = File::open(format!("/proc/{pid}/root"))?;
+    let handle = openat2(&root, path.strip_prefix("/").unwrap_or(path), libc::O_PATH | libc::O_CLOEXEC)?;
+    let kind = File::from(handle.try_clone()?).metadata()?.file_type();
+    if !kind.is_file() {
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("{} is not a regular file", path.display())));
+    }
+    // Reopening the O_PATH handle's own magic link opens exactly the inode checked above.
+    File::open(format!("/proc/self/fd/{}", handle.as_raw_fd()))
+}
+
+fn openat2(dir: &File, path: &Path, flags: i32) -> io::Result<OwnedFd> {
+    let path = std::ffi::CString::new(std::os::unix::ffi::OsStrExt::as_bytes(path.as_os_str()))
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "a path with a NUL byte"))?;
+    // SAFETY: open_how is plain data; all-zero is valid, and the fields used are set below.
+    let mut how: libc::open_how = unsafe { std::mem::zeroed() };
+    how.flags = flags as u64;
+    how.resolve = libc::RESOLVE_IN_ROOT | libc::RESOLVE_NO_MAGICLINKS;
+    // SAFETY: openat2 reads the path and `how` (of the size given) and returns a new descriptor.
+    let fd = unsafe { libc::syscall(libc::SYS_openat2, dir.as_raw_fd(), path.as_ptr(), &how as *const libc::open_how, size_of::<libc::open_how>()) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a descriptor openat2 just returned, owned by nobody else.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn opens_regular_files_and_refuses_fifos_devices_and_escapes() {
+        let dir = tempfile::tempdir().unwrap();
+        let pid = std::process::id();
+        let file = dir.path().join("lib.so");
+        std::fs::write(&file, b"ELF").unwrap();
+        assert_eq!(std::io::read_to_string(open_in_root(pid, &file).unwrap()).unwrap(), "ELF");
+        // A FIFO: refused at once rather than blocking.
+        let fifo = dir.path().join("python3.99 (deleted)");
+        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: mkfifo reads a NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        assert_eq!(open_in_root(pid, &fifo).unwrap_err().kind(), io::ErrorKind::InvalidInput);
+        let device = dir.path().join("dev-link");
+        std::os::unix::fs::symlink("/dev/null", &device).unwrap();
+        assert_eq!(open_in_root(pid, &device).unwrap_err().kind(), io::ErrorKind::InvalidInput);
+        // A link through a magic link (/proc/self/...) is refused.
+        let magic = dir.path().join("magic");
+        std::os::unix::fs::symlink("/proc/self/exe", &magic).unwrap();
+        assert!(open_in_root(pid, &magic).is_err());
+    }
+}

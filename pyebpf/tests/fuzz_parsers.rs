@@ -1,0 +1,181 @@
+//! Fuzzing the parsers of outside bytes other than the CPython reader (`fuzz_reader`): the records
+//! the eBPF program sends through the ring buffer, the kernel's BTF, and the ELF lookup of
+//! `_PyRuntime` in a mapped interpreter. Inputs are arbitrary bytes and mutated copies of real
+//! ones (the running kernel's BTF, Debian's python3.14 executable). Any outcome is fine except a
+//! panic, a hang or an unbounded allocation; what a parser accepts must also be consistent.
+//! `PYEBPF_FUZZ_CASES` scales the number of cases like `fuzz_reader` (default 800 000: the records
+//! get a quarter of them; BTF and ELF, whose inputs are megabytes, one in 200: about 30 s each).
+
+use std::cell::Cell;
+use std::mem::size_of;
+use std::path::PathBuf;
+
+use proptest::prelude::*;
+use proptest::test_runner::{Config as ProptestConfig, TestRunner};
+use pyebpf::reader::{Record, RecordBatch};
+use pyebpf::cpython::runtime::runtime_in_elf;
+use pyebpf::kernel_btf::Btf;
+use pyebpf_common::{record_kind, ProcessEvent, SampleRecord};
+
+fn cases() -> u32 {
+    std::env::var("PYEBPF_FUZZ_CASES").ok().and_then(|n| n.parse().ok()).unwrap_or(800_000)
+}
+
+fn runner(cases: u32) -> TestRunner {
+    TestRunner::new(ProptestConfig { cases: cases.max(1), failure_persistence: None, ..ProptestConfig::default() })
+}
+
+/// Changes to a copy of a real input: bytes overwritten at chosen offsets (as fractions of the
+/// length, so every region is reached), then possibly cut short.
+#[derive(Debug, Clone)]
+struct Mutation {
+    writes: Vec<(f64, Vec<u8>)>,
+    /// Fraction of the length kept, or None for all of it.
+    truncate: Option<f64>,
+}
+
+fn mutation() -> impl Strategy<Value = Mutation> {
+    let write = (prop_oneof![0.0..0.001f64, 0.0..1.0f64], prop::collection::vec(any::<u8>(), 1..9));
+    (prop::collection::vec(write, 1..6), prop::option::weighted(0.2, 0.0..1.0f64)).prop_map(|(writes, truncate)| Mutation { writes, truncate })
+}
+
+fn apply(original: &[u8], mutation: &Mutation) -> Vec<u8> {
+    let mut data = original.to_vec();
+    for (at, bytes) in &mutation.writes {
+        let start = ((data.len() as f64 * at) as usize).min(data.len());
+        let end = (start + bytes.len()).min(data.len());
+        data[start..end].copy_from_slice(&bytes[..end - start]);
+    }
+    if let Some(keep) = mutation.truncate {
+        data.truncate((data.len() as f64 * keep) as usize);
+    }
+    data
+}
+
+/// A sample record's bytes as the eBPF program sends them, with `frames` Python frames.
+fn sample_bytes(frames: usize, frames_len: u32) -> Vec<u8> {
+    // SAFETY: SampleRecord is plain data; all-zero bytes are a valid value.
+    let mut record: Box<SampleRecord> = unsafe { Box::new_zeroed().assume_init() };
+    record.kind = record_kind::SAMPLE;
+    record.py.frames_len = frames_len;
+    // SAFETY: reading the bytes of a plain-data value.
+    let bytes = unsafe { std::slice::from_raw_parts(&*record as *const SampleRecord as *const u8, size_of::<SampleRecord>()) };
+    bytes[..SampleRecord::sent_len(frames).min(bytes.len())].to_vec()
+}
+
+/// Arbitrary ring-buffer records: a kind (mostly a real one) and bytes of any length up to past a
+/// whole record, or a well-formed sample whose frame count disagrees with its length. A decoded
+/// sample always has as many frames as its length holds.
+#[test]
+fn ring_buffer_records_never_panic_and_decode_consistently() {
+    let kinds = prop_oneof![Just(record_kind::SAMPLE), Just(record_kind::EXEC), Just(record_kind::EXIT), any::<u32>()];
+    let arbitrary = (kinds, prop::collection::vec(any::<u8>(), 0..size_of::<SampleRecord>() + 64)).prop_map(|(kind, mut bytes)| {
+        if bytes.len() >= 4 {
+            bytes[..4].copy_from_slice(&kind.to_ne_bytes());
+        }
+        bytes
+    });
+    let shaped = (0..pyebpf_common::MAX_PY_FRAMES + 2, prop_oneof![Just(None), any::<u32>().prop_map(Some)])
+        .prop_map(|(frames, claimed)| sample_bytes(frames, claimed.unwrap_or(frames as u32)));
+    let event = (prop_oneof![Just(record_kind::EXEC), Just(record_kind::EXIT)], prop::collection::vec(any::<u8>(), size_of::<ProcessEvent>()))
+        .prop_map(|(kind, mut bytes)| {
+            bytes[..4].copy_from_slice(&kind.to_ne_bytes());
+            bytes
+        });
+    let decoded: [Cell<u64>; 3] = Default::default();
+    runner(cases() / 4)
+        .run(&prop_oneof![arbitrary, shaped, event], |bytes| {
+            let mut batch = RecordBatch::from_items([&bytes[..]]);
+            match batch.next() {
+                Some(Record::Sample(sample)) => {
+                    prop_assert_eq!(SampleRecord::sent_len(sample.py.frames_len as usize), bytes.len());
+                    prop_assert!(bytes.len() <= size_of::<SampleRecord>());
+                    decoded[0].set(decoded[0].get() + 1);
+                }
+                Some(Record::Event(event)) => {
+                    prop_assert!(event.kind == record_kind::EXEC || event.kind == record_kind::EXIT);
+                    decoded[1].set(decoded[1].get() + 1);
+                }
+                None => decoded[2].set(decoded[2].get() + 1),
+            }
+            Ok(())
+        })
+        .unwrap();
+    let decoded = decoded.map(Cell::into_inner);
+    eprintln!("records: {} samples, {} events, {} rejected", decoded[0], decoded[1], decoded[2]);
+    assert!(decoded.iter().all(|&n| n > 0), "the generator never reached both outcomes: {decoded:?}");
+    // A sample of every frame count the program sends decodes.
+    for frames in [0, 1, pyebpf_common::MAX_PY_FRAMES] {
+        let bytes = sample_bytes(frames, frames as u32);
+        assert!(matches!(RecordBatch::from_items([&bytes[..]]).next(), Some(Record::Sample(_))), "{frames} frames");
+    }
+}
+
+/// Mutated copies of the running kernel's BTF, and short blobs behind a valid magic: parsing and
+/// the member lookup pyebpf makes (`task_struct.tgid`) never panic.
+#[test]
+fn kernel_btf_parser_survives_mutated_and_random_blobs() {
+    let original = std::fs::read("/sys/kernel/btf/vmlinux").expect("the kernel's BTF (/sys/kernel/btf/vmlinux)");
+    let btf = Btf::parse(&original).expect("the unmutated BTF parses");
+    btf.member_offset("task_struct", "tgid").expect("task_struct.tgid in the unmutated BTF");
+    let outcomes: [Cell<u64>; 2] = Default::default();
+    runner(cases() / 200)
+        .run(&mutation(), |mutation| {
+            let data = apply(&original, &mutation);
+            match Btf::parse(&data) {
+                Ok(btf) => {
+                    let _ = btf.member_offset("task_struct", "tgid");
+                    let _ = btf.member_offset("task_struct", "no_such_member");
+                    outcomes[0].set(outcomes[0].get() + 1);
+                }
+                Err(_) => outcomes[1].set(outcomes[1].get() + 1),
+            }
+            Ok(())
+        })
+        .unwrap();
+    eprintln!("BTF mutations: {} parsed, {} rejected", outcomes[0].get(), outcomes[1].get());
+    let blob = prop::collection::vec(any::<u8>(), 0..512).prop_map(|mut bytes| {
+        // Magic 0xeb9f, version 1: past the first check, into the header's offsets.
+        if bytes.len() >= 4 {
+            bytes[..4].copy_from_slice(&[0x9f, 0xeb, 1, 0]);
+        }
+        bytes
+    });
+    runner(cases() / 40)
+        .run(&blob, |data| {
+            if let Ok(btf) = Btf::parse(&data) {
+                let _ = btf.member_offset("task_struct", "tgid");
+            }
+            Ok(())
+        })
+        .unwrap();
+}
+
+/// Mutated copies of Debian's python3.14 executable (headers, section and program tables, and the
+/// rest): the lookup of `_PyRuntime` and `Py_Version` never panics.
+#[test]
+fn elf_runtime_lookup_survives_mutated_executables() {
+    let prefix = PathBuf::from(std::env::var("PYEBPF_PYTHONS").expect("PYEBPF_PYTHONS must name the test Pythons' prefix (cargo xtask test sets it)"));
+    let original = std::fs::read(prefix.join("usr/bin/python3.14")).unwrap();
+    let (address, version) = runtime_in_elf(original.as_slice(), 0x5555_5555_4000).expect("_PyRuntime in the unmutated executable");
+    assert!(address > 0x5555_5555_4000 && version.is_some(), "{address:#x} {version:?}");
+    // Where the section header table is: mutations there reach the section lookup.
+    let shoff = u64::from_le_bytes(original[0x28..0x30].try_into().unwrap()) as f64 / original.len() as f64;
+    let near_sections = (shoff..1.0f64, prop::collection::vec(any::<u8>(), 1..9));
+    let strategy = (mutation(), prop::option::of(near_sections)).prop_map(|(mut mutation, extra)| {
+        mutation.writes.extend(extra);
+        mutation
+    });
+    let outcomes: [Cell<u64>; 2] = Default::default();
+    runner(cases() / 200)
+        .run(&strategy, |mutation| {
+            let data = apply(&original, &mutation);
+            match runtime_in_elf(data.as_slice(), 0x5555_5555_4000) {
+                Some(_) => outcomes[0].set(outcomes[0].get() + 1),
+                None => outcomes[1].set(outcomes[1].get() + 1),
+            }
+            Ok(())
+        })
+        .unwrap();
+    eprintln!("ELF mutations: {} found a runtime, {} did not", outcomes[0].get(), outcomes[1].get());
+}

@@ -1,0 +1,193 @@
+#!/usr/bin/env python3
+"""Soak test of issue 13: `pyebpf record -a -F 999 --rotate PERIOD -d DURATION` while a new
+short-lived Python process (Debian's 3.13, 3.14 and 3.15 in turn, each spinning about 0.15 s in
+`soak_short`) starts every 0.2 s. Samples pyebpf's resident memory every 10 s and checks, at the
+end, that every rotated file is complete (collapsed lines that all end in a count), how many
+samples were lost, and that every short-lived process was resolved (its samples carry the
+`soak_short` Python frame).
+
+Usage (as root; the environment as for the end-to-end tests):
+    PYEBPF_BIN=target/release/pyebpf PYEBPF_PYTHONS=/root/.cache/pyebpf-test-pythons \
+        python3 tests/soak.py [--duration 600] [--rotate 60] [--out DIR]
+
+Prints the RSS curve and the figures, writes them to DIR/soak.json too, and exits 1 if a check
+fails (a rotated file incomplete, a short-lived process unresolved, RSS growing after warm-up).
+"""
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+SHORT = "import time\ndef soak_short():\n    end = time.monotonic() + 0.15\n    while time.monotonic() < end:\n        pass\nsoak_short()\n"
+
+
+def rss_kib(pid):
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def wait_until_sampling(recording):
+    """Until pyebpf holds its perf-event links on every CPU (sampling has started), at most 60 s."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and recording.poll() is None:
+        links = 0
+        try:
+            for fd in os.listdir(f"/proc/{recording.pid}/fdinfo"):
+                try:
+                    with open(f"/proc/{recording.pid}/fdinfo/{fd}") as info:
+                        links += "link_id:" in info.read()
+                except OSError:
+                    pass
+        except OSError:
+            pass
+        if links >= os.cpu_count() + 2:  # exec and exit hooks, then one per CPU
+            return
+        time.sleep(0.05)
+    sys.exit(f"pyebpf did not start sampling: exit status {recording.poll()}")
+
+
+def parse_collapsed(path):
+    """{pid: (samples, samples with soak_short)}, or raises ValueError on a malformed line."""
+    per_pid = {}
+    with open(path, encoding="utf-8", errors="replace") as f:
+        text = f.read()
+    if text and not text.endswith("\n"):
+        raise ValueError(f"{path} ends mid-line")
+    for line in text.splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit() or int(count) == 0:
+            raise ValueError(f"{path}: malformed line {line[:200]!r}")
+        root = stack.split(";", 1)[0]
+        match = re.search(r" \((\d+)\)$", root)
+        if not match:
+            raise ValueError(f"{path}: root frame without a pid: {root!r}")
+        pid = int(match.group(1))
+        samples, python = per_pid.get(pid, (0, 0))
+        n = int(count)
+        per_pid[pid] = (samples + n, python + (n if "soak_short (" in stack else 0))
+    return per_pid
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--duration", type=int, default=600, help="seconds (default 600)")
+    parser.add_argument("--rotate", type=int, default=60, help="rotation period in seconds (default 60)")
+    parser.add_argument("--frequency", type=int, default=999)
+    parser.add_argument("--interval", type=float, default=0.2, help="seconds between short-lived processes")
+    parser.add_argument("--out", help="directory for the profiles and soak.json (default: a new temporary one)")
+    args = parser.parse_args()
+
+    pyebpf = os.environ["PYEBPF_BIN"]
+    prefix = os.environ["PYEBPF_PYTHONS"]
+    pythons = [os.path.join(prefix, f"usr/bin/python{v}") for v in ("3.13", "3.14", "3.15")]
+    for python in pythons:
+        if not os.path.exists(python):
+            sys.exit(f"missing test interpreter {python}")
+    out = args.out or tempfile.mkdtemp(prefix="pyebpf-soak-")
+    os.makedirs(out, exist_ok=True)
+    log_path = os.path.join(out, "pyebpf.log")
+    with open(log_path, "w") as log:
+        recording = subprocess.Popen(
+            [pyebpf, "record", "-a", "-F", str(args.frequency), "--rotate", str(args.rotate), "-d", str(args.duration),
+             "--stats", "-o", os.path.join(out, "soak.folded")],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log)
+    wait_until_sampling(recording)
+    started = time.monotonic()
+    rss = [(0, rss_kib(recording.pid))]
+    next_rss = started + 10
+    spawned = []  # (pid, python, seconds after the start)
+    children = []
+    i = 0
+    # Stop starting processes a little before the end so the last ones finish inside the recording.
+    while time.monotonic() - started < args.duration - 3 and recording.poll() is None:
+        python = pythons[i % len(pythons)]
+        child = subprocess.Popen([python, "-c", SHORT], stdin=subprocess.DEVNULL)
+        spawned.append((child.pid, os.path.basename(python), round(time.monotonic() - started, 2)))
+        children.append(child)
+        children = [c for c in children if c.poll() is None]
+        i += 1
+        now = time.monotonic()
+        if now >= next_rss:
+            rss.append((round(now - started), rss_kib(recording.pid)))
+            next_rss += 10
+        time.sleep(max(0.0, started + i * args.interval - time.monotonic()))
+    for child in children:
+        child.wait()
+    try:
+        recording.wait(timeout=args.duration + 120)
+    except subprocess.TimeoutExpired:
+        recording.send_signal(signal.SIGINT)
+        recording.wait(timeout=60)
+    with open(log_path) as f:
+        log_text = f.read()
+
+    failures = []
+    if recording.returncode != 0:
+        failures.append(f"pyebpf exited with {recording.returncode}")
+    files = sorted(f for f in os.listdir(out) if f.startswith("soak.") and f.endswith(".folded"))
+    leftovers = sorted(f for f in os.listdir(out) if f.endswith(".tmp"))
+    if leftovers:
+        failures.append(f"temporaries left: {leftovers}")
+    per_pid = {}
+    for name in files:
+        try:
+            for pid, (samples, python) in parse_collapsed(os.path.join(out, name)).items():
+                old = per_pid.get(pid, (0, 0))
+                per_pid[pid] = (old[0] + samples, old[1] + python)
+        except ValueError as err:
+            failures.append(str(err))
+    expected_files = args.duration // args.rotate
+    if len(files) < expected_files:
+        failures.append(f"{len(files)} rotated files, expected at least {expected_files}")
+    lost = [int(n) for n in re.findall(r"\((\d+) lost\)", log_text)]
+    unseen = [pid for pid, *_ in spawned if pid not in per_pid]
+    unresolved = [pid for pid, *_ in spawned if pid in per_pid and per_pid[pid][1] * 2 < per_pid[pid][0]]
+    resolved = len(spawned) - len(unseen) - len(unresolved)
+    python_share = sum(per_pid[p][1] for p, *_ in spawned if p in per_pid) / max(1, sum(per_pid[p][0] for p, *_ in spawned if p in per_pid))
+    if unseen or unresolved:
+        failures.append(f"{len(unseen)} short-lived processes never sampled, {len(unresolved)} without soak_short on most samples")
+    # Flat after warm-up: the last third's peak within 20% (and 16 MiB) of the peak at the end of the first third.
+    values = [kib for _, kib in rss if kib]
+    if len(values) >= 6:
+        warm = max(values[: len(values) // 3 + 1])
+        late = max(values[-(len(values) // 3):])
+        if late > warm * 1.2 and late - warm > 16 * 1024:
+            failures.append(f"RSS grew after warm-up: {warm} KiB -> {late} KiB")
+
+    details = [{"pid": pid, "python": python, "started_s": at, "samples": per_pid.get(pid, (0, 0))[0],
+                "soak_short": per_pid.get(pid, (0, 0))[1]} for pid, python, at in spawned if pid in unseen or pid in unresolved]
+    report = {
+        "duration_s": args.duration, "rotate_s": args.rotate, "frequency_hz": args.frequency,
+        "rss_kib": rss, "rotated_files": len(files), "short_lived_started": len(spawned),
+        "short_lived_resolved": resolved, "short_lived_unseen": len(unseen), "short_lived_unresolved": len(unresolved),
+        "soak_short_share_of_their_samples": round(python_share, 4),
+        "lost_per_period_cumulative": lost, "failures": failures, "out": out, "unresolved_details": details,
+    }
+    with open(os.path.join(out, "soak.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    print("RSS (s, KiB):", " ".join(f"{t}:{kib}" for t, kib in rss))
+    print(f"rotated files: {len(files)}; short-lived processes: {len(spawned)} started, {resolved} resolved, "
+          f"{len(unseen)} never sampled, {len(unresolved)} unresolved; soak_short on {python_share:.1%} of their samples")
+    print(f"lost (cumulative, per written file): {lost}")
+    print("pyebpf's stderr:", log_text.strip().splitlines()[-12:] if log_text.strip() else "(empty)", sep="\n  ")
+    for detail in details[:20]:
+        print("unresolved:", detail)
+    for failure in failures:
+        print("FAIL:", failure)
+    print(f"details: {out}/soak.json")
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()
