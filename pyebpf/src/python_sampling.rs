@@ -40,6 +40,9 @@ const RECHECKS: u32 = 7;
 const ESTABLISH_AFTER_FRAMES: u32 = 4;
 /// And at most this often per thread, so a thread whose calls come and go costs little.
 const ESTABLISH_INTERVAL: Duration = Duration::from_millis(10);
+/// A thread whose chain failed to read this many times in a row gets no more marker writes: its
+/// memory is damaged or hostile (a race ends in `Ok(None)` and does not count).
+const MAX_ESTABLISH_FAILURES: u32 = 3;
 
 /// How Python frames are found.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -76,6 +79,8 @@ struct Thread {
     tstate: u64,
     chains: VecDeque<EstablishedChain>,
     established_at: Option<Instant>,
+    /// Establishments in a row whose reads failed.
+    establish_failures: u32,
 }
 
 impl Thread {
@@ -374,6 +379,7 @@ impl PythonProcess {
             || !self.py.marker_writable(thread.tstate)
             || !self.py.decoded_frames()
             || thread.established_at.is_some_and(|at| at.elapsed() < ESTABLISH_INTERVAL)
+            || thread.establish_failures >= MAX_ESTABLISH_FAILURES
         {
             return false;
         }
@@ -384,6 +390,7 @@ impl PythonProcess {
         let established = self.establish(record.tid, tstate, gen, frames);
         let thread = self.threads.get_mut(&record.tid).expect("looked up above");
         thread.established_at = Some(Instant::now());
+        thread.establish_failures = if established.is_err() { thread.establish_failures + 1 } else { 0 };
         match established {
             Ok(Some(chain)) => {
                 let mut value = MarkerChain { gen, seq_base: chain.seq_base, len: chain.addrs.len().min(MARKER_POSITIONS) as u32, ..Default::default() };
@@ -423,6 +430,9 @@ impl PythonProcess {
                 .then(|| (chain.addrs[position + 1..].to_vec(), chain.items[position + 1..].to_vec()))
         });
         let anchor_addr = anchor.as_ref().map(|_| before.marker);
+        // Read once before writing: a thread whose frames cannot be read (damaged or hostile
+        // memory) never gets a write. The reads after the write are what prove the chain.
+        self.check_chain(before.current_frame, anchor_addr)?;
         self.py.set_last_profiled_frame(tstate, before.current_frame)?;
         let mut addrs = Vec::new();
         let mut items = Vec::new();
@@ -452,6 +462,19 @@ impl PythonProcess {
             items.extend(tail_items);
         }
         Ok(Some(EstablishedChain { gen, seq_base: before.seq, addrs, items }))
+    }
+
+    /// Errs unless the chain from `addr` reads to its root (or to `stop_at`) within the walk's depth.
+    fn check_chain(&mut self, mut addr: u64, stop_at: Option<u64>) -> Result<(), PyError> {
+        let mut walked = 0;
+        while addr != 0 && Some(addr) != stop_at {
+            if walked >= MAX_PY_FRAMES {
+                return Err(PyError::Chain(format!("longer than {MAX_PY_FRAMES} frames, or looping")));
+            }
+            addr = self.py.read_link(addr)?.previous;
+            walked += 1;
+        }
+        Ok(())
     }
 
     /// A sample of a thread the eBPF program does not know: a thread started since the last read
@@ -489,7 +512,7 @@ impl PythonProcess {
             let known = self.threads.get(&thread.tid).is_some_and(|t| t.tstate == thread.tstate);
             if !known && sampler.set_py_thread(thread.tid, thread.tstate).is_ok() {
                 sampler.remove_marker_chain(thread.tid);
-                self.threads.insert(thread.tid, Thread { tstate: thread.tstate, chains: VecDeque::new(), established_at: None });
+                self.threads.insert(thread.tid, Thread { tstate: thread.tstate, chains: VecDeque::new(), established_at: None, establish_failures: 0 });
             }
         }
         true

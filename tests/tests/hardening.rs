@@ -284,15 +284,8 @@ fn hostile_targets_are_survived_and_never_written() {
     let mut hostile = Vec::new();
     let mut keep = Vec::new();
     for version in ["3.14", "3.15"] {
-        // On 3.15, pyebpf still establishes its marker in a thread whose `previous` leads into
-        // unmapped memory (176 writes in 3 s) or whose line table is damaged (one write): open,
-        // see docs/RELIABILITY.md. Those two run on 3.14 only here.
-        let modes: &[&str] = if version == "3.15" {
-            &["frame_loop", "long_name", "thread_cycle", "bad_cookie"]
-        } else {
-            &["frame_loop", "long_name", "thread_cycle", "unmapped_previous", "endless_linetable", "bad_cookie"]
-        };
-        for &mode in modes {
+        let modes = ["frame_loop", "long_name", "thread_cycle", "unmapped_previous", "endless_linetable", "bad_cookie"];
+        for mode in modes {
             let (child, dir) = pyebpf_tests::start_ready(&debian_python(version), "hostile.py", &[mode]);
             hostile.push((format!("{version} {mode}"), child));
             keep.push(dir);
