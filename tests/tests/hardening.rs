@@ -347,8 +347,7 @@ fn hostile_targets_are_survived_and_never_written() {
             "long_name" => "beyond the process's memory",
             "thread_cycle" => "looping",
             "unmapped_previous" => "older frames unreadable: cannot read 82 bytes at 0xdead0000",
-            // Only the bytes the walk needs are read: the spinning function's line is found.
-            "endless_linetable" => "in spin_named",
+            "endless_linetable" => "a location table of 1099511627776 bytes",
             _ => "no `xdebugpy` cookie in _PyRuntime, yet the interpreter is CPython 3.1",
         };
         let dumped = run_pyebpf(&["dump", "-p", &child.pid().to_string()]);

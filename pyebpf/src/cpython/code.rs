@@ -107,7 +107,12 @@ pub fn read_code(
     }
     let linetable = field_u64(&header, offsets.code_linetable);
     let size = mem.read_u64(linetable.wrapping_add(offsets.bytes_ob_size))?;
-    let (len, truncated) = linetable_read_len(size, field_u64(&header, offsets.bytes_ob_size));
+    let code_units = field_u64(&header, offsets.bytes_ob_size);
+    // Each entry covers at least one code unit: a longer table is not CPython's.
+    if size > code_units.saturating_mul(MAX_ENTRY_BYTES) {
+        return Err(PyError::Malformed(format!("a location table of {size} bytes for {code_units} code units")));
+    }
+    let (len, truncated) = linetable_read_len(size, code_units);
     counters.truncated_linetables += u64::from(truncated);
     let mut name = |field: u64| -> Result<std::sync::Arc<str>, PyError> {
         let ReadString { text, truncated } = read_str(mem, offsets, field_u64(&header, field))?;
