@@ -7,7 +7,9 @@ use aya::programs::perf_event::{PerfEventConfig, PerfEventScope, SamplePolicy, S
 use aya::programs::{BtfTracePoint, PerfEvent};
 use aya::{Ebpf, EbpfLoader};
 use crate::kernel_btf::{Btf, VMLINUX_BTF};
-use pyebpf_common::{config_flags, maps, record_kind, Config, MarkerChain, ProcessEvent, PyProcConfig, SampleRecord};
+use pyebpf_common::{
+    config_flags, maps, record_kind, Config, MarkerChain, ProcessEvent, PyFrameRecord, PyProcConfig, SampleRecord, STACK_SNAPSHOT_MAX,
+};
 use tokio::io::unix::AsyncFd;
 
 /// The object built by `cargo xtask build`; empty when the crate was built without it.
@@ -55,6 +57,9 @@ pub struct SamplerOptions {
     pub ring_buffer_kb: u32,
     /// Have the kernel account the sampler's run time (for `--stats`; costs a little per run).
     pub program_stats: bool,
+    /// Copy every sampled user stack for CFI unwinding (`--unwind dwarf`); otherwise only the
+    /// stacks of processes added with [`Sampler::copy_stacks_of`].
+    pub snapshot_all: bool,
 }
 
 /// One record of the ring buffer: a sample, or a lifecycle event of a sampled process, in the
@@ -78,6 +83,7 @@ pub struct Sampler {
     py_procs: HashMap<MapData, u32, PyProcConfig>,
     py_threads: HashMap<MapData, u32, u64>,
     py_markers: HashMap<MapData, u32, MarkerChain>,
+    snapshot_procs: HashMap<MapData, u32, u8>,
 }
 
 /// Whether this process may load BPF programs, sample all CPUs and read other processes.
@@ -126,12 +132,16 @@ impl Sampler {
             .btf(Some(&aya_btf))
             .override_global(aya_log::LEVEL, &log_level, false)
             .map_max_entries(maps::SAMPLES, kb * 1024)
+            .map_max_entries(maps::SCRATCH, aya::util::nr_cpus().map_err(|(_, err)| BpfError::Cpus(err))? as u32)
             .load(EBPF_OBJECT)
             .map_err(|err| if is_permission_error(&err) { BpfError::NotPermitted } else { BpfError::Load(err) })?;
 
         let mut flags = 0;
         if options.kernel_stacks {
             flags |= config_flags::KERNEL_STACK;
+        }
+        if options.snapshot_all {
+            flags |= config_flags::SNAPSHOT_ALL;
         }
         let mut targets: HashMap<MapData, u32, u8> =
             HashMap::try_from(ebpf.take_map(maps::TARGETS).expect("TARGETS is in the object")).map_err(map_error(maps::TARGETS))?;
@@ -180,6 +190,8 @@ impl Sampler {
         let py_procs = HashMap::try_from(ebpf.take_map(maps::PY_PROCS).expect("PY_PROCS is in the object")).map_err(map_error(maps::PY_PROCS))?;
         let py_threads = HashMap::try_from(ebpf.take_map(maps::PY_THREADS).expect("PY_THREADS is in the object")).map_err(map_error(maps::PY_THREADS))?;
         let py_markers = HashMap::try_from(ebpf.take_map(maps::PY_MARKERS).expect("PY_MARKERS is in the object")).map_err(map_error(maps::PY_MARKERS))?;
+        let snapshot_procs = HashMap::try_from(ebpf.take_map(maps::SNAPSHOT_PROCS).expect("SNAPSHOT_PROCS is in the object"))
+            .map_err(map_error(maps::SNAPSHOT_PROCS))?;
         Ok(Sampler {
             ebpf,
             frequency_hz: options.frequency_hz,
@@ -194,6 +206,7 @@ impl Sampler {
             py_procs,
             py_threads,
             py_markers,
+            snapshot_procs,
         })
     }
 
@@ -276,6 +289,15 @@ impl Sampler {
         self.remove_marker_chain(tid);
     }
 
+    /// Has the eBPF program copy `tgid`'s user stack at its samples, for CFI unwinding.
+    pub fn copy_stacks_of(&mut self, tgid: u32) -> Result<(), BpfError> {
+        self.snapshot_procs.insert(tgid, 1, 0).map_err(map_error(maps::SNAPSHOT_PROCS))
+    }
+
+    pub fn stop_copying_stacks_of(&mut self, tgid: u32) {
+        let _ = self.snapshot_procs.remove(&tgid);
+    }
+
     pub fn remove_marker_chain(&mut self, tid: u32) {
         let _ = self.py_markers.remove(&tid);
     }
@@ -316,18 +338,25 @@ fn decode_event(item: &[u8]) -> Option<ProcessEvent> {
     Some(unsafe { std::ptr::read_unaligned(item.as_ptr() as *const ProcessEvent) })
 }
 
-/// A sample as sent: the fixed part, then as many Python frames as it says (the rest stays zero).
+/// A sample as sent: the fixed part, then as many Python frames as it says (the rest stays zero),
+/// then the stack copy it says, which lands in `stack_tail`.
 fn decode_sample(item: &[u8]) -> Option<Box<SampleRecord>> {
-    if item.len() < SampleRecord::HEADER_LEN || item.len() > size_of::<SampleRecord>() {
-        return None;
-    }
+    let header = item.get(..SampleRecord::HEADER_LEN)?;
     let mut record: Box<std::mem::MaybeUninit<SampleRecord>> = Box::new_zeroed();
-    // SAFETY: the item is at most a record long; all-zero bytes are a valid SampleRecord (plain
-    // data), and the copied prefix is what the kernel wrote of one.
-    let record = unsafe {
-        std::ptr::copy_nonoverlapping(item.as_ptr(), record.as_mut_ptr() as *mut u8, item.len());
+    // SAFETY: all-zero bytes are a valid SampleRecord (plain data), and the copied header is what
+    // the kernel wrote of one.
+    let mut record = unsafe {
+        std::ptr::copy_nonoverlapping(header.as_ptr(), record.as_mut_ptr() as *mut u8, header.len());
         record.assume_init()
     };
-    let frames = (item.len() - SampleRecord::HEADER_LEN) / size_of::<pyebpf_common::PyFrameRecord>();
-    (record.py.frames_len as usize == frames).then_some(record)
+    let frames = record.py.frames_len as usize;
+    let stack_len = record.stack_len as usize;
+    if frames > record.py_frames.len() || stack_len > STACK_SNAPSHOT_MAX || item.len() != SampleRecord::sent_len(frames, stack_len) {
+        return None;
+    }
+    let (py_bytes, stack) = item[SampleRecord::HEADER_LEN..].split_at(frames * size_of::<PyFrameRecord>());
+    // SAFETY: `frames` fit in `py_frames` (checked), and PyFrameRecord is plain data.
+    unsafe { std::ptr::copy_nonoverlapping(py_bytes.as_ptr(), record.py_frames.as_mut_ptr() as *mut u8, py_bytes.len()) };
+    record.stack_tail[..stack_len].copy_from_slice(stack);
+    Some(record)
 }

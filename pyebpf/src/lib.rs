@@ -18,3 +18,4 @@ pub mod stack;
 pub mod stats;
 pub mod summary;
 pub mod symbolize;
+pub mod unwind;

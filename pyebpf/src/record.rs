@@ -6,11 +6,13 @@
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result};
-use pyebpf_common::{ProcessEvent, SampleRecord};
+use std::collections::HashSet;
+
+use pyebpf_common::{user_status, ProcessEvent, SampleRecord};
 use tokio::signal::unix::{signal, SignalKind};
 
 use crate::bpf::{check_privileges, Record, Sampler, SamplerOptions};
-use crate::cli::{GroupBy, RecordArgs};
+use crate::cli::{GroupBy, RecordArgs, UnwindMode};
 use crate::filter::SampleFilter;
 use crate::merge::{self, NativeStack};
 use crate::python_sampling::{PythonSampling, SamplingOptions};
@@ -23,6 +25,7 @@ use crate::stack::{Frame, Profile, StackKey};
 use crate::stats::Stats;
 use crate::summary::Summary;
 use crate::symbolize::Symbolizer;
+use crate::unwind::{Snapshot, StackUnwinder};
 
 /// How often lost samples are checked and periodic upkeep runs.
 const TICK: Duration = Duration::from_millis(250);
@@ -35,10 +38,14 @@ pub struct SampleResolver {
     processes: ProcessTable,
     no_native: bool,
     filter: SampleFilter,
+    unwind: UnwindMode,
+    unwinder: StackUnwinder,
+    /// Processes whose stacks the eBPF program copies (`--unwind auto`).
+    copying_stacks: HashSet<u32>,
 }
 
 impl SampleResolver {
-    pub fn new(options: SamplingOptions, no_native: bool, filter: SampleFilter) -> Self {
+    pub fn new(options: SamplingOptions, no_native: bool, filter: SampleFilter, unwind: UnwindMode) -> Self {
         SampleResolver {
             symbolizer: Symbolizer::new(),
             names: ProcessNames::default(),
@@ -46,6 +53,9 @@ impl SampleResolver {
             processes: ProcessTable::default(),
             no_native,
             filter,
+            unwind,
+            unwinder: StackUnwinder::new(),
+            copying_stacks: HashSet::new(),
         }
     }
 
@@ -70,13 +80,7 @@ impl SampleResolver {
         match python {
             Some(python) if self.no_native => frames.extend(merge::python_only(&python.items)),
             python => {
-                let user_len = (record.user_len as usize).min(record.user_stack.len());
-                let bases_len = (record.frame_bases_len as usize).min(record.user_frame_bases.len());
-                let native = NativeStack {
-                    levels: self.symbolizer.user_levels(record.tgid, &record.user_stack[..user_len]),
-                    frame_bases: record.user_frame_bases[..bases_len].to_vec(),
-                    sp: record.user_sp,
-                };
+                let native = self.native_stack(record, sampler, stats);
                 match python {
                     Some(python) => frames.extend(merge::merge_stacks(&native, &python.items)),
                     None => frames.extend(native.trusted_frames()),
@@ -84,6 +88,41 @@ impl SampleResolver {
             }
         }
         Some(StackKey { pid: record.tgid, tid: record.tid, comm, frames, truncated, labels: Some(labels) })
+    }
+
+    /// The sample's user stack: unwound from its stack copy where it has one, else the frame-pointer
+    /// walk the kernel did. With `--unwind auto`, a frame-pointer walk that did not reach the
+    /// stack's root has the process's later samples carry stack copies.
+    fn native_stack(&mut self, record: &SampleRecord, sampler: &mut Sampler, stats: &mut Stats) -> NativeStack {
+        if record.stack_len > 0 {
+            let stack = &record.stack_tail[..(record.stack_len as usize).min(record.stack_tail.len())];
+            let started = Instant::now();
+            let unwound = self.unwinder.unwind(record.tgid, &Snapshot { ip: record.user_stack[0], sp: record.user_sp, bp: record.user_bp, stack });
+            stats.count_unwind(&unwound, stack.len(), record.user_status & user_status::SNAPSHOT_FULL != 0, started.elapsed());
+            return NativeStack {
+                levels: self.symbolizer.user_levels(record.tgid, &unwound.addrs),
+                frame_bases: unwound.frame_bases,
+                sp: record.user_sp,
+            };
+        }
+        let user_len = (record.user_len as usize).min(record.user_stack.len());
+        if self.unwind == UnwindMode::Auto && user_len > 0 && record.user_status & user_status::FP_COMPLETE == 0 {
+            self.copy_stacks_of(record.tgid, sampler);
+        }
+        let bases_len = (record.frame_bases_len as usize).min(record.user_frame_bases.len());
+        NativeStack {
+            levels: self.symbolizer.user_levels(record.tgid, &record.user_stack[..user_len]),
+            frame_bases: record.user_frame_bases[..bases_len].to_vec(),
+            sp: record.user_sp,
+        }
+    }
+
+    fn copy_stacks_of(&mut self, pid: u32, sampler: &mut Sampler) {
+        if self.copying_stacks.insert(pid) {
+            if let Err(err) = sampler.copy_stacks_of(pid) {
+                log::debug!("process {pid}: stacks stay frame-pointer unwound: {err}");
+            }
+        }
     }
 
     /// Attaches to processes already running (those the filter keeps), before sampling starts.
@@ -116,6 +155,10 @@ impl SampleResolver {
         self.python.forget(pid, sampler);
         self.symbolizer.forget_process(pid);
         self.names.forget(pid);
+        self.unwinder.forget_process(pid);
+        if self.copying_stacks.remove(&pid) {
+            sampler.stop_copying_stacks_of(pid);
+        }
     }
 
     pub fn finish(&self, stats: &mut Stats) {
@@ -169,7 +212,7 @@ async fn record(args: &RecordArgs, watched: &Watched, sink: &ProfileSink) -> Res
     let mut hangup = signal(SignalKind::hangup()).context("install the SIGHUP handler")?;
     let options = SamplingOptions { marker: !args.no_cache, read_only: args.read_only, max_frames: args.max_python_frames };
     let filter = SampleFilter { comm: args.comm.clone(), python_only: args.python_only };
-    let mut resolver = SampleResolver::new(options, args.no_native, filter);
+    let mut resolver = SampleResolver::new(options, args.no_native, filter, args.unwind);
     let mut stats = Stats::default();
     resolver.attach_all(if args.all { process::all_pids() } else { args.pid.clone() }, &mut stats);
     let targets = if args.all { None } else { Some(args.pid.clone()) };
@@ -180,6 +223,7 @@ async fn record(args: &RecordArgs, watched: &Watched, sink: &ProfileSink) -> Res
         follow_forks: !args.command.is_empty() || args.subprocesses,
         ring_buffer_kb: args.ring_buffer_kb,
         program_stats: args.stats,
+        snapshot_all: args.unwind == UnwindMode::Dwarf,
     })?;
     resolver.register_all(&mut sampler);
     sampler.start_sampling()?;

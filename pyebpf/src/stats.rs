@@ -34,6 +34,28 @@ pub struct Stats {
     /// (every tick of every CPU, also those it drops at once).
     pub program_run_time_ns: u64,
     pub program_runs: u64,
+    /// Samples unwound from a stack copy (`--unwind dwarf|auto`), and those whose unwind stopped
+    /// before the stack's root (of them, those whose copy had reached its size limit).
+    pub unwound_samples: u64,
+    pub unwind_truncated: u64,
+    pub unwind_truncated_copy_full: u64,
+    /// Stack bytes copied and time spent unwinding them in userspace.
+    pub stack_bytes: u64,
+    pub unwind_ns: u64,
+}
+
+impl Stats {
+    pub fn count_unwind(&mut self, unwound: &crate::unwind::Unwound, stack_bytes: usize, copy_full: bool, took: std::time::Duration) {
+        self.unwound_samples += 1;
+        self.stack_bytes += stack_bytes as u64;
+        self.unwind_ns += took.as_nanos() as u64;
+        if !unwound.complete {
+            self.unwind_truncated += 1;
+            if copy_full {
+                self.unwind_truncated_copy_full += 1;
+            }
+        }
+    }
 }
 
 fn per(value: u64, count: u64) -> f64 {
@@ -65,6 +87,20 @@ impl fmt::Display for Stats {
             self.program_run_time_ns as f64 / 1e6,
             per(self.program_run_time_ns, self.samples) / 1e3,
             per(self.program_run_time_ns, self.program_runs) / 1e3
+        )?;
+        let unwound = self.unwound_samples;
+        writeln!(
+            f,
+            "CFI-unwound samples:        {unwound} ({:.0} stack bytes, {:.2} us unwinding per sample)",
+            per(self.stack_bytes, unwound),
+            per(self.unwind_ns, unwound) / 1e3
+        )?;
+        writeln!(
+            f,
+            "  truncated:                {} ({:.1}%; {} with the 16 KiB copy full)",
+            self.unwind_truncated,
+            percent(self.unwind_truncated, unwound),
+            self.unwind_truncated_copy_full
         )?;
         writeln!(f, "python processes:           {}", self.python_processes)?;
         writeln!(f, "python samples:             {py}")?;
