@@ -96,9 +96,10 @@ impl SampleResolver {
     fn native_stack(&mut self, record: &SampleRecord, sampler: &mut Sampler, stats: &mut Stats) -> NativeStack {
         if record.stack_len > 0 {
             let stack = &record.stack_tail[..(record.stack_len as usize).min(record.stack_tail.len())];
-            let started = Instant::now();
+            let started = thread_cpu_ns();
             let unwound = self.unwinder.unwind(record.tgid, &Snapshot { ip: record.user_stack[0], sp: record.user_sp, bp: record.user_bp, stack });
-            stats.count_unwind(&unwound, stack.len(), record.user_status & user_status::SNAPSHOT_FULL != 0, started.elapsed());
+            let took = thread_cpu_ns().saturating_sub(started);
+            stats.count_unwind(&unwound, stack.len(), record.user_status & user_status::SNAPSHOT_FULL != 0, took);
             return NativeStack {
                 levels: self.symbolizer.user_levels(record.tgid, &unwound.addrs),
                 frame_bases: unwound.frame_bases,
@@ -305,6 +306,16 @@ fn add_samples(batch: &mut Vec<Record>, resolver: &mut SampleResolver, sampler: 
 fn test_consumer_delay() -> Option<Duration> {
     static DELAY: std::sync::OnceLock<Option<Duration>> = std::sync::OnceLock::new();
     *DELAY.get_or_init(|| std::env::var("PYEBPF_TEST_CONSUMER_DELAY_MS").ok()?.parse().ok().map(Duration::from_millis))
+}
+
+/// CPU time of the calling thread so far: what one step costs, also on a busy host.
+fn thread_cpu_ns() -> u64 {
+    let mut now = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime fills the timespec it is given.
+    if unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut now) } != 0 {
+        return 0;
+    }
+    now.tv_sec as u64 * 1_000_000_000 + now.tv_nsec as u64
 }
 
 /// User plus system CPU time of this process so far.

@@ -39,16 +39,16 @@ pub struct Stats {
     pub unwound_samples: u64,
     pub unwind_truncated: u64,
     pub unwind_truncated_copy_full: u64,
-    /// Stack bytes copied and time spent unwinding them in userspace.
+    /// Stack bytes copied, and CPU time spent unwinding them in userspace (reading files included).
     pub stack_bytes: u64,
     pub unwind_ns: u64,
 }
 
 impl Stats {
-    pub fn count_unwind(&mut self, unwound: &crate::unwind::Unwound, stack_bytes: usize, copy_full: bool, took: std::time::Duration) {
+    pub fn count_unwind(&mut self, unwound: &crate::unwind::Unwound, stack_bytes: usize, copy_full: bool, cpu_ns: u64) {
         self.unwound_samples += 1;
         self.stack_bytes += stack_bytes as u64;
-        self.unwind_ns += took.as_nanos() as u64;
+        self.unwind_ns += cpu_ns;
         if !unwound.complete {
             self.unwind_truncated += 1;
             if copy_full {
@@ -91,13 +91,13 @@ impl fmt::Display for Stats {
         let unwound = self.unwound_samples;
         writeln!(
             f,
-            "CFI-unwound samples:        {unwound} ({:.0} stack bytes, {:.2} us unwinding per sample)",
+            "CFI-unwound samples:        {unwound} ({:.0} stack bytes, {:.2} us CPU unwinding per sample)",
             per(self.stack_bytes, unwound),
             per(self.unwind_ns, unwound) / 1e3
         )?;
         writeln!(
             f,
-            "  truncated:                {} ({:.1}%; {} with the 16 KiB copy full)",
+            "  stopped before the root:  {} ({:.1}%; {} with the 16 KiB copy full)",
             self.unwind_truncated,
             percent(self.unwind_truncated, unwound),
             self.unwind_truncated_copy_full

@@ -40,6 +40,8 @@ const MAX_FILE_BYTES: u64 = 1 << 30;
 /// return address lie between them.
 const FRAME_BASE_BELOW_CFA: u64 = 16;
 
+const PAGE_MASK: u64 = 4095;
+
 type Data = Arc<[u8]>;
 
 /// The user registers and stack copy of one sample.
@@ -115,13 +117,22 @@ impl FileCfi {
     }
 
     /// Where stated address 0 lies in a process that maps `file_offset` of this file at `start`.
+    /// The loader maps each segment from its offset rounded down to a page, so the mapping belongs
+    /// to the last segment whose rounded-down start is at or before `file_offset` (segments that
+    /// share a page both contain it).
     fn base_avma(&self, start: u64, file_offset: u64) -> Option<u64> {
         let segment = self
             .segments
             .iter()
-            .find(|s| s.file_offset <= file_offset && file_offset < s.file_offset.saturating_add(s.file_size.max(1)))?;
-        let svma = segment.svma.checked_add(file_offset - segment.file_offset)?;
-        start.checked_sub(svma).or_else(|| Some(start.wrapping_sub(svma)))
+            .filter(|s| s.file_offset & !PAGE_MASK <= file_offset && file_offset < s.file_offset.saturating_add(s.file_size.max(1)))
+            .max_by_key(|s| s.file_offset)?;
+        // The stated address of the mapping's first byte.
+        let svma = if file_offset <= segment.file_offset {
+            segment.svma.checked_sub(segment.file_offset - file_offset)?
+        } else {
+            segment.svma.checked_add(file_offset - segment.file_offset)?
+        };
+        Some(start.wrapping_sub(svma))
     }
 
     fn module(&self, name: String, avma: Range<u64>, base_avma: u64) -> Module<Data> {
@@ -311,6 +322,25 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
+    #[test]
+    fn a_mapping_belongs_to_the_segment_whose_page_it_starts() {
+        // Segments as `ld` lays out a Rust executable: the code segment starts mid-page in the file
+        // and one page later in memory, and the page holding its start also holds the end of the
+        // read-only segment before it.
+        let cfi = FileCfi {
+            segments: vec![
+                Segment { file_offset: 0, file_size: 0x19f4b0, svma: 0 },
+                Segment { file_offset: 0x19f4b0, file_size: 0x351670, svma: 0x1a04b0 },
+            ],
+            ..Default::default()
+        };
+        assert_eq!(cfi.base_avma(0x5600_0000_0000 + 0x1a0000, 0x19f000), Some(0x5600_0000_0000));
+        // A non-PIE executable maps at its stated addresses.
+        let fixed = FileCfi { segments: vec![Segment { file_offset: 0x1000, file_size: 0x5000, svma: 0x401000 }], ..Default::default() };
+        assert_eq!(fixed.base_avma(0x401000, 0x1000), Some(0));
+        assert_eq!(fixed.base_avma(0x401000, 0x9000), None);
+    }
+
     #[inline(never)]
     fn unwind_here(depth: u32, unwinder: &mut StackUnwinder) -> (Unwound, u64) {
         if depth > 0 {
@@ -337,7 +367,7 @@ mod tests {
     fn unwinds_its_own_stack_through_every_recursion() {
         let mut unwinder = StackUnwinder::new();
         let (unwound, sp) = unwind_here(6, &mut unwinder);
-        let here = unwind_here as usize as u64;
+        let here = unwind_here as *const () as usize as u64;
         // Seven activations of unwind_here (the innermost and six recursive calls) lie on the
         // stack: each recursive call's return address is inside unwind_here.
         let in_unwind_here = unwound.addrs.iter().filter(|&&a| a > here && a < here + 4096).count();
@@ -355,7 +385,7 @@ mod tests {
             let mut unwinder = StackUnwinder::new();
             // Our own process has real modules with real CFI; pid 0's maps do not exist.
             let pid = if own { std::process::id() } else { 0 };
-            let ip = if own { (unwind_here as usize as u64).wrapping_add(ip % 256) } else { ip };
+            let ip = if own { (unwind_here as *const () as usize as u64).wrapping_add(ip % 256) } else { ip };
             let unwound = unwinder.unwind(pid, &Snapshot { ip, sp, bp, stack: &stack });
             prop_assert!(unwound.addrs.len() <= MAX_USER_FRAMES);
             prop_assert!(unwound.frame_bases.len() < unwound.addrs.len().max(1));
@@ -368,7 +398,7 @@ mod tests {
             let sp = sp & !7;
             let stack: Vec<u8> = (0..words).flat_map(|_| sp.to_ne_bytes()).collect();
             let mut unwinder = StackUnwinder::new();
-            let ip = unwind_here as usize as u64;
+            let ip = unwind_here as *const () as usize as u64;
             let unwound = unwinder.unwind(std::process::id(), &Snapshot { ip, sp, bp: sp, stack: &stack });
             prop_assert!(!unwound.complete || unwound.addrs.len() <= MAX_USER_FRAMES);
             prop_assert!(unwound.addrs.len() <= words + 1);
