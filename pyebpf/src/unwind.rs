@@ -286,21 +286,30 @@ fn unwind_with(unwinder: &UnwinderX86_64<Data>, cache: &mut CacheX86_64, snapsho
 /// Reads a mapped file's unwind sections; None if it cannot be read or parsed (its frames fall
 /// back to frame pointers).
 fn read_file_cfi(pid: u32, start: u64, limit: u64, path: &Path) -> Option<Arc<FileCfi>> {
-    for candidate in file_paths(pid, start, limit, path) {
-        let size = std::fs::metadata(&candidate).map(|m| m.len()).unwrap_or(u64::MAX);
-        if size > MAX_FILE_BYTES {
-            continue;
-        }
-        let Ok(data) = std::fs::read(&candidate) else { continue };
-        match FileCfi::parse(&data) {
-            Ok(cfi) => return Some(Arc::new(cfi)),
-            Err(err) => {
-                log::debug!("cannot read the unwind information of {}: {err}", path.display());
-                return None;
-            }
+    let data = file_paths(pid, start, limit, path).iter().find_map(|candidate| read_regular_file(candidate))?;
+    match FileCfi::parse(&data) {
+        Ok(cfi) => Some(Arc::new(cfi)),
+        Err(err) => {
+            log::debug!("cannot read the unwind information of {}: {err}", path.display());
+            None
         }
     }
-    None
+}
+
+/// The contents of a regular file of at most [`MAX_FILE_BYTES`]. Opened without blocking and checked
+/// on the open descriptor: a process's path may name a FIFO or device now (a deleted file's name
+/// reused), which must neither block pyebpf nor be read.
+fn read_regular_file(path: &Path) -> Option<Vec<u8>> {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut file = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(path).ok()?;
+    let metadata = file.metadata().ok()?;
+    if !metadata.is_file() || metadata.len() > MAX_FILE_BYTES {
+        return None;
+    }
+    let mut data = Vec::with_capacity(metadata.len() as usize);
+    file.by_ref().take(MAX_FILE_BYTES).read_to_end(&mut data).ok()?;
+    Some(data)
 }
 
 fn read_executable_maps(pid: u32) -> procfs::ProcResult<Vec<MemoryMap>> {
@@ -321,6 +330,20 @@ fn file_paths(pid: u32, start: u64, limit: u64, path: &Path) -> [PathBuf; 2] {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn a_fifo_is_neither_waited_on_nor_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("python3 (deleted)");
+        let name = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: a valid C string; mkfifo creates the FIFO in our own temporary directory.
+        assert_eq!(unsafe { libc::mkfifo(name.as_ptr(), 0o600) }, 0);
+        assert!(read_regular_file(&fifo).is_none());
+        let regular = dir.path().join("lib.so");
+        std::fs::write(&regular, b"not an ELF file").unwrap();
+        assert_eq!(read_regular_file(&regular).as_deref(), Some(&b"not an ELF file"[..]));
+        assert!(FileCfi::parse(b"not an ELF file").is_err());
+    }
 
     #[test]
     fn a_mapping_belongs_to_the_segment_whose_page_it_starts() {
@@ -376,17 +399,25 @@ mod tests {
         assert!(unwound.frame_bases.first().is_some_and(|&b| b + 16 > sp));
     }
 
+    thread_local! {
+        /// One unwinder for the property tests: it reads this test binary's CFI once.
+        static UNWINDER: std::cell::RefCell<StackUnwinder> = std::cell::RefCell::new(StackUnwinder::new());
+    }
+
+    fn unwind_shared(pid: u32, snapshot: &Snapshot<'_>) -> Unwound {
+        UNWINDER.with(|unwinder| unwinder.borrow_mut().unwind(pid, snapshot))
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(300))]
         /// Garbage stacks and registers: the unwind stops, bounded, without a panic; every frame
         /// base it reports lies above the stack pointer and they only grow.
         #[test]
         fn garbage_stacks_stop_cleanly(stack in proptest::collection::vec(any::<u8>(), 0..4096), ip in any::<u64>(), sp in any::<u64>(), bp in any::<u64>(), own in any::<bool>()) {
-            let mut unwinder = StackUnwinder::new();
             // Our own process has real modules with real CFI; pid 0's maps do not exist.
             let pid = if own { std::process::id() } else { 0 };
             let ip = if own { (unwind_here as *const () as usize as u64).wrapping_add(ip % 256) } else { ip };
-            let unwound = unwinder.unwind(pid, &Snapshot { ip, sp, bp, stack: &stack });
+            let unwound = unwind_shared(pid, &Snapshot { ip, sp, bp, stack: &stack });
             prop_assert!(unwound.addrs.len() <= MAX_USER_FRAMES);
             prop_assert!(unwound.frame_bases.len() < unwound.addrs.len().max(1));
             prop_assert!(unwound.frame_bases.windows(2).all(|w| w[0] < w[1]));
@@ -397,9 +428,8 @@ mod tests {
         fn looping_stacks_end(sp in 0x7000_0000_0000u64..0x7fff_0000_0000, words in 8usize..512) {
             let sp = sp & !7;
             let stack: Vec<u8> = (0..words).flat_map(|_| sp.to_ne_bytes()).collect();
-            let mut unwinder = StackUnwinder::new();
             let ip = unwind_here as *const () as usize as u64;
-            let unwound = unwinder.unwind(std::process::id(), &Snapshot { ip, sp, bp: sp, stack: &stack });
+            let unwound = unwind_shared(std::process::id(), &Snapshot { ip, sp, bp: sp, stack: &stack });
             prop_assert!(!unwound.complete || unwound.addrs.len() <= MAX_USER_FRAMES);
             prop_assert!(unwound.addrs.len() <= words + 1);
         }

@@ -31,9 +31,8 @@ fn is_hashing_frame(frame: &str) -> bool {
 }
 
 /// The stack's root: collapsed stacks start at the outermost frame, and a complete one starts at
-/// the executable's entry point `_start` (named in every build: stripped executables keep it in
-/// `.dynsym`... or their symbol table's remnant) and passes `Py_BytesMain` (exported, so named
-/// in stripped Debian builds too) on its way to the interpreter.
+/// the executable's entry point `_start` and passes `Py_BytesMain` on its way to the interpreter
+/// (both are in `.dynsym`, so named in Debian's stripped builds too; `main` is not).
 fn reaches_root(frames: &[String]) -> bool {
     frames.first().is_some_and(|f| f == "_start") && frames.iter().any(|f| f == "Py_BytesMain")
 }
