@@ -27,7 +27,8 @@ pub enum PyStackItem {
 pub struct NativeStack {
     /// The frames of each stack entry, innermost first (an inlined call gives several).
     pub levels: Vec<Vec<NativeFrame>>,
-    /// The frame base (frame-pointer value) of each level, innermost first; may be shorter.
+    /// The frame base of each level, innermost first (its frame-pointer value, or CFA - 16 when
+    /// unwound from CFI: where a frame-pointer prologue puts it); may be shorter.
     pub frame_bases: Vec<u64>,
     /// The stack pointer at the sample: the innermost level's frame starts there.
     pub sp: u64,
