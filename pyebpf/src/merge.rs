@@ -45,6 +45,14 @@ impl NativeStack {
         self.levels.iter().skip(1).position(|level| !mapped(level)).map_or(self.levels.len(), |i| i + 1)
     }
 
+    /// Whether the stack reaches the C library's code that calls `main` or starts a thread: a
+    /// frame-pointer walk that got there unwound every frame above (glibc's own start code keeps no
+    /// frame pointer, so the walk rarely ends at a zero one).
+    pub fn reaches_start_code(&self) -> bool {
+        const START_CODE: [&str; 5] = ["__libc_start_call_main", "__libc_start_main", "__libc_start_main_impl", "start_thread", "_start"];
+        self.levels[..self.trusted_levels()].iter().flatten().any(|f| f.symbol.as_deref().is_some_and(|name| START_CODE.contains(&name)))
+    }
+
     /// The frames worth showing when there is no Python stack to merge.
     pub fn trusted_frames(&self) -> Vec<Frame> {
         self.levels[..self.trusted_levels()].iter().flatten().cloned().map(Frame::Native).collect()
@@ -247,6 +255,14 @@ mod tests {
     fn interpreter_frame_without_a_segment_stays_native() {
         let n = stack(vec![native("_PyEval_EvalFrameDefault"), native("main")]);
         assert_eq!(names(&merge_stacks(&n, &[])), ["_PyEval_EvalFrameDefault", "main"]);
+    }
+
+    #[test]
+    fn start_code_is_recognised_only_among_trusted_levels() {
+        assert!(stack(vec![native("leaf"), native("main"), native("__libc_start_call_main")]).reaches_start_code());
+        assert!(!stack(vec![native("leaf"), native("main")]).reaches_start_code());
+        let past_garbage = NativeStack { levels: vec![native("leaf"), garbage(), native("__libc_start_call_main")], ..Default::default() };
+        assert!(!past_garbage.reaches_start_code());
     }
 
     #[test]

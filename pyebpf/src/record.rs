@@ -91,8 +91,8 @@ impl SampleResolver {
     }
 
     /// The sample's user stack: unwound from its stack copy where it has one, else the frame-pointer
-    /// walk the kernel did. With `--unwind auto`, a frame-pointer walk that did not reach the
-    /// stack's root has the process's later samples carry stack copies.
+    /// walk the kernel did. With `--unwind auto`, a frame-pointer walk that reached neither a zero
+    /// frame pointer nor libc's start code has the process's later samples carry stack copies.
     fn native_stack(&mut self, record: &SampleRecord, sampler: &mut Sampler, stats: &mut Stats) -> NativeStack {
         if record.stack_len > 0 {
             let stack = &record.stack_tail[..(record.stack_len as usize).min(record.stack_tail.len())];
@@ -107,15 +107,17 @@ impl SampleResolver {
             };
         }
         let user_len = (record.user_len as usize).min(record.user_stack.len());
-        if self.unwind == UnwindMode::Auto && user_len > 0 && record.user_status & user_status::FP_COMPLETE == 0 {
-            self.copy_stacks_of(record.tgid, sampler);
-        }
         let bases_len = (record.frame_bases_len as usize).min(record.user_frame_bases.len());
-        NativeStack {
+        let native = NativeStack {
             levels: self.symbolizer.user_levels(record.tgid, &record.user_stack[..user_len]),
             frame_bases: record.user_frame_bases[..bases_len].to_vec(),
             sp: record.user_sp,
+        };
+        let complete = record.user_status & user_status::FP_COMPLETE != 0 || native.reaches_start_code();
+        if self.unwind == UnwindMode::Auto && user_len > 0 && !complete {
+            self.copy_stacks_of(record.tgid, sampler);
         }
+        native
     }
 
     fn copy_stacks_of(&mut self, pid: u32, sampler: &mut Sampler) {
