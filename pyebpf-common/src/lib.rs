@@ -15,6 +15,14 @@ pub const MAX_PY_FRAMES: usize = 512;
 pub const PY_FRAME_WINDOW: usize = 128;
 /// Positions of an established marker chain the eBPF program can check a moved marker against.
 pub const MARKER_POSITIONS: usize = 16;
+/// Most bytes of the user stack (from the stack pointer up) copied per sample for unwinding from
+/// call frame information in userspace.
+pub const STACK_SNAPSHOT_MAX: usize = 16 * 1024;
+/// The stack is copied in page-aligned chunks, so a copy that meets the stack's end keeps every
+/// page before it.
+pub const STACK_CHUNK: usize = 4096;
+/// Processes whose user stacks are copied at most (`--unwind auto`).
+pub const MAX_SNAPSHOT_PROCS: u32 = 16384;
 
 /// Map names, shared so the loader and the programs cannot drift apart.
 pub mod maps {
@@ -26,6 +34,7 @@ pub mod maps {
     pub const PY_THREADS: &str = "PY_THREADS";
     pub const PY_MARKERS: &str = "PY_MARKERS";
     pub const SCRATCH: &str = "SCRATCH";
+    pub const SNAPSHOT_PROCS: &str = "SNAPSHOT_PROCS";
 }
 
 /// Bits of [`Config::flags`].
@@ -36,6 +45,18 @@ pub mod config_flags {
     pub const FILTER_TARGETS: u32 = 1 << 1;
     /// Add children forked by a target to `TARGETS` (`-- COMMAND`, `--subprocesses`).
     pub const FOLLOW_FORKS: u32 = 1 << 2;
+    /// Copy the user stack of every sampled process (`--unwind dwarf`); otherwise only of those in
+    /// `SNAPSHOT_PROCS`.
+    pub const SNAPSHOT_ALL: u32 = 1 << 3;
+}
+
+/// Bits of [`SampleRecord::user_status`].
+pub mod user_status {
+    /// The frame-pointer walk ended at a zero frame pointer: the root of a stack built with frame
+    /// pointers (`_start` and thread entry clear it). Otherwise the chain broke somewhere.
+    pub const FP_COMPLETE: u32 = 1 << 0;
+    /// The copy of the stack stopped at [`super::STACK_SNAPSHOT_MAX`], not at the stack's end.
+    pub const SNAPSHOT_FULL: u32 = 1 << 1;
 }
 
 /// Global settings, the single entry of the `CONFIG` array.
@@ -156,13 +177,19 @@ pub struct SampleRecord {
     pub kernel_len: u32,
     /// Number of valid entries in `user_frame_bases`.
     pub frame_bases_len: u32,
-    pub _pad: u32,
+    /// `user_status` bits.
+    pub user_status: u32,
     /// `bpf_ktime_get_ns()` at the sample.
     pub time_ns: u64,
     pub comm: [u8; COMM_LEN],
     pub py: PyCapture,
     /// The user stack pointer at the sample.
     pub user_sp: u64,
+    /// The user frame pointer (rbp) at the sample: CFI unwinding starts from ip, sp and it.
+    pub user_bp: u64,
+    /// Bytes of the user stack copied from `user_sp` up; they follow the Python frames sent.
+    pub stack_len: u32,
+    pub _pad: u32,
     /// Return addresses, innermost first.
     pub user_stack: [u64; MAX_USER_FRAMES],
     /// The frame pointer of each user frame, innermost first: entry `i` is the frame base of the
@@ -170,18 +197,21 @@ pub struct SampleRecord {
     /// The merge finds which native frame holds each interpreter entry frame with these.
     pub user_frame_bases: [u64; MAX_USER_FRAMES],
     pub kernel_stack: [u64; MAX_KERNEL_FRAMES],
-    /// The Python frames walked at the sample; only `py.frames_len` of them are sent, so a record
-    /// is [`SampleRecord::sent_len`] bytes long.
+    /// The Python frames walked at the sample; only `py.frames_len` of them are sent.
     pub py_frames: [PyFrameRecord; MAX_PY_FRAMES],
+    /// Room for the stack copy, which is sent right after the Python frames sent: a record is
+    /// [`SampleRecord::sent_len`] bytes long. One chunk more than the most copied, so the eBPF
+    /// program's writes are in bounds by construction.
+    pub stack_tail: [u8; STACK_SNAPSHOT_MAX + STACK_CHUNK],
 }
 
 impl SampleRecord {
     /// Bytes before `py_frames`: every record carries at least these.
     pub const HEADER_LEN: usize = core::mem::offset_of!(SampleRecord, py_frames);
 
-    /// Bytes sent for a record carrying `frames` Python frames.
-    pub const fn sent_len(frames: usize) -> usize {
-        Self::HEADER_LEN + frames * core::mem::size_of::<PyFrameRecord>()
+    /// Bytes sent for a record carrying `frames` Python frames and `stack` bytes of stack.
+    pub const fn sent_len(frames: usize, stack: usize) -> usize {
+        Self::HEADER_LEN + frames * core::mem::size_of::<PyFrameRecord>() + stack
     }
 }
 

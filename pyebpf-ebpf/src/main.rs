@@ -21,9 +21,9 @@ use aya_ebpf::{
 // RUST_LOG enables debug), and with it off the verifier removes them.
 use aya_log_ebpf::debug;
 use pyebpf_common::{
-    config_flags, py_proc_flags, py_status, record_kind, Config, MarkerChain, ProcessEvent, PyCapture, PyFrameRecord,
-    PyProcConfig, SampleRecord,
-    MARKER_POSITIONS, MAX_KERNEL_FRAMES, MAX_PY_FRAMES, MAX_USER_FRAMES, NO_OFFSET, PY_FRAME_WINDOW,
+    config_flags, py_proc_flags, py_status, record_kind, user_status, Config, MarkerChain, ProcessEvent, PyCapture,
+    PyFrameRecord, PyProcConfig, SampleRecord, MARKER_POSITIONS, MAX_KERNEL_FRAMES, MAX_PY_FRAMES, MAX_SNAPSHOT_PROCS,
+    MAX_USER_FRAMES, NO_OFFSET, PY_FRAME_WINDOW, STACK_CHUNK, STACK_SNAPSHOT_MAX,
 };
 
 
@@ -53,9 +53,15 @@ static PY_THREADS: HashMap<u32, u64> = HashMap::with_max_entries(65536, 0);
 #[map(name = "PY_MARKERS")]
 static PY_MARKERS: HashMap<u32, MarkerChain> = HashMap::with_max_entries(65536, BPF_F_NO_PREALLOC);
 
-/// The record is built here (it is too large for the stack), then its used part is sent.
+/// Processes whose user stack is copied at each sample (`--unwind auto` adds them).
+#[map(name = "SNAPSHOT_PROCS")]
+static SNAPSHOT_PROCS: HashMap<u32, u8> = HashMap::with_max_entries(MAX_SNAPSHOT_PROCS, 0);
+
+/// The record is built here (it is too large for the stack), then its used part is sent. One
+/// entry per CPU (userspace sets the count), indexed by CPU: a per-CPU array's values are limited to
+/// 32 KiB, less than a record with its stack copy.
 #[map(name = "SCRATCH")]
-static SCRATCH: PerCpuArray<SampleRecord> = PerCpuArray::with_max_entries(1, 0);
+static SCRATCH: Array<SampleRecord> = Array::with_max_entries(1, 0);
 
 const BPF_F_NO_PREALLOC: u32 = 1;
 const BPF_RB_NO_WAKEUP: u64 = 1;
@@ -74,22 +80,27 @@ pub fn sample(ctx: PerfEventContext) -> u32 {
     if config.flags & config_flags::FILTER_TARGETS != 0 && TARGETS.get_ptr(tgid).is_none() {
         return 0;
     }
-    let Some(record) = SCRATCH.get_ptr_mut(0) else { return 0 };
+    // SAFETY: no preconditions.
+    let cpu = unsafe { bpf_get_smp_processor_id() };
+    let Some(record) = SCRATCH.get_ptr_mut(cpu) else { return 0 };
     // SAFETY: `record` points at this CPU's scratch record; this program cannot preempt itself on
     // one CPU, so nothing else uses it meanwhile.
-    let frames = unsafe {
+    let (frames, stack_len) = unsafe {
         (*record).kind = record_kind::SAMPLE;
         (*record).tgid = tgid;
         (*record).tid = tid;
-        (*record).cpu = bpf_get_smp_processor_id();
+        (*record).cpu = cpu;
         (*record).time_ns = bpf_ktime_get_ns();
         (*record).comm = bpf_get_current_comm().unwrap_or([0; 16]);
         capture_python(&ctx, tgid, tid, &mut (*record).py, &mut (*record).py_frames);
         let (ip, sp, bp) = user_regs(&ctx);
         (*record).user_sp = sp;
-        let (user_len, bases_len) = walk_user_stack(ip, sp, bp, &mut (*record).user_stack, &mut (*record).user_frame_bases);
+        (*record).user_bp = bp;
+        let (user_len, bases_len, fp_complete) =
+            walk_user_stack(ip, sp, bp, &mut (*record).user_stack, &mut (*record).user_frame_bases);
         (*record).user_len = user_len;
         (*record).frame_bases_len = bases_len;
+        let mut status = if fp_complete { user_status::FP_COMPLETE } else { 0 };
         (*record).kernel_len = if config.flags & config_flags::KERNEL_STACK != 0 {
             stack_len(bpf_get_stack(
                 ctx.as_ptr(),
@@ -100,10 +111,25 @@ pub fn sample(ctx: PerfEventContext) -> u32 {
         } else {
             0
         };
-        (*record).py.frames_len as usize
+        let frames = (*record).py.frames_len as usize;
+        let frames = if frames > MAX_PY_FRAMES { MAX_PY_FRAMES } else { frames };
+        let stack_len = if ip != 0 && wants_snapshot(config, tgid) {
+            // The copy goes right after the Python frames that are sent.
+            let tail = (*record).py_frames.as_mut_ptr().add(frames) as *mut u8;
+            let (copied, full) = copy_stack(sp, tail);
+            if full {
+                status |= user_status::SNAPSHOT_FULL;
+            }
+            copied
+        } else {
+            0
+        };
+        (*record).user_status = status;
+        (*record).stack_len = stack_len as u32;
+        (frames, stack_len)
     };
-    // Only the walked frames are sent: a record is as long as the chain it carries.
-    let len = SampleRecord::sent_len(if frames > MAX_PY_FRAMES { MAX_PY_FRAMES } else { frames });
+    // Only the walked frames and the copied stack are sent: a record is as long as what it carries.
+    let len = SampleRecord::sent_len(frames, stack_len);
     // SAFETY: `len` is at most the record's size.
     let bytes = unsafe { core::slice::from_raw_parts(record as *const u8, len) };
     // Waking the reader costs more than the rest of the sample (an interrupt, a VM exit in a
@@ -116,6 +142,43 @@ pub fn sample(ctx: PerfEventContext) -> u32 {
         }
     }
     0
+}
+
+fn wants_snapshot(config: &Config, tgid: u32) -> bool {
+    config.flags & config_flags::SNAPSHOT_ALL != 0 || SNAPSHOT_PROCS.get_ptr(tgid).is_some()
+}
+
+/// Copies the user stack from `sp` up into `tail`, in chunks that end at page boundaries, until
+/// [`STACK_SNAPSHOT_MAX`] bytes or a page that cannot be read (the stack's end). Returns the bytes
+/// copied and whether the limit, not the stack's end, stopped the copy.
+///
+/// # Safety
+/// `tail` must have room for `STACK_SNAPSHOT_MAX + STACK_CHUNK` bytes.
+unsafe fn copy_stack(sp: u64, tail: *mut u8) -> (usize, bool) {
+    let mut copied = 0usize;
+    let mut src = sp;
+    for _ in 0..(STACK_SNAPSHOT_MAX / STACK_CHUNK + 1) {
+        if copied >= STACK_SNAPSHOT_MAX {
+            break;
+        }
+        let to_page_end = STACK_CHUNK - (src as usize & (STACK_CHUNK - 1));
+        let left = STACK_SNAPSHOT_MAX - copied;
+        let len = if to_page_end < left { to_page_end } else { left };
+        // In 1..=STACK_CHUNK, in a form the verifier can bound.
+        let len = ((len.wrapping_sub(1)) & (STACK_CHUNK - 1)) + 1;
+        let at = copied & (STACK_SNAPSHOT_MAX - 1);
+        // SAFETY: `at + len` is within the room the caller guarantees; the user read is checked.
+        if generated::bpf_probe_read_user(tail.add(at) as *mut c_void, len as u32, src as *const c_void) < 0 {
+            break;
+        }
+        copied += len;
+        src += len as u64;
+    }
+    if copied >= STACK_SNAPSHOT_MAX {
+        (STACK_SNAPSHOT_MAX, true)
+    } else {
+        (copied, false)
+    }
 }
 
 /// Frames written by `bpf_get_stack` (it returns bytes, or a negative error).
@@ -164,16 +227,22 @@ fn user_regs(ctx: &PerfEventContext) -> (u64, u64, u64) {
 /// Unwinds the user stack through saved frame pointers, as the kernel's own user unwinder does,
 /// in one pass that records each frame's return address and its frame base (the merge places
 /// Python segments by the bases): one 16-byte read per frame. Stops where the chain leaves the
-/// stack or stops growing towards its root. Returns (return addresses, frame bases) recorded.
-fn walk_user_stack(ip: u64, sp: u64, mut bp: u64, stack: &mut [u64; MAX_USER_FRAMES], bases: &mut [u64; MAX_USER_FRAMES]) -> (u32, u32) {
+/// stack or stops growing towards its root. Returns (return addresses, frame bases) recorded, and
+/// whether the chain ended at a zero frame pointer (its root).
+fn walk_user_stack(ip: u64, sp: u64, mut bp: u64, stack: &mut [u64; MAX_USER_FRAMES], bases: &mut [u64; MAX_USER_FRAMES]) -> (u32, u32, bool) {
     if ip == 0 {
-        return (0, 0);
+        return (0, 0, false);
     }
     stack[0] = ip;
     let mut frames = 1;
     let mut based = 0;
     let mut floor = sp;
+    let mut complete = false;
     for (base, ret) in bases.iter_mut().zip(stack[1..].iter_mut()) {
+        if bp == 0 {
+            complete = true;
+            break;
+        }
         if bp < floor || bp & 7 != 0 {
             break;
         }
@@ -189,7 +258,7 @@ fn walk_user_stack(ip: u64, sp: u64, mut bp: u64, stack: &mut [u64; MAX_USER_FRA
         floor = bp + 16;
         bp = frame[0];
     }
-    (frames, based)
+    (frames, based, complete)
 }
 
 fn read_u64(addr: u64) -> Option<u64> {

@@ -57,6 +57,9 @@ pub struct SamplerOptions {
     pub ring_buffer_kb: u32,
     /// Have the kernel account the sampler's run time (for `--stats`; costs a little per run).
     pub program_stats: bool,
+    /// Copy every sampled user stack for CFI unwinding (`--unwind dwarf`); otherwise only the
+    /// stacks of processes added with [`Sampler::copy_stacks_of`].
+    pub snapshot_all: bool,
 }
 
 /// The running sampler. Dropping it detaches the programs.
@@ -73,6 +76,7 @@ pub struct Sampler {
     py_procs: HashMap<MapData, u32, PyProcConfig>,
     py_threads: HashMap<MapData, u32, u64>,
     py_markers: HashMap<MapData, u32, MarkerChain>,
+    snapshot_procs: HashMap<MapData, u32, u8>,
 }
 
 /// Whether this process may load BPF programs, sample all CPUs and read other processes.
@@ -121,12 +125,16 @@ impl Sampler {
             .btf(Some(&aya_btf))
             .override_global(aya_log::LEVEL, &log_level, false)
             .map_max_entries(maps::SAMPLES, kb * 1024)
+            .map_max_entries(maps::SCRATCH, aya::util::nr_cpus().map_err(|(_, err)| BpfError::Cpus(err))? as u32)
             .load(EBPF_OBJECT)
             .map_err(|err| if is_permission_error(&err) { BpfError::NotPermitted } else { BpfError::Load(err) })?;
 
         let mut flags = 0;
         if options.kernel_stacks {
             flags |= config_flags::KERNEL_STACK;
+        }
+        if options.snapshot_all {
+            flags |= config_flags::SNAPSHOT_ALL;
         }
         let mut targets: HashMap<MapData, u32, u8> =
             HashMap::try_from(ebpf.take_map(maps::TARGETS).expect("TARGETS is in the object")).map_err(map_error(maps::TARGETS))?;
@@ -175,6 +183,8 @@ impl Sampler {
         let py_procs = HashMap::try_from(ebpf.take_map(maps::PY_PROCS).expect("PY_PROCS is in the object")).map_err(map_error(maps::PY_PROCS))?;
         let py_threads = HashMap::try_from(ebpf.take_map(maps::PY_THREADS).expect("PY_THREADS is in the object")).map_err(map_error(maps::PY_THREADS))?;
         let py_markers = HashMap::try_from(ebpf.take_map(maps::PY_MARKERS).expect("PY_MARKERS is in the object")).map_err(map_error(maps::PY_MARKERS))?;
+        let snapshot_procs = HashMap::try_from(ebpf.take_map(maps::SNAPSHOT_PROCS).expect("SNAPSHOT_PROCS is in the object"))
+            .map_err(map_error(maps::SNAPSHOT_PROCS))?;
         Ok(Sampler {
             ebpf,
             frequency_hz: options.frequency_hz,
@@ -186,6 +196,7 @@ impl Sampler {
             py_procs,
             py_threads,
             py_markers,
+            snapshot_procs,
         })
     }
 
@@ -277,6 +288,15 @@ impl Sampler {
     pub fn remove_py_thread(&mut self, tid: u32) {
         let _ = self.py_threads.remove(&tid);
         self.remove_marker_chain(tid);
+    }
+
+    /// Has the eBPF program copy `tgid`'s user stack at its samples, for CFI unwinding.
+    pub fn copy_stacks_of(&mut self, tgid: u32) -> Result<(), BpfError> {
+        self.snapshot_procs.insert(tgid, 1, 0).map_err(map_error(maps::SNAPSHOT_PROCS))
+    }
+
+    pub fn stop_copying_stacks_of(&mut self, tgid: u32) {
+        let _ = self.snapshot_procs.remove(&tgid);
     }
 
     pub fn remove_marker_chain(&mut self, tid: u32) {

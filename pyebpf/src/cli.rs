@@ -72,6 +72,19 @@ pub enum OutputFormat {
     Speedscope,
 }
 
+/// How native user stacks are unwound (`--unwind`).
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum UnwindMode {
+    /// Frame pointers only, in the kernel: cheapest; stops in code built without them
+    Fp,
+    /// Every sampled stack is copied and unwound in userspace from the call frame information
+    /// (.eh_frame, .debug_frame) of each mapped file
+    Dwarf,
+    /// Frame pointers, switched to CFI for a process once one of its frame-pointer stacks ends
+    /// before the stack's root
+    Auto,
+}
+
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GroupBy {
     Process,
@@ -130,6 +143,12 @@ pub struct RecordArgs {
     /// Capture kernel stacks too (frames end in `_[k]` in collapsed output)
     #[arg(long = "kernel")]
     pub kernel: bool,
+
+    /// How native stacks are unwound: `fp` (frame pointers, in the kernel), `dwarf` (a copy of
+    /// up to 16 KiB of every user stack, unwound in userspace from .eh_frame/.debug_frame), `auto`
+    /// (frame pointers until a process shows a stack they cannot unwind, then dwarf for it)
+    #[arg(long = "unwind", value_enum, default_value = "auto")]
+    pub unwind: UnwindMode,
 
     /// Show Python frames only, without the native frames around them
     #[arg(long = "no-native")]

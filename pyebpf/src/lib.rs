@@ -22,3 +22,4 @@ pub mod summary;
 pub mod symbolize;
 pub mod target_file;
 pub mod top;
+pub mod unwind;

@@ -28,6 +28,8 @@ pub trait NativeLevel {
     fn is_mapped(&self) -> bool;
     /// One of its frames runs Python code (by symbol name).
     fn runs_python(&self) -> bool;
+    /// One of its frames is the C library's code that calls `main` or starts a thread.
+    fn is_start_code(&self) -> bool;
 }
 
 /// A sample's user stack.
@@ -49,6 +51,13 @@ impl<L: NativeLevel> NativeStack<'_, L> {
             return self.levels.len();
         }
         self.levels.iter().skip(1).position(|level| !level.is_mapped()).map_or(self.levels.len(), |i| i + 1)
+    }
+
+    /// Whether the stack reaches the C library's start code: a frame-pointer walk that got there
+    /// unwound every frame above (glibc's own start code keeps no frame pointer, so the walk
+    /// rarely ends at a zero one).
+    pub fn reaches_start_code(&self) -> bool {
+        self.levels[..self.trusted_levels()].iter().any(L::is_start_code)
     }
 
     /// The level whose stack frame holds `addr`.
@@ -167,6 +176,12 @@ pub fn is_interpreter_frame(frame: &NativeFrame) -> bool {
     })
 }
 
+/// Symbols of the C library's code that calls `main` or starts a thread.
+pub fn is_start_code(frame: &NativeFrame) -> bool {
+    const START_CODE: [&str; 5] = ["__libc_start_call_main", "__libc_start_main", "__libc_start_main_impl", "start_thread", "_start"];
+    frame.symbol.as_deref().is_some_and(|name| START_CODE.contains(&name))
+}
+
 /// The Python frames alone, innermost first (`--no-native`).
 pub fn python_frames<F>(python: &[PyStackItem<F>]) -> impl Iterator<Item = &F> {
     python.iter().filter_map(|item| match item {
@@ -206,6 +221,10 @@ mod tests {
 
         fn runs_python(&self) -> bool {
             self.iter().any(is_interpreter_frame)
+        }
+
+        fn is_start_code(&self) -> bool {
+            self.iter().any(is_start_code)
         }
     }
 

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use hashbrown::HashMap;
 
-use crate::merge::{is_interpreter_frame, NativeLevel};
+use crate::merge::{is_interpreter_frame, is_start_code, NativeLevel};
 use crate::stack::{Frame, FrameId, FrameTable};
 use crate::symbolize::{call_site, Symbolizer};
 
@@ -25,6 +25,7 @@ pub struct IdLevel {
     len: u32,
     mapped: bool,
     runs_python: bool,
+    start_code: bool,
     /// When an unmapped entry was looked up.
     checked_at: Option<Instant>,
 }
@@ -36,6 +37,10 @@ impl NativeLevel for IdLevel {
 
     fn runs_python(&self) -> bool {
         self.runs_python
+    }
+
+    fn is_start_code(&self) -> bool {
+        self.start_code
     }
 }
 
@@ -85,6 +90,7 @@ impl NativeIds {
                 len: native.len() as u32,
                 mapped,
                 runs_python: native.iter().any(is_interpreter_frame),
+                start_code: native.iter().any(is_start_code),
                 checked_at: (!mapped).then(Instant::now),
             };
             self.level_ids.extend(native.into_iter().map(|frame| frames.intern(Frame::Native(frame))));

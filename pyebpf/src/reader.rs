@@ -14,7 +14,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use aya::maps::{MapData, RingBuf};
-use pyebpf_common::{record_kind, ProcessEvent, PyFrameRecord, SampleRecord};
+use pyebpf_common::{record_kind, ProcessEvent, PyFrameRecord, SampleRecord, STACK_SNAPSHOT_MAX};
 
 /// How long samples may wait in the ring buffer before the reader looks: the kernel wakes the
 /// reader only once a quarter of the buffer is pending.
@@ -239,7 +239,7 @@ pub struct RecordBatch {
     next_raw: usize,
     next_record: usize,
     sample: Box<SampleRecord>,
-    /// Bytes of `sample` the previous record wrote: what must be zeroed again before a shorter one.
+    /// Python frames the previous record wrote: what must be zeroed again before a shorter one.
     sample_dirty: usize,
 }
 
@@ -298,22 +298,27 @@ fn decode_event(item: &[u8]) -> Option<ProcessEvent> {
     Some(unsafe { std::ptr::read_unaligned(item.as_ptr() as *const ProcessEvent) })
 }
 
-/// A sample as sent: the fixed part, then as many Python frames as it says; the rest of `sample`
-/// is zero. True when the record is well formed.
-fn decode_sample(item: &[u8], sample: &mut SampleRecord, dirty: &mut usize) -> bool {
-    if item.len() < SampleRecord::HEADER_LEN || item.len() > size_of::<SampleRecord>() {
+/// A sample as sent: the fixed part, then as many Python frames as it says, then the stack copy it
+/// says (into `stack_tail`); the Python frames past those sent are zero. `dirty_frames` is how many
+/// the previous record wrote. True when the record is well formed.
+fn decode_sample(item: &[u8], sample: &mut SampleRecord, dirty_frames: &mut usize) -> bool {
+    let Some(header) = item.get(..SampleRecord::HEADER_LEN) else { return false };
+    // SAFETY: the header lies within the record, and every byte pattern is a valid SampleRecord
+    // (plain data).
+    unsafe { std::ptr::copy_nonoverlapping(header.as_ptr(), sample as *mut SampleRecord as *mut u8, header.len()) };
+    let frames = sample.py.frames_len as usize;
+    let stack_len = sample.stack_len as usize;
+    if frames > sample.py_frames.len() || stack_len > STACK_SNAPSHOT_MAX || item.len() != SampleRecord::sent_len(frames, stack_len) {
         return false;
     }
-    let bytes = sample as *mut SampleRecord as *mut u8;
-    // SAFETY: both ranges lie within the record; all byte patterns are a valid SampleRecord
-    // (plain data), so the copied prefix and the zeroed rest leave a valid one.
-    unsafe {
-        std::ptr::copy_nonoverlapping(item.as_ptr(), bytes, item.len());
-        if *dirty > item.len() {
-            std::ptr::write_bytes(bytes.add(item.len()), 0, *dirty - item.len());
-        }
+    let (py_bytes, stack) = item[SampleRecord::HEADER_LEN..].split_at(frames * size_of::<PyFrameRecord>());
+    // SAFETY: `frames` fit in `py_frames` (checked), and PyFrameRecord is plain data.
+    unsafe { std::ptr::copy_nonoverlapping(py_bytes.as_ptr(), sample.py_frames.as_mut_ptr() as *mut u8, py_bytes.len()) };
+    if *dirty_frames > frames {
+        // SAFETY: frames..dirty_frames lies within `py_frames`; zero is a valid PyFrameRecord.
+        unsafe { std::ptr::write_bytes(sample.py_frames.as_mut_ptr().add(frames), 0, *dirty_frames - frames) };
     }
-    *dirty = item.len();
-    let frames = (item.len() - SampleRecord::HEADER_LEN) / size_of::<PyFrameRecord>();
-    sample.py.frames_len as usize == frames
+    *dirty_frames = frames;
+    sample.stack_tail[..stack_len].copy_from_slice(stack);
+    true
 }

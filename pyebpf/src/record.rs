@@ -6,11 +6,12 @@
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result};
-use pyebpf_common::{ProcessEvent, SampleRecord};
+use hashbrown::HashSet;
+use pyebpf_common::{user_status, ProcessEvent, SampleRecord};
 use tokio::signal::unix::{signal, SignalKind};
 
 use crate::bpf::{check_privileges, Sampler, SamplerOptions};
-use crate::cli::{GroupBy, RecordArgs};
+use crate::cli::{GroupBy, RecordArgs, UnwindMode};
 use crate::filter::SampleFilter;
 use crate::merge::{python_frames, Merged, Merger, NativeStack};
 use crate::native_ids::{IdLevel, NativeIds};
@@ -25,6 +26,7 @@ use crate::stack::{FrameId, Profile, SampleStack};
 use crate::stats::Stats;
 use crate::summary::Summary;
 use crate::symbolize::Symbolizer;
+use crate::unwind::{Snapshot, StackUnwinder, Unwound};
 
 /// How often lost samples are checked and periodic upkeep runs.
 pub const TICK: Duration = Duration::from_millis(250);
@@ -39,6 +41,10 @@ pub struct SampleResolver {
     no_native: bool,
     filter: SampleFilter,
     scratch: Scratch,
+    unwind: UnwindMode,
+    unwinder: StackUnwinder,
+    /// Processes whose stacks the eBPF program copies (`--unwind auto`).
+    copying_stacks: HashSet<u32>,
 }
 
 /// Buffers reused from sample to sample, so a sample seen before allocates nothing.
@@ -51,7 +57,7 @@ struct Scratch {
 }
 
 impl SampleResolver {
-    pub fn new(options: SamplingOptions, no_native: bool, filter: SampleFilter) -> Self {
+    pub fn new(options: SamplingOptions, no_native: bool, filter: SampleFilter, unwind: UnwindMode) -> Self {
         SampleResolver {
             symbolizer: Symbolizer::new(),
             native: NativeIds::default(),
@@ -61,6 +67,9 @@ impl SampleResolver {
             no_native,
             filter,
             scratch: Scratch::default(),
+            unwind,
+            unwinder: StackUnwinder::new(),
+            copying_stacks: HashSet::new(),
         }
     }
 
@@ -86,10 +95,31 @@ impl SampleResolver {
         if self.no_native && truncated.is_some() {
             frames.extend(python_frames(python).copied());
         } else {
-            let user_len = (record.user_len as usize).min(record.user_stack.len());
-            self.native.user_levels(&mut self.symbolizer, &mut profile.frames, record.tgid, &record.user_stack[..user_len], levels);
-            let bases_len = (record.frame_bases_len as usize).min(record.user_frame_bases.len());
-            let stack = NativeStack { levels, frame_bases: &record.user_frame_bases[..bases_len], sp: record.user_sp };
+            // Unwound from the stack copy where the sample has one, else the kernel's frame-pointer walk.
+            let unwound = (record.stack_len > 0).then(|| unwind_copy(&mut self.unwinder, record, stats));
+            let (addrs, bases) = match &unwound {
+                Some(unwound) => (&unwound.addrs[..], &unwound.frame_bases[..]),
+                None => {
+                    let user_len = (record.user_len as usize).min(record.user_stack.len());
+                    let bases_len = (record.frame_bases_len as usize).min(record.user_frame_bases.len());
+                    (&record.user_stack[..user_len], &record.user_frame_bases[..bases_len])
+                }
+            };
+            self.native.user_levels(&mut self.symbolizer, &mut profile.frames, record.tgid, addrs, levels);
+            let stack = NativeStack { levels, frame_bases: bases, sp: record.user_sp };
+            // `--unwind auto`: a frame-pointer walk that reached neither a zero frame pointer nor
+            // the C library's start code has the process's later samples carry stack copies.
+            if unwound.is_none()
+                && self.unwind == UnwindMode::Auto
+                && !addrs.is_empty()
+                && record.user_status & user_status::FP_COMPLETE == 0
+                && !stack.reaches_start_code()
+                && self.copying_stacks.insert(record.tgid)
+            {
+                if let Err(err) = sampler.copy_stacks_of(record.tgid) {
+                    log::debug!("process {}: stacks stay frame-pointer unwound: {err}", record.tgid);
+                }
+            }
             let native = &self.native;
             if truncated.is_some() {
                 merger.merge(&stack, python, |piece| match piece {
@@ -145,6 +175,10 @@ impl SampleResolver {
         self.symbolizer.forget_process(pid);
         self.native.forget_process(pid);
         self.names.forget(pid);
+        self.unwinder.forget_process(pid);
+        if self.copying_stacks.remove(&pid) {
+            sampler.stop_copying_stacks_of(pid);
+        }
     }
 
     pub fn finish(&self, stats: &mut Stats) {
@@ -207,7 +241,7 @@ async fn record(args: &RecordArgs, watched: &Watched, sink: &ProfileSink) -> Res
     // A closed terminal or session (SIGHUP) ends the recording like Ctrl-C: the profile is written.
     let mut hangup = signal(SignalKind::hangup()).context("install the SIGHUP handler")?;
     let options = SamplingOptions { marker: !args.no_cache, read_only: args.read_only, max_frames: args.max_python_frames };
-    let mut resolver = SampleResolver::new(options, args.no_native, args.filter.sample_filter());
+    let mut resolver = SampleResolver::new(options, args.no_native, args.filter.sample_filter(), args.unwind);
     let mut stats = Stats::default();
     let targets = if args.all { None } else { Some(args.pid.clone()) };
     let mut sampler = resolver.start_sampler(
@@ -218,6 +252,7 @@ async fn record(args: &RecordArgs, watched: &Watched, sink: &ProfileSink) -> Res
             follow_forks: !args.command.is_empty() || args.subprocesses,
             ring_buffer_kb: args.ring_buffer_kb,
             program_stats: args.stats,
+            snapshot_all: args.unwind == UnwindMode::Dwarf,
         },
         &mut stats,
     )?;
@@ -299,6 +334,25 @@ pub fn add_samples(batch: &mut RecordBatch, resolver: &mut SampleResolver, sampl
 fn test_consumer_delay() -> Option<Duration> {
     static DELAY: std::sync::OnceLock<Option<Duration>> = std::sync::OnceLock::new();
     *DELAY.get_or_init(|| std::env::var("PYEBPF_TEST_CONSUMER_DELAY_MS").ok()?.parse().ok().map(Duration::from_millis))
+}
+
+/// A sample's user stack unwound from its copy, with what it cost counted in `stats`.
+fn unwind_copy(unwinder: &mut StackUnwinder, record: &SampleRecord, stats: &mut Stats) -> Unwound {
+    let stack = &record.stack_tail[..(record.stack_len as usize).min(record.stack_tail.len())];
+    let started = thread_cpu_ns();
+    let unwound = unwinder.unwind(record.tgid, &Snapshot { ip: record.user_stack[0], sp: record.user_sp, bp: record.user_bp, stack });
+    stats.count_unwind(&unwound, stack.len(), record.user_status & user_status::SNAPSHOT_FULL != 0, thread_cpu_ns().saturating_sub(started));
+    unwound
+}
+
+/// CPU time of the calling thread so far: what one step costs, also on a busy host.
+fn thread_cpu_ns() -> u64 {
+    let mut now = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime fills the timespec it is given.
+    if unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut now) } != 0 {
+        return 0;
+    }
+    now.tv_sec as u64 * 1_000_000_000 + now.tv_nsec as u64
 }
 
 /// User plus system CPU time of this process so far.

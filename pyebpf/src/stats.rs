@@ -38,6 +38,28 @@ pub struct Stats {
     /// (every tick of every CPU, also those it drops at once).
     pub program_run_time_ns: u64,
     pub program_runs: u64,
+    /// Samples unwound from a stack copy (`--unwind dwarf|auto`), and those whose unwind stopped
+    /// before the stack's root (of them, those whose copy had reached its size limit).
+    pub unwound_samples: u64,
+    pub unwind_truncated: u64,
+    pub unwind_truncated_copy_full: u64,
+    /// Stack bytes copied, and CPU time spent unwinding them in userspace (reading files included).
+    pub stack_bytes: u64,
+    pub unwind_ns: u64,
+}
+
+impl Stats {
+    pub fn count_unwind(&mut self, unwound: &crate::unwind::Unwound, stack_bytes: usize, copy_full: bool, cpu_ns: u64) {
+        self.unwound_samples += 1;
+        self.stack_bytes += stack_bytes as u64;
+        self.unwind_ns += cpu_ns;
+        if !unwound.complete {
+            self.unwind_truncated += 1;
+            if copy_full {
+                self.unwind_truncated_copy_full += 1;
+            }
+        }
+    }
 }
 
 fn per(value: u64, count: u64) -> f64 {
@@ -74,6 +96,20 @@ impl fmt::Display for Stats {
             self.program_run_time_ns as f64 / 1e6,
             per(self.program_run_time_ns, self.samples) / 1e3,
             per(self.program_run_time_ns, self.program_runs) / 1e3
+        )?;
+        let unwound = self.unwound_samples;
+        writeln!(
+            f,
+            "CFI-unwound samples:        {unwound} ({:.0} stack bytes, {:.2} us CPU unwinding per sample)",
+            per(self.stack_bytes, unwound),
+            per(self.unwind_ns, unwound) / 1e3
+        )?;
+        writeln!(
+            f,
+            "  stopped before the root:  {} ({:.1}%; {} with the 16 KiB copy full)",
+            self.unwind_truncated,
+            percent(self.unwind_truncated, unwound),
+            self.unwind_truncated_copy_full
         )?;
         writeln!(f, "python processes:           {}", self.python_processes)?;
         writeln!(f, "python samples:             {py}")?;

@@ -12,6 +12,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use pyebpf::bpf::{Sampler, SamplerOptions};
+use pyebpf::cli::UnwindMode;
 use pyebpf::filter::SampleFilter;
 use pyebpf::python_sampling::SamplingOptions;
 use pyebpf::reader::{Record, RecordBatch};
@@ -121,7 +122,7 @@ fn replay(marker: bool, keep: impl Fn(&SampleRecord) -> bool) -> (u64, usize, Pr
     let deep = Deep::start();
     let pid = deep.child.id();
     let options = SamplingOptions { marker, read_only: false, max_frames: 512 };
-    let mut resolver = SampleResolver::new(options, false, SampleFilter::default());
+    let mut resolver = SampleResolver::new(options, false, SampleFilter::default(), UnwindMode::Auto);
     let mut stats = Stats::default();
     let mut sampler = resolver
         .start_sampler(
@@ -132,6 +133,7 @@ fn replay(marker: bool, keep: impl Fn(&SampleRecord) -> bool) -> (u64, usize, Pr
                 follow_forks: false,
                 ring_buffer_kb: 4096,
                 program_stats: false,
+                snapshot_all: false,
             },
             &mut stats,
         )

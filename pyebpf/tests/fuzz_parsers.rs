@@ -60,7 +60,7 @@ fn sample_bytes(frames: usize, frames_len: u32) -> Vec<u8> {
     record.py.frames_len = frames_len;
     // SAFETY: reading the bytes of a plain-data value.
     let bytes = unsafe { std::slice::from_raw_parts(&*record as *const SampleRecord as *const u8, size_of::<SampleRecord>()) };
-    bytes[..SampleRecord::sent_len(frames).min(bytes.len())].to_vec()
+    bytes[..SampleRecord::sent_len(frames, 0).min(bytes.len())].to_vec()
 }
 
 /// Arbitrary ring-buffer records: a kind (mostly a real one) and bytes of any length up to past a
@@ -88,7 +88,7 @@ fn ring_buffer_records_never_panic_and_decode_consistently() {
             let mut batch = RecordBatch::from_items([&bytes[..]]);
             match batch.next() {
                 Some(Record::Sample(sample)) => {
-                    prop_assert_eq!(SampleRecord::sent_len(sample.py.frames_len as usize), bytes.len());
+                    prop_assert_eq!(SampleRecord::sent_len(sample.py.frames_len as usize, sample.stack_len as usize), bytes.len());
                     prop_assert!(bytes.len() <= size_of::<SampleRecord>());
                     decoded[0].set(decoded[0].get() + 1);
                 }

@@ -12,7 +12,7 @@ use ratatui::crossterm::event::{Event, KeyCode, KeyEvent, KeyEventKind, KeyModif
 use tokio::signal::unix::{signal, SignalKind};
 
 use crate::bpf::{check_privileges, SamplerOptions};
-use crate::cli::TopArgs;
+use crate::cli::{TopArgs, UnwindMode};
 use crate::process::{self, Watched};
 use crate::python_sampling::SamplingOptions;
 use crate::reader::RecordBatch;
@@ -94,7 +94,7 @@ async fn top(args: &TopArgs) -> Result<()> {
     let mut terminate = signal(SignalKind::terminate()).context("install the SIGTERM handler")?;
     let mut hangup = signal(SignalKind::hangup()).context("install the SIGHUP handler")?;
     let options = SamplingOptions { marker: true, read_only: args.read_only, max_frames: 512 };
-    let mut resolver = SampleResolver::new(options, false, args.filter.sample_filter());
+    let mut resolver = SampleResolver::new(options, false, args.filter.sample_filter(), UnwindMode::Auto);
     let mut stats = Stats::default();
     let targets = (!args.pid.is_empty()).then(|| args.pid.clone());
     let sampler_options = SamplerOptions {
@@ -104,6 +104,7 @@ async fn top(args: &TopArgs) -> Result<()> {
         follow_forks: false,
         ring_buffer_kb: 4096,
         program_stats: false,
+        snapshot_all: false,
     };
     let mut sampler = resolver.start_sampler(&sampler_options, &mut stats)?;
     // The screen is taken only once sampling runs, so a failure to load says so on the normal screen.

@@ -1,0 +1,437 @@
+//! Unwinding copied user stacks from call frame information (`--unwind dwarf|auto`).
+//!
+//! The eBPF program copies up to [`STACK_SNAPSHOT_MAX`] bytes of a thread's stack from its stack
+//! pointer up, with its instruction, stack and frame pointers, at the sample; here `framehop` unwinds
+//! that copy with the `.eh_frame`/`.eh_frame_hdr`/`.debug_frame` of every file the process maps
+//! (and falls back to frame pointers where a file has none). The copy was taken at the sample, so
+//! the unwind cannot race the thread.
+//!
+//! Each frame keeps its canonical frame address (CFA): its frame base is reported as CFA - 16, where
+//! a frame-pointer prologue puts `rbp`, so the merge places Python segments by the same rule for
+//! both unwinders.
+//!
+//! Caches are bounded: a file's unwind sections are read once per (device, inode) and kept for at
+//! most [`MAX_FILES`] files; a process's module list is rebuilt only when an address falls outside
+//! it, at most once per [`MAPS_REFRESH_INTERVAL`], and dropped when the process exits or execs.
+
+use std::collections::HashMap;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use framehop::x86_64::{CacheX86_64, UnwindRegsX86_64, UnwinderX86_64};
+use framehop::{ExplicitModuleSectionInfo, FrameAddress, Module, Unwinder};
+use object::{Object, ObjectSection, ObjectSegment};
+use procfs::process::{MMPermissions, MMapPath, MemoryMap};
+use pyebpf_common::{MAX_USER_FRAMES, STACK_SNAPSHOT_MAX};
+
+/// Files whose unwind sections are kept at most (all dropped at once when exceeded).
+const MAX_FILES: usize = 256;
+/// Processes whose module lists are kept at most.
+const MAX_PROCESSES: usize = 4096;
+/// The shortest time between two reads of one process's maps.
+const MAPS_REFRESH_INTERVAL: Duration = Duration::from_millis(100);
+/// Files larger than this are not read for their unwind sections (their frames fall back to frame
+/// pointers): a bound on what one hostile mapping can make pyebpf read.
+const MAX_FILE_BYTES: u64 = 1 << 30;
+
+/// Where a frame-pointer prologue puts the frame pointer, below the CFA: the saved `rbp` and the
+/// return address lie between them.
+const FRAME_BASE_BELOW_CFA: u64 = 16;
+
+const PAGE_MASK: u64 = 4095;
+
+type Data = Arc<[u8]>;
+
+/// The user registers and stack copy of one sample.
+#[derive(Clone, Copy, Debug)]
+pub struct Snapshot<'a> {
+    pub ip: u64,
+    pub sp: u64,
+    pub bp: u64,
+    /// The stack from `sp` up.
+    pub stack: &'a [u8],
+}
+
+/// A stack unwound from a snapshot, innermost first.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Unwound {
+    /// The instruction pointer, then return addresses.
+    pub addrs: Vec<u64>,
+    /// The frame base (CFA - 16) of each entry of `addrs` whose caller was found.
+    pub frame_bases: Vec<u64>,
+    /// The unwind reached the stack's root; otherwise it stopped early (the copy ended, the CFI or
+    /// the stack was bad, or it grew too deep) and the outer frames are missing.
+    pub complete: bool,
+}
+
+/// A file's identity, independent of the path a process reaches it by.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct FileId {
+    dev: (i32, i32),
+    inode: u64,
+}
+
+/// One loadable segment: where its file bytes sit in the file and in the stated address space.
+#[derive(Clone, Copy, Debug)]
+struct Segment {
+    file_offset: u64,
+    file_size: u64,
+    svma: u64,
+}
+
+/// What unwinding needs of one ELF file.
+#[derive(Debug, Default)]
+struct FileCfi {
+    segments: Vec<Segment>,
+    text: Option<(Range<u64>, Data)>,
+    eh_frame: Option<(Range<u64>, Data)>,
+    eh_frame_hdr: Option<(Range<u64>, Data)>,
+    debug_frame: Option<Data>,
+    got: Option<Range<u64>>,
+}
+
+impl FileCfi {
+    fn parse(data: &[u8]) -> Result<FileCfi, object::Error> {
+        let file = object::File::parse(data)?;
+        let section = |name: &str| {
+            let section = file.section_by_name(name)?;
+            let bytes: Data = section.data().ok()?.into();
+            Some((section.address()..section.address() + section.size(), bytes))
+        };
+        Ok(FileCfi {
+            segments: file
+                .segments()
+                .map(|segment| {
+                    let (file_offset, file_size) = segment.file_range();
+                    Segment { file_offset, file_size, svma: segment.address() }
+                })
+                .collect(),
+            text: section(".text"),
+            eh_frame: section(".eh_frame"),
+            eh_frame_hdr: section(".eh_frame_hdr"),
+            debug_frame: section(".debug_frame").map(|(_, data)| data),
+            got: file.section_by_name(".got").map(|s| s.address()..s.address() + s.size()),
+        })
+    }
+
+    /// Where stated address 0 lies in a process that maps `file_offset` of this file at `start`.
+    /// The loader maps each segment from its offset rounded down to a page, so the mapping belongs
+    /// to the last segment whose rounded-down start is at or before `file_offset` (segments that
+    /// share a page both contain it).
+    fn base_avma(&self, start: u64, file_offset: u64) -> Option<u64> {
+        let segment = self
+            .segments
+            .iter()
+            .filter(|s| s.file_offset & !PAGE_MASK <= file_offset && file_offset < s.file_offset.saturating_add(s.file_size.max(1)))
+            .max_by_key(|s| s.file_offset)?;
+        // The stated address of the mapping's first byte.
+        let svma = if file_offset <= segment.file_offset {
+            segment.svma.checked_sub(segment.file_offset - file_offset)?
+        } else {
+            segment.svma.checked_add(file_offset - segment.file_offset)?
+        };
+        Some(start.wrapping_sub(svma))
+    }
+
+    fn module(&self, name: String, avma: Range<u64>, base_avma: u64) -> Module<Data> {
+        let (text_svma, text) = self.text.clone().unzip();
+        let (eh_frame_svma, eh_frame) = self.eh_frame.clone().unzip();
+        let (eh_frame_hdr_svma, eh_frame_hdr) = self.eh_frame_hdr.clone().unzip();
+        let info = ExplicitModuleSectionInfo {
+            base_svma: 0,
+            text_svma,
+            text,
+            got_svma: self.got.clone(),
+            eh_frame_svma,
+            eh_frame,
+            eh_frame_hdr_svma,
+            eh_frame_hdr,
+            debug_frame: self.debug_frame.clone(),
+            ..Default::default()
+        };
+        Module::new(name, avma, base_avma, info)
+    }
+}
+
+/// One process's modules, as framehop needs them.
+struct ProcessModules {
+    unwinder: UnwinderX86_64<Data>,
+    cache: CacheX86_64,
+    ranges: Vec<Range<u64>>,
+    read_at: Instant,
+}
+
+impl ProcessModules {
+    fn covers(&self, addr: u64) -> bool {
+        self.ranges.iter().any(|range| range.contains(&addr))
+    }
+}
+
+/// Unwinds snapshots of many processes, caching what it reads of their files.
+#[derive(Default)]
+pub struct StackUnwinder {
+    files: HashMap<FileId, Option<Arc<FileCfi>>>,
+    processes: HashMap<u32, ProcessModules>,
+}
+
+impl StackUnwinder {
+    pub fn new() -> StackUnwinder {
+        StackUnwinder::default()
+    }
+
+    /// Unwinds one sample's stack copy: as far as the copy and the unwind information allow.
+    pub fn unwind(&mut self, pid: u32, snapshot: &Snapshot<'_>) -> Unwound {
+        if snapshot.ip == 0 {
+            return Unwound::default();
+        }
+        self.refresh_if_unmapped(pid, snapshot.ip);
+        let Some(process) = self.processes.get_mut(&pid) else {
+            return Unwound { addrs: vec![snapshot.ip], ..Default::default() };
+        };
+        unwind_with(&process.unwinder, &mut process.cache, snapshot)
+    }
+
+    /// Drops what is known of `pid`'s address space (it exited or replaced its program).
+    pub fn forget_process(&mut self, pid: u32) {
+        self.processes.remove(&pid);
+    }
+
+    fn refresh_if_unmapped(&mut self, pid: u32, ip: u64) {
+        let now = Instant::now();
+        if let Some(process) = self.processes.get(&pid) {
+            if process.covers(ip) || now.duration_since(process.read_at) < MAPS_REFRESH_INTERVAL {
+                return;
+            }
+        }
+        if self.processes.len() >= MAX_PROCESSES {
+            self.processes.clear();
+        }
+        if self.files.len() >= MAX_FILES {
+            self.files.clear();
+        }
+        let modules = match read_executable_maps(pid) {
+            Ok(maps) => self.modules(pid, &maps),
+            Err(err) => {
+                log::debug!("cannot read the maps of process {pid}: {err}");
+                Vec::new()
+            }
+        };
+        let mut unwinder = UnwinderX86_64::new();
+        let ranges = modules.iter().map(Module::avma_range).collect();
+        for module in modules {
+            unwinder.add_module(module);
+        }
+        self.processes.insert(pid, ProcessModules { unwinder, cache: CacheX86_64::new(), ranges, read_at: now });
+    }
+
+    fn modules(&mut self, pid: u32, maps: &[MemoryMap]) -> Vec<Module<Data>> {
+        let mut modules = Vec::new();
+        for entry in maps {
+            let MMapPath::Path(path) = &entry.pathname else { continue };
+            let id = FileId { dev: (entry.dev.0, entry.dev.1), inode: entry.inode };
+            let (start, limit) = entry.address;
+            let cfi = self.files.entry(id).or_insert_with(|| read_file_cfi(pid, start, limit, path)).clone();
+            let Some(cfi) = cfi else { continue };
+            let Some(base_avma) = cfi.base_avma(start, entry.offset) else { continue };
+            modules.push(cfi.module(path.to_string_lossy().into_owned(), start..limit, base_avma));
+        }
+        modules
+    }
+}
+
+/// Unwinds `snapshot` frame by frame, keeping each frame's CFA, until the root, an unreadable or
+/// inconsistent frame, or [`MAX_USER_FRAMES`].
+fn unwind_with(unwinder: &UnwinderX86_64<Data>, cache: &mut CacheX86_64, snapshot: &Snapshot<'_>) -> Unwound {
+    let stack = &snapshot.stack[..snapshot.stack.len().min(STACK_SNAPSHOT_MAX)];
+    let mut read_stack = |addr: u64| -> Result<u64, ()> {
+        let offset = usize::try_from(addr.checked_sub(snapshot.sp).ok_or(())?).map_err(|_| ())?;
+        let bytes = stack.get(offset..offset.checked_add(8).ok_or(())?).ok_or(())?;
+        Ok(u64::from_ne_bytes(bytes.try_into().map_err(|_| ())?))
+    };
+    let mut regs = UnwindRegsX86_64::new(snapshot.ip, snapshot.sp, snapshot.bp);
+    let mut unwound = Unwound { addrs: vec![snapshot.ip], ..Default::default() };
+    let mut address = FrameAddress::from_instruction_pointer(snapshot.ip);
+    let mut previous_sp = snapshot.sp;
+    while unwound.addrs.len() < MAX_USER_FRAMES {
+        match unwinder.unwind_frame(address, &mut regs, cache, &mut read_stack) {
+            Ok(Some(return_address)) => {
+                let cfa = regs.sp();
+                // A stack only grows towards its root: anything else is a loop or garbage.
+                if cfa <= previous_sp {
+                    break;
+                }
+                previous_sp = cfa;
+                unwound.frame_bases.push(cfa - FRAME_BASE_BELOW_CFA);
+                unwound.addrs.push(return_address);
+                match FrameAddress::from_return_address(return_address) {
+                    Some(next) => address = next,
+                    None => break,
+                }
+            }
+            Ok(None) => {
+                unwound.complete = true;
+                break;
+            }
+            Err(err) => {
+                log::trace!("unwind stopped after {} frames: {err}", unwound.addrs.len());
+                break;
+            }
+        }
+    }
+    unwound
+}
+
+/// Reads a mapped file's unwind sections; None if it cannot be read or parsed (its frames fall
+/// back to frame pointers).
+fn read_file_cfi(pid: u32, start: u64, limit: u64, path: &Path) -> Option<Arc<FileCfi>> {
+    let data = file_paths(pid, start, limit, path).iter().find_map(|candidate| read_regular_file(candidate))?;
+    match FileCfi::parse(&data) {
+        Ok(cfi) => Some(Arc::new(cfi)),
+        Err(err) => {
+            log::debug!("cannot read the unwind information of {}: {err}", path.display());
+            None
+        }
+    }
+}
+
+/// The contents of a regular file of at most [`MAX_FILE_BYTES`]. Opened without blocking and checked
+/// on the open descriptor: a process's path may name a FIFO or device now (a deleted file's name
+/// reused), which must neither block pyebpf nor be read.
+fn read_regular_file(path: &Path) -> Option<Vec<u8>> {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut file = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(path).ok()?;
+    let metadata = file.metadata().ok()?;
+    if !metadata.is_file() || metadata.len() > MAX_FILE_BYTES {
+        return None;
+    }
+    let mut data = Vec::with_capacity(metadata.len() as usize);
+    file.by_ref().take(MAX_FILE_BYTES).read_to_end(&mut data).ok()?;
+    Some(data)
+}
+
+fn read_executable_maps(pid: u32) -> procfs::ProcResult<Vec<MemoryMap>> {
+    let maps = procfs::process::Process::new(pid as i32)?.maps()?;
+    Ok(maps.into_iter().filter(|entry| entry.perms.contains(MMPermissions::EXECUTE)).collect())
+}
+
+/// Ways to open a mapped file: `map_files` reaches the exact file mapped (also in containers and
+/// after deletion); the process's root reaches its path. Never the path as pyebpf sees it.
+fn file_paths(pid: u32, start: u64, limit: u64, path: &Path) -> [PathBuf; 2] {
+    [
+        PathBuf::from(format!("/proc/{pid}/map_files/{start:x}-{limit:x}")),
+        PathBuf::from(format!("/proc/{pid}/root")).join(path.strip_prefix("/").unwrap_or(path)),
+    ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn a_fifo_is_neither_waited_on_nor_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("python3 (deleted)");
+        let name = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: a valid C string; mkfifo creates the FIFO in our own temporary directory.
+        assert_eq!(unsafe { libc::mkfifo(name.as_ptr(), 0o600) }, 0);
+        assert!(read_regular_file(&fifo).is_none());
+        let regular = dir.path().join("lib.so");
+        std::fs::write(&regular, b"not an ELF file").unwrap();
+        assert_eq!(read_regular_file(&regular).as_deref(), Some(&b"not an ELF file"[..]));
+        assert!(FileCfi::parse(b"not an ELF file").is_err());
+    }
+
+    #[test]
+    fn a_mapping_belongs_to_the_segment_whose_page_it_starts() {
+        // Segments as `ld` lays out a Rust executable: the code segment starts mid-page in the file
+        // and one page later in memory, and the page holding its start also holds the end of the
+        // read-only segment before it.
+        let cfi = FileCfi {
+            segments: vec![
+                Segment { file_offset: 0, file_size: 0x19f4b0, svma: 0 },
+                Segment { file_offset: 0x19f4b0, file_size: 0x351670, svma: 0x1a04b0 },
+            ],
+            ..Default::default()
+        };
+        assert_eq!(cfi.base_avma(0x5600_0000_0000 + 0x1a0000, 0x19f000), Some(0x5600_0000_0000));
+        // A non-PIE executable maps at its stated addresses.
+        let fixed = FileCfi { segments: vec![Segment { file_offset: 0x1000, file_size: 0x5000, svma: 0x401000 }], ..Default::default() };
+        assert_eq!(fixed.base_avma(0x401000, 0x1000), Some(0));
+        assert_eq!(fixed.base_avma(0x401000, 0x9000), None);
+    }
+
+    #[inline(never)]
+    fn unwind_here(depth: u32, unwinder: &mut StackUnwinder) -> (Unwound, u64) {
+        if depth > 0 {
+            let result = unwind_here(depth - 1, unwinder);
+            std::hint::black_box(&result);
+            return result;
+        }
+        let (ip, sp, bp): (u64, u64, u64);
+        // SAFETY: reads three registers, touches no memory.
+        unsafe {
+            std::arch::asm!("lea {ip}, [rip]", "mov {sp}, rsp", "mov {bp}, rbp", ip = out(reg) ip, sp = out(reg) sp, bp = out(reg) bp);
+        }
+        // Our own stack from here up, read through /proc/self/mem as the kernel would copy it: the
+        // calls below only write below `sp`.
+        let mut copy = vec![0; STACK_SNAPSHOT_MAX];
+        let mem = std::fs::File::open("/proc/self/mem").unwrap();
+        let len = std::os::unix::fs::FileExt::read_at(&mem, &mut copy, sp).unwrap();
+        copy.truncate(len);
+        let snapshot = Snapshot { ip, sp, bp, stack: &copy };
+        (unwinder.unwind(std::process::id(), &snapshot), sp)
+    }
+
+    #[test]
+    fn unwinds_its_own_stack_through_every_recursion() {
+        let mut unwinder = StackUnwinder::new();
+        let (unwound, sp) = unwind_here(6, &mut unwinder);
+        let here = unwind_here as *const () as usize as u64;
+        // Seven activations of unwind_here (the innermost and six recursive calls) lie on the
+        // stack: each recursive call's return address is inside unwind_here.
+        let in_unwind_here = unwound.addrs.iter().filter(|&&a| a > here && a < here + 4096).count();
+        assert!(in_unwind_here >= 6, "{in_unwind_here} return addresses in unwind_here: {unwound:x?}");
+        assert!(unwound.frame_bases.windows(2).all(|w| w[0] < w[1]), "frame bases grow rootwards");
+        assert!(unwound.frame_bases.first().is_some_and(|&b| b + 16 > sp));
+    }
+
+    thread_local! {
+        /// One unwinder for the property tests: it reads this test binary's CFI once.
+        static UNWINDER: std::cell::RefCell<StackUnwinder> = std::cell::RefCell::new(StackUnwinder::new());
+    }
+
+    fn unwind_shared(pid: u32, snapshot: &Snapshot<'_>) -> Unwound {
+        UNWINDER.with(|unwinder| unwinder.borrow_mut().unwind(pid, snapshot))
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(300))]
+        /// Garbage stacks and registers: the unwind stops, bounded, without a panic; every frame
+        /// base it reports lies above the stack pointer and they only grow.
+        #[test]
+        fn garbage_stacks_stop_cleanly(stack in proptest::collection::vec(any::<u8>(), 0..4096), ip in any::<u64>(), sp in any::<u64>(), bp in any::<u64>(), own in any::<bool>()) {
+            // Our own process has real modules with real CFI; pid 0's maps do not exist.
+            let pid = if own { std::process::id() } else { 0 };
+            let ip = if own { (unwind_here as *const () as usize as u64).wrapping_add(ip % 256) } else { ip };
+            let unwound = unwind_shared(pid, &Snapshot { ip, sp, bp, stack: &stack });
+            prop_assert!(unwound.addrs.len() <= MAX_USER_FRAMES);
+            prop_assert!(unwound.frame_bases.len() < unwound.addrs.len().max(1));
+            prop_assert!(unwound.frame_bases.windows(2).all(|w| w[0] < w[1]));
+        }
+
+        /// A stack whose words all point back into itself (a loop) ends.
+        #[test]
+        fn looping_stacks_end(sp in 0x7000_0000_0000u64..0x7fff_0000_0000, words in 8usize..512) {
+            let sp = sp & !7;
+            let stack: Vec<u8> = (0..words).flat_map(|_| sp.to_ne_bytes()).collect();
+            let ip = unwind_here as *const () as usize as u64;
+            let unwound = unwind_shared(std::process::id(), &Snapshot { ip, sp, bp: sp, stack: &stack });
+            prop_assert!(!unwound.complete || unwound.addrs.len() <= MAX_USER_FRAMES);
+            prop_assert!(unwound.addrs.len() <= words + 1);
+        }
+    }
+}
