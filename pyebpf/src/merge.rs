@@ -30,6 +30,8 @@ pub trait NativeLevel {
     fn runs_python(&self) -> bool;
     /// One of its frames is the C library's code that calls `main` or starts a thread.
     fn is_start_code(&self) -> bool;
+    /// It lies in the C library.
+    fn in_libc(&self) -> bool;
 }
 
 /// A sample's user stack.
@@ -55,9 +57,11 @@ impl<L: NativeLevel> NativeStack<'_, L> {
 
     /// Whether the stack reaches the C library's start code: a frame-pointer walk that got there
     /// unwound every frame above (glibc's own start code keeps no frame pointer, so the walk
-    /// rarely ends at a zero one).
+    /// rarely ends at a zero one). Where the C library's local symbols are stripped, its start
+    /// code is known as the outermost level lying in the C library.
     pub fn reaches_start_code(&self) -> bool {
-        self.levels[..self.trusted_levels()].iter().any(L::is_start_code)
+        let trusted = &self.levels[..self.trusted_levels()];
+        trusted.iter().any(L::is_start_code) || (trusted.len() > 1 && trusted.last().is_some_and(L::in_libc))
     }
 
     /// The level whose stack frame holds `addr`.
@@ -182,6 +186,13 @@ pub fn is_start_code(frame: &NativeFrame) -> bool {
     frame.symbol.as_deref().is_some_and(|name| START_CODE.contains(&name))
 }
 
+/// A frame of the C library (glibc's `libc.so.6`, or musl's `libc.so`).
+pub fn in_libc(frame: &NativeFrame) -> bool {
+    frame.module.as_ref().is_some_and(|module| {
+        std::path::Path::new(&*module.path).file_name().and_then(|name| name.to_str()).is_some_and(|name| name.starts_with("libc.so") || name.starts_with("libc-"))
+    })
+}
+
 /// The Python frames alone, innermost first (`--no-native`).
 pub fn python_frames<F>(python: &[PyStackItem<F>]) -> impl Iterator<Item = &F> {
     python.iter().filter_map(|item| match item {
@@ -225,6 +236,10 @@ mod tests {
 
         fn is_start_code(&self) -> bool {
             self.iter().any(is_start_code)
+        }
+
+        fn in_libc(&self) -> bool {
+            self.iter().any(in_libc)
         }
     }
 
@@ -318,6 +333,23 @@ mod tests {
     fn interpreter_frame_without_a_segment_stays_native() {
         let n = stack(vec![native("_PyEval_EvalFrameDefault"), native("main")]);
         assert_eq!(names(&merge_stacks(&n, &[])), ["_PyEval_EvalFrameDefault", "main"]);
+    }
+
+    #[test]
+    fn start_code_is_reached_by_name_or_as_an_outermost_libc_level() {
+        let reaches = |levels: Vec<Vec<NativeFrame>>| {
+            let owned = stack(levels);
+            NativeStack { levels: &owned.levels, frame_bases: &owned.frame_bases, sp: owned.sp }.reaches_start_code()
+        };
+        let libc = |symbol: Option<&str>| {
+            let module = Arc::new(Module { path: "/usr/lib/x86_64-linux-gnu/libc.so.6".into(), start: 0, limit: 1 << 40, file_offset: 0, build_id: None });
+            vec![NativeFrame { addr: 0x29fb9, module: Some(module), symbol: symbol.map(Into::into), file: None, line: None }]
+        };
+        assert!(reaches(vec![native("f"), native("_start")]));
+        assert!(reaches(vec![native("f"), native("Py_BytesMain"), libc(None)]));
+        assert!(!reaches(vec![libc(Some("memcpy")), native("f")]), "a libc leaf is not the start code");
+        assert!(!reaches(vec![native("f"), native("g")]));
+        assert!(!reaches(vec![native("f"), garbage(), libc(None)]), "libc after garbage is not trusted");
     }
 
     #[test]

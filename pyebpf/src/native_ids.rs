@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use hashbrown::HashMap;
 
-use crate::merge::{is_interpreter_frame, is_start_code, NativeLevel};
+use crate::merge::{in_libc, is_interpreter_frame, is_start_code, NativeLevel};
 use crate::stack::{Frame, FrameId, FrameTable};
 use crate::symbolize::{call_site, Symbolizer};
 
@@ -26,6 +26,7 @@ pub struct IdLevel {
     mapped: bool,
     runs_python: bool,
     start_code: bool,
+    in_libc: bool,
     /// When an unmapped entry was looked up.
     checked_at: Option<Instant>,
 }
@@ -41,6 +42,10 @@ impl NativeLevel for IdLevel {
 
     fn is_start_code(&self) -> bool {
         self.start_code
+    }
+
+    fn in_libc(&self) -> bool {
+        self.in_libc
     }
 }
 
@@ -91,6 +96,7 @@ impl NativeIds {
                 mapped,
                 runs_python: native.iter().any(is_interpreter_frame),
                 start_code: native.iter().any(is_start_code),
+                in_libc: native.iter().any(in_libc),
                 checked_at: (!mapped).then(Instant::now),
             };
             self.level_ids.extend(native.into_iter().map(|frame| frames.intern(Frame::Native(frame))));
