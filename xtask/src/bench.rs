@@ -98,6 +98,12 @@ pub fn bench(root: &Path, pyebpf: PathBuf, pythons: &Path) -> Result<()> {
     report::write(&bench, &results)
 }
 
+/// Rewrites the reports from the last run's raw figures (after a change to how they are shown).
+pub fn report_only(root: &Path) -> Result<()> {
+    let results: Value = serde_json::from_str(&std::fs::read_to_string(root.join("bench/results.json")).context("read bench/results.json")?)?;
+    report::rewrite(root, &results)
+}
+
 impl Bench {
     fn python(&self, version: &str) -> PathBuf {
         self.pythons.join(format!("usr/bin/python{version}"))

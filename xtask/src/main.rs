@@ -30,8 +30,12 @@ enum Task {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
-    /// Measure what profiling costs: workload slowdown beside py-spy, pyebpf CPU and reads per sample
-    Bench,
+    /// Measure what profiling costs, side by side with py-spy and Tachyon; writes bench/RESULTS.md
+    Bench {
+        /// Only rewrite bench/RESULTS.md and the README's tables from bench/results.json
+        #[arg(long)]
+        report_only: bool,
+    },
     /// Install test dependencies, build, and run every test (unit, fuzz, end-to-end)
     Test {
         /// Extra arguments for the end-to-end test binary (a test name filter, for example)
@@ -52,7 +56,8 @@ fn main() -> Result<()> {
             std::process::exit(status.code().unwrap_or(1));
         }
         Task::Test { filter } => test(&root, &filter)?,
-        Task::Bench => {
+        Task::Bench { report_only: true } => bench::report_only(&root)?,
+        Task::Bench { report_only: false } => {
             let pythons = pythons::ensure_installed()?;
             bench::bench(&root, build(&root, true)?, &pythons)?;
         }

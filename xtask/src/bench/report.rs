@@ -2,6 +2,7 @@
 //! versions, commands, targets) and the README's performance tables between their markers.
 
 use std::fmt::Write as _;
+use std::path::Path;
 use std::process::Command;
 
 use anyhow::{Context, Result};
@@ -186,7 +187,7 @@ fn targets_table(results: &Value) -> String {
     let check = |ok: Option<bool>| match ok {
         Some(true) => "met",
         Some(false) => "missed",
-        None => "not measured",
+        None => "–",
     };
     let f = |x: Option<f64>| x.map(|x| format!("{x:.2}")).unwrap_or_else(|| "–".into());
     let ratio = |a: Option<f64>, b: Option<f64>| Some(a? / b?);
@@ -201,10 +202,12 @@ fn targets_table(results: &Value) -> String {
     let p = ratio(ours, py_spy);
     line("≤ 0.01× py-spy (same run)", format!("{}×", f(p)), p.map(|p| p <= 0.01));
     line("start-up: whole start-up CPU of one attach (worst run; loading the eBPF programs included)", format!("{startup:.0} ms"), None);
+    // With 50 spinning processes on 2 CPUs pyebpf waits for a CPU during start-up, which the
+    // steady-rate estimate cannot tell apart; 10 against 1 is not starved.
     let startup_at = |n: u32| find(&results["scale"], |r| r["processes"] == n && r["hz"] == 99).and_then(|r| r["startup_cpu_ms"].as_f64());
-    let per_process = ratio(startup_at(50).zip(startup_at(1)).map(|(a, b)| a - b), Some(49.0));
+    let per_process = ratio(startup_at(10).zip(startup_at(1)).map(|(a, b)| a - b), Some(9.0)).filter(|p| *p >= 0.0);
     line(
-        "start-up < 50 ms per attached process (`record -a`, 50 processes vs 1, 99 Hz)",
+        "start-up < 50 ms per attached process (`record -a`, 10 processes vs 1, 99 Hz)",
         format!("{} ms", f(per_process)),
         per_process.map(|p| p < 50.0),
     );
@@ -230,7 +233,9 @@ pub fn tables(results: &Value) -> String {
          In-kernel time per sample (`record --stats`, from the kernel's BPF run-time statistics) and remote reads per Python sample, `record -p PID -F 999 -d 3`:\n\n{}\n\
          Fidelity on Python 3.15 at 999 Hz, {runs} runs of {secs} s per profiler: the largest error of the three functions' shares, and the share of samples of the alternating workload whose stack mixes both paths:\n\n{}\n\
          Host-wide: `record -a -d {secs_attach}` with N spinning Python processes (3.13/3.14/3.15 in turn), steady CPU measured as above:\n\n{}\n\
-         Targets:\n\n{}\n         Where pyebpf's time goes: `perf record -F 4999 -g` of `pyebpf record -p PID -F 999 -d {secs_attach}` on the 3.15 workload 100 deep,          own time per thread, library and symbol (`perf report --no-children --sort comm,dso,sym`, entries of 1.5% or more; start-up included):\n\n```\n{}\n```\n",
+         Targets:\n\n{}\n\
+         Where pyebpf's time goes: `perf record -F 4999 -g` of `pyebpf record -p PID -F 999 -d {secs_attach}` on the 3.15 workload 100 deep, \
+         own time per thread, library and symbol (`perf report --no-children --sort comm,dso,sym`, entries of 1.5% or more; start-up included):\n\n```\n{}\n```\n",
         cpu_table(results),
         slowdown_table(results),
         kernel_table(results),
@@ -251,6 +256,12 @@ pub fn write(bench: &Bench, results: &Value) -> Result<()> {
     let dir = bench.root.join("bench");
     std::fs::create_dir_all(&dir)?;
     std::fs::write(dir.join("results.json"), serde_json::to_string_pretty(results)? + "\n")?;
+    rewrite(&bench.root, results)
+}
+
+/// RESULTS.md and the README's tables from the raw figures.
+pub fn rewrite(root: &Path, results: &Value) -> Result<()> {
+    let dir = root.join("bench");
     let m = &results["machine"];
     let pythons: Vec<&str> = m["pythons"].as_array().into_iter().flatten().filter_map(Value::as_str).collect();
     let tables = tables(results);
@@ -278,14 +289,14 @@ pub fn write(bench: &Bench, results: &Value) -> Result<()> {
         pythons = pythons.join("; "),
     );
     std::fs::write(dir.join("RESULTS.md"), md)?;
-    splice_readme(bench, &tables)?;
+    splice_readme(root, &tables)?;
     println!("{tables}");
     Ok(())
 }
 
 /// Replaces the README's performance tables (between the bench markers) with this run's.
-fn splice_readme(bench: &Bench, tables: &str) -> Result<()> {
-    let path = bench.root.join("README.md");
+fn splice_readme(root: &Path, tables: &str) -> Result<()> {
+    let path = root.join("README.md");
     let readme = std::fs::read_to_string(&path)?;
     let start = readme.find(README_START).context("README has no bench:start marker")? + README_START.len();
     let end = readme.find(README_END).context("README has no bench:end marker")?;
