@@ -1,8 +1,9 @@
 //! Native and kernel stack entries as interned frames, resolved once per address: a sample whose
 //! addresses were all seen before costs one hash lookup per entry and allocates nothing.
 //!
-//! A user address outside every known mapping is looked up again at most every
-//! [`UNMAPPED_RECHECK`] (a library loaded since may hold it), like the symbolizer re-reads maps.
+//! A user address outside every known mapping is forgotten by the resolver's periodic upkeep once
+//! older than [`UNMAPPED_RECHECK`], and looked up again at its next sample (a library loaded since
+//! may hold it), like the symbolizer re-reads maps.
 
 use std::time::{Duration, Instant};
 
@@ -72,7 +73,7 @@ impl NativeIds {
         if let Some(levels) = self.user.get(&pid) {
             for (depth, &addr) in stack.iter().enumerate() {
                 match levels.get(&call_site(depth, addr)) {
-                    Some(level) if level.checked_at.is_none_or(|at| at.elapsed() < UNMAPPED_RECHECK) => out.push(*level),
+                    Some(level) => out.push(*level),
                     _ => break,
                 }
             }
@@ -123,6 +124,14 @@ impl NativeIds {
                     return;
                 }
             }
+        }
+    }
+
+    /// Forgets entries found in no mapping more than [`UNMAPPED_RECHECK`] ago, so their next sample
+    /// looks them up again: periodic work, kept off the per-sample path.
+    pub fn expire_unmapped(&mut self) {
+        for levels in self.user.values_mut() {
+            levels.retain(|_, level| level.checked_at.is_none_or(|at| at.elapsed() < UNMAPPED_RECHECK));
         }
     }
 

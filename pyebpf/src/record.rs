@@ -157,6 +157,7 @@ impl SampleResolver {
 
     pub fn upkeep(&mut self, sampler: &mut Sampler) {
         self.python.upkeep(sampler);
+        self.native.expire_unmapped();
         for pid in self.processes.stale() {
             self.forget(pid, sampler);
         }
