@@ -108,8 +108,9 @@ pub fn read_code(
     let linetable = field_u64(&header, offsets.code_linetable);
     let size = mem.read_u64(linetable.wrapping_add(offsets.bytes_ob_size))?;
     let code_units = field_u64(&header, offsets.bytes_ob_size);
-    // Each entry covers at least one code unit: a longer table is not CPython's.
-    if size > code_units.saturating_mul(MAX_ENTRY_BYTES) {
+    // CPython's sizes are C ints: a larger table is corrupt (a shared or overlong but real table is
+    // read only as far as the code can use).
+    if size > i32::MAX as u64 {
         return Err(PyError::Malformed(format!("a location table of {size} bytes for {code_units} code units")));
     }
     let (len, truncated) = linetable_read_len(size, code_units);
