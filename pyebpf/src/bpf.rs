@@ -21,6 +21,8 @@ pub enum BpfError {
     StaleObject(&'static str),
     #[error("permission denied: pyebpf needs root (or CAP_BPF, CAP_PERFMON and CAP_SYS_PTRACE)")]
     NotPermitted,
+    #[error("permission denied: pyebpf lacks {0} (it needs root, or CAP_BPF, CAP_PERFMON and CAP_SYS_PTRACE)")]
+    MissingCapabilities(String),
     #[error("--ring-buffer-kb must be a power of two from 4 to {max}, not {0}", max = crate::cli::MAX_RING_BUFFER_KB)]
     RingBufferSize(u32),
     #[error("cannot load the eBPF sampler (is BPF available in this kernel?): {0}")]
@@ -79,22 +81,26 @@ pub struct Sampler {
     snapshot_procs: HashMap<MapData, u32, u8>,
 }
 
-/// Whether this process may load BPF programs, sample all CPUs and read other processes.
+/// Whether this process may load BPF programs, sample all CPUs and read other processes; when
+/// not, the error names the capabilities it lacks.
 pub fn check_privileges() -> Result<(), BpfError> {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } == 0 {
         return Ok(());
     }
-    const NEEDED: [u32; 3] = [19 /* SYS_PTRACE */, 38 /* PERFMON */, 39 /* BPF */];
+    // CAP_BPF loads the programs and maps, CAP_PERFMON opens the CPU clock events of every
+    // process and attaches tracing programs, CAP_SYS_PTRACE reads other users' processes.
+    const NEEDED: [(u32, &str); 3] = [(39, "CAP_BPF"), (38, "CAP_PERFMON"), (19, "CAP_SYS_PTRACE")];
     let effective = procfs::process::Process::myself()
         .and_then(|me| me.status())
         .ok()
         .map(|status| status.capeff)
         .unwrap_or(0);
-    if NEEDED.iter().all(|bit| effective & (1 << bit) != 0) {
+    let missing: Vec<&str> = NEEDED.iter().filter(|(bit, _)| effective & (1 << bit) == 0).map(|(_, name)| *name).collect();
+    if missing.is_empty() {
         Ok(())
     } else {
-        Err(BpfError::NotPermitted)
+        Err(BpfError::MissingCapabilities(missing.join(", ")))
     }
 }
 
