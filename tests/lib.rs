@@ -139,6 +139,22 @@ pub fn count_where(stacks: &[Stack], keep: impl Fn(&[String]) -> bool) -> u64 {
     stacks.iter().filter(|(frames, _)| keep(frames)).map(|(_, n)| n).sum()
 }
 
+/// Compiles the C program `source` with gcc and `flags` into `dir/name`.
+pub fn compile_c(dir: &Path, name: &str, source: &str, flags: &[&str]) -> PathBuf {
+    let file = dir.join(format!("{name}.c"));
+    std::fs::write(&file, source).unwrap();
+    let binary = dir.join(name);
+    let status = Command::new("gcc")
+        .args(flags)
+        .arg("-o")
+        .arg(&binary)
+        .arg(&file)
+        .status()
+        .expect("gcc must be installed (cargo xtask test installs it)");
+    assert!(status.success(), "gcc failed on {}", file.display());
+    binary
+}
+
 /// Asserts a failed run printed exactly one line, containing `expected`, and no panic.
 pub fn assert_one_line_error(output: &Output, expected: &str) {
     let stderr = String::from_utf8_lossy(&output.stderr);

@@ -7,7 +7,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use pyebpf_tests::{
-    assert_one_line_error, count_where, pyebpf, pyebpf_without_tracefs, record_collapsed, record_collapsed_without_tracefs, run_pyebpf, stacks_of,
+    assert_one_line_error, compile_c, count_where, pyebpf, pyebpf_without_tracefs, record_collapsed, record_collapsed_without_tracefs, run_pyebpf, stacks_of,
     total, wait_for_file, without_tracefs, Killed, debian_python,
 };
 
@@ -37,17 +37,7 @@ int main(int argc, char **argv) {
 /// Compiles SPIN_C with frame pointers everywhere (Debian's gcc omits them in leaf functions
 /// unless told not to) into `dir/name`.
 fn compile_spin(dir: &Path, name: &str) -> PathBuf {
-    let source = dir.join("spin.c");
-    std::fs::write(&source, SPIN_C).unwrap();
-    let binary = dir.join(name);
-    let status = Command::new("gcc")
-        .args(["-O1", "-fno-omit-frame-pointer", "-mno-omit-leaf-frame-pointer", "-o"])
-        .arg(&binary)
-        .arg(&source)
-        .status()
-        .expect("gcc must be installed (cargo xtask test installs it)");
-    assert!(status.success());
-    binary
+    compile_c(dir, name, SPIN_C, &["-O1", "-fno-omit-frame-pointer", "-mno-omit-leaf-frame-pointer"])
 }
 
 fn spin(dir: &Path, args: &[&str]) -> Killed {

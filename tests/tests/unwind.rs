@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use pyebpf_tests::{count_where, debian_python, pyenv_python, record_collapsed as record, stacks_of, start_ready, total, Killed};
+use pyebpf_tests::{compile_c, count_where, debian_python, pyenv_python, record_collapsed as record, stacks_of, start_ready, total, Killed};
 
 /// A frame of Python code as collapsed output renders it: `QUALNAME (FILE.py:LINE)`.
 fn is_python(frame: &str) -> bool {
@@ -106,17 +106,7 @@ int main(int argc, char **argv) {
 "#;
 
 fn compile_chain(dir: &Path) -> PathBuf {
-    let source = dir.join("chain.c");
-    std::fs::write(&source, CHAIN_C).unwrap();
-    let binary = dir.join("chain");
-    let status = Command::new("gcc")
-        .args(["-O2", "-fomit-frame-pointer", "-o"])
-        .arg(&binary)
-        .arg(&source)
-        .status()
-        .expect("gcc must be installed (cargo xtask test installs it)");
-    assert!(status.success());
-    binary
+    compile_c(dir, "chain", CHAIN_C, &["-O2", "-fomit-frame-pointer"])
 }
 
 fn chain_share(unwind: &str, binary: &Path) -> (u64, u64, String) {
