@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use hashbrown::HashMap;
 
 use crate::merge::{in_libc, is_interpreter_frame, is_start_code, NativeLevel};
-use crate::stack::{Frame, FrameId, FrameTable};
+use crate::stack::{Frame, FrameCarry, FrameId, FrameTable};
 use crate::symbolize::{call_site, Symbolizer};
 
 /// How long an address found in no mapping is taken as such before it is looked up again.
@@ -138,6 +138,29 @@ impl NativeIds {
     /// Drops what was resolved in `pid`'s address space (it exited or replaced its program).
     pub fn forget_process(&mut self, pid: u32) {
         self.user.remove(&pid);
+    }
+
+    /// Moves the frames of the levels still known into a new table, compacting the level frames
+    /// (those of forgotten processes go).
+    pub fn carry_frames(&mut self, carry: &mut FrameCarry<'_>) {
+        let mut level_ids = Vec::with_capacity(self.level_ids.len());
+        for level in self.user.values_mut().flat_map(|levels| levels.values_mut()) {
+            let first = level_ids.len() as u32;
+            let frames = &self.level_ids[level.first as usize..(level.first + level.len) as usize];
+            level_ids.extend(frames.iter().map(|&id| carry.carry(id)));
+            level.first = first;
+        }
+        self.level_ids = level_ids;
+        for id in self.kernel.values_mut() {
+            *id = carry.carry(*id);
+        }
+    }
+
+    /// Forgets every frame id (they belong to a table that is gone); entries are resolved again.
+    pub fn clear(&mut self) {
+        self.user.clear();
+        self.level_ids.clear();
+        self.kernel.clear();
     }
 
     /// Starts afresh when the levels' frames grow past their bound (processes come and go).

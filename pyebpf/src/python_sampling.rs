@@ -24,7 +24,7 @@ use crate::chain::{FrameLink, LinkKind, LinkReader};
 use crate::cpython::memory::ProcessMemory;
 use crate::cpython::{PyError, PyProcess};
 use crate::merge::PyStackItem;
-use crate::stack::{Frame, FrameId, FrameTable};
+use crate::stack::{Frame, FrameCarry, FrameId, FrameTable};
 use crate::stats::Stats;
 
 /// How often thread lists are re-read to register new threads and drop dead ones.
@@ -240,6 +240,24 @@ impl PythonSampling {
         }
     }
 
+    /// Moves the frames every process's caches and established chains hold into a new table.
+    pub fn carry_frames(&mut self, carry: &mut FrameCarry<'_>) {
+        for process in self.processes.values_mut() {
+            process.carry_frames(carry);
+        }
+    }
+
+    /// Forgets every frame id (they belong to a table that is gone): frames are resolved again,
+    /// and chains re-established.
+    pub fn clear_frame_ids(&mut self) {
+        for process in self.processes.values_mut() {
+            process.frame_ids.clear();
+            for thread in process.threads.values_mut() {
+                thread.chains.clear();
+            }
+        }
+    }
+
     /// The Python stack of a sample into `items` (innermost first), if it is one of a Python
     /// thread; `Some(true)` when the chain was cut at the first frame that could not be proven.
     pub fn python_stack(&mut self, record: &SampleRecord, sampler: &mut Sampler, stats: &mut Stats, frames: &mut FrameTable, items: &mut Vec<PyItem>) -> Option<bool> {
@@ -286,6 +304,18 @@ fn link_of(py: &PyProcess<ProcessMemory>, frame: &PyFrameRecord) -> FrameLink {
 }
 
 impl PythonProcess {
+    fn carry_frames(&mut self, carry: &mut FrameCarry<'_>) {
+        for id in self.frame_ids.values_mut().flatten() {
+            *id = carry.carry(*id);
+        }
+        let chains = self.threads.values_mut().flat_map(|thread| thread.chains.iter_mut());
+        for item in chains.flat_map(|chain| chain.items.iter_mut().flatten()) {
+            if let PyStackItem::Frame(id) = item {
+                *id = carry.carry(*id);
+            }
+        }
+    }
+
     /// The frames the kernel walked, resolved into `items`; cut (and `true`) at the first frame
     /// whose code object cannot be proven to be the one that ran.
     fn resolve_walked(&mut self, walked: &[PyFrameRecord], frames: &mut FrameTable, items: &mut Vec<PyItem>) -> bool {

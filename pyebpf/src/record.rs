@@ -3,6 +3,7 @@
 //! sample to a stack while its process is alive, then write the profile (with `--rotate`, also at
 //! the end of every period, starting a new profile each time).
 
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result};
@@ -22,7 +23,7 @@ use crate::processes::ProcessTable;
 use crate::progress::Progress;
 use crate::reader::{Record, RecordBatch};
 use crate::report;
-use crate::stack::{FrameId, Profile, SampleStack};
+use crate::stack::{FrameCarry, FrameId, Profile, SampleStack};
 use crate::stats::Stats;
 use crate::summary::Summary;
 use crate::symbolize::Symbolizer;
@@ -45,6 +46,8 @@ pub struct SampleResolver {
     unwinder: StackUnwinder,
     /// Processes whose stacks the eBPF program copies (`--unwind auto`).
     copying_stacks: HashSet<u32>,
+    /// The frame table the cached frame ids belong to.
+    frames_generation: u64,
 }
 
 /// Buffers reused from sample to sample, so a sample seen before allocates nothing.
@@ -70,12 +73,26 @@ impl SampleResolver {
             unwind,
             unwinder: StackUnwinder::new(),
             copying_stacks: HashSet::new(),
+            frames_generation: 0,
         }
+    }
+
+    /// Moves the frames the caches keep ids of into the next period's table.
+    pub fn carry_frames(&mut self, carry: &mut FrameCarry<'_>) {
+        self.native.carry_frames(carry);
+        self.python.carry_frames(carry);
+        self.frames_generation = carry.new_generation();
     }
 
     /// Resolves the sample's stack and counts it in `profile`; false when the filter drops it
     /// (checked before any remote read).
     pub fn resolve(&mut self, record: &SampleRecord, sampler: &mut Sampler, stats: &mut Stats, profile: &mut Profile) -> bool {
+        if profile.frames.generation() != self.frames_generation {
+            // A table the caches were not carried into: their ids would name other frames there.
+            self.native.clear();
+            self.python.clear_frame_ids();
+            self.frames_generation = profile.frames.generation();
+        }
         let comm = self.names.name(record.tgid, &record.comm);
         if !self.filter.keeps_process(&comm) {
             return false;
@@ -200,7 +217,7 @@ impl SampleResolver {
 pub fn run(args: RecordArgs) -> Result<()> {
     let output_name = output::display_name(&args.output);
     let rendering = Rendering { threads: args.threads, title: command_line() };
-    let sink = ProfileSink::new(&args.output, args.format, args.rotate.is_some(), rendering, args.function).with_context(|| format!("cannot write {output_name}"))?;
+    let sink = Arc::new(ProfileSink::new(&args.output, args.format, args.rotate.is_some(), rendering, args.function).with_context(|| format!("cannot write {output_name}"))?);
     check_privileges()?;
     let watched = Watched::open(&args.pid)?;
     process::raise_open_file_limit();
@@ -214,19 +231,57 @@ pub fn run(args: RecordArgs) -> Result<()> {
     Ok(())
 }
 
-/// `--rotate`: ends the period, writes its profile, and starts the next one in `profile`.
-fn rotate(sink: &ProfileSink, profile: &mut Profile, period_started: &mut Instant, lost: u64) {
+/// `--rotate`: ends the period and hands its profile to the writer; the next period starts in
+/// `profile`, with only the frames the resolver's caches still use.
+fn rotate(writer: &PeriodWriter, resolver: &mut SampleResolver, profile: &mut Profile, period_started: &mut Instant, lost: u64) {
     let next = profile.next_period();
     let mut finished = std::mem::replace(profile, next);
+    resolver.carry_frames(&mut FrameCarry::new(&finished.frames, &mut profile.frames));
     finished.duration_ns = period_started.elapsed().as_nanos() as i64;
     *period_started = Instant::now();
     profile.start_unix_ns = unix_now_ns();
-    // A period that cannot be written is lost, but the next ones may still be: keep recording.
-    match sink.write(&finished) {
-        Ok(name) => {
-            report!("wrote {} samples of {} processes to {name} ({lost} lost)", finished.total_samples(), finished.processes());
+    writer.write(finished, lost);
+}
+
+/// Writes the periods of `--rotate` in order on a thread of its own, so that the sampling loop
+/// keeps reading samples while a large profile is rendered: a short-lived process whose samples
+/// waited in the ring buffer meanwhile would be gone, unresolved, when they were read.
+struct PeriodWriter {
+    /// One period waits at most; a writer slower than the periods holds the loop back.
+    queue: std::sync::mpsc::SyncSender<(Profile, u64)>,
+    thread: std::thread::JoinHandle<()>,
+}
+
+impl PeriodWriter {
+    fn start(sink: Arc<ProfileSink>) -> Result<PeriodWriter> {
+        let (queue, periods) = std::sync::mpsc::sync_channel::<(Profile, u64)>(1);
+        let thread = std::thread::Builder::new()
+            .name("pyebpf-writer".into())
+            .spawn(move || {
+                for (profile, lost) in periods {
+                    // A period that cannot be written is lost, but the next ones may still be.
+                    match sink.write(&profile) {
+                        Ok(name) => report!("wrote {} samples of {} processes to {name} ({lost} lost)", profile.total_samples(), profile.processes()),
+                        Err(err) => report!("cannot write the profile: {err}"),
+                    }
+                }
+            })
+            .context("start the profile writer")?;
+        Ok(PeriodWriter { queue, thread })
+    }
+
+    fn write(&self, profile: Profile, lost: u64) {
+        if self.queue.send((profile, lost)).is_err() {
+            report!("cannot write the profile: the writer stopped");
         }
-        Err(err) => report!("cannot write the profile: {err}"),
+    }
+
+    /// Waits until every period handed over is written.
+    fn finish(self) {
+        drop(self.queue);
+        if self.thread.join().is_err() {
+            report!("cannot write the profile: the writer failed");
+        }
     }
 }
 
@@ -234,7 +289,7 @@ fn unix_now_ns() -> i64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as i64)
 }
 
-async fn record(args: &RecordArgs, watched: &Watched, sink: &ProfileSink) -> Result<(Profile, Stats)> {
+async fn record(args: &RecordArgs, watched: &Watched, sink: &Arc<ProfileSink>) -> Result<(Profile, Stats)> {
     // Installed before the command starts, so a signal never finds pyebpf without its handlers,
     // and the command starts with these signals at their defaults (exec resets handled signals).
     let mut interrupt = signal(SignalKind::interrupt()).context("install the SIGINT handler")?;
@@ -270,6 +325,7 @@ async fn record(args: &RecordArgs, watched: &Watched, sink: &ProfileSink) -> Res
     let mut started = Instant::now();
     profile.start_unix_ns = unix_now_ns();
     let deadline = args.duration.map(|duration| tokio::time::Instant::now() + duration);
+    let writer = args.rotate.map(|_| PeriodWriter::start(Arc::clone(sink))).transpose()?;
     let mut rotation = args.rotate.map(|secs| {
         let period = Duration::from_secs(secs);
         tokio::time::interval_at(tokio::time::Instant::now() + period, period)
@@ -287,7 +343,9 @@ async fn record(args: &RecordArgs, watched: &Watched, sink: &ProfileSink) -> Res
             _ = interrupt.recv() => if !pass_to_command(&mut command, libc::SIGINT) { break },
             _ = terminate.recv() => if !pass_to_command(&mut command, libc::SIGTERM) { break },
             _ = hangup.recv() => break,
-            _ = next_period(&mut rotation) => rotate(sink, &mut profile, &mut started, sampler.lost_samples()),
+            _ = next_period(&mut rotation) => if let Some(writer) = &writer {
+                rotate(writer, &mut resolver, &mut profile, &mut started, sampler.lost_samples());
+            },
             _ = sleep_until(deadline) => break,
             _ = tick.tick() => {
                 lost_reported = report_lost(&sampler, lost_reported, &progress);
@@ -304,6 +362,9 @@ async fn record(args: &RecordArgs, watched: &Watched, sink: &ProfileSink) -> Res
         add_samples(&mut batch, &mut resolver, &mut sampler, &mut profile, &mut stats);
     }
     progress.finish();
+    if let Some(writer) = writer {
+        writer.finish();
+    }
     resolver.finish(&mut stats);
     stats.lost_samples = sampler.lost_samples();
     (stats.reader_dropped_batches, stats.reader_dropped_samples) = sampler.reader_drops();

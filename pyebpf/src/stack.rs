@@ -1,7 +1,8 @@
 //! The profile model every stage shares: resolved frames, samples and their counts.
 //! Frames are stored innermost first, as the kernel and pprof order them.
 
-use std::hash::{Hash, Hasher};
+use std::hash::{BuildHasher, Hash, Hasher};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use hashbrown::HashMap;
@@ -85,21 +86,38 @@ pub struct ProcessLabels {
 pub type FrameId = u32;
 
 /// Every distinct frame of a recording, once: stacks are slices of ids into it.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub struct FrameTable {
     frames: Vec<Frame>,
-    ids: HashMap<Frame, FrameId>,
+    /// Ids by their frame's hash; the frame itself is kept only in `frames`.
+    ids: hashbrown::HashTable<FrameId>,
+    hasher: hashbrown::DefaultHashBuilder,
+    generation: u64,
+}
+
+impl Default for FrameTable {
+    fn default() -> Self {
+        static GENERATIONS: AtomicU64 = AtomicU64::new(1);
+        FrameTable {
+            frames: Vec::new(),
+            ids: hashbrown::HashTable::new(),
+            hasher: hashbrown::DefaultHashBuilder::default(),
+            generation: GENERATIONS.fetch_add(1, Ordering::Relaxed),
+        }
+    }
 }
 
 impl FrameTable {
     /// The frame's id, added if new.
     pub fn intern(&mut self, frame: Frame) -> FrameId {
-        if let Some(&id) = self.ids.get(&frame) {
+        let FrameTable { frames, ids, hasher, .. } = self;
+        let hash = hasher.hash_one(&frame);
+        if let Some(&id) = ids.find(hash, |&id| frames[id as usize] == frame) {
             return id;
         }
-        let id = self.frames.len() as FrameId;
-        self.frames.push(frame.clone());
-        self.ids.insert(frame, id);
+        let id = frames.len() as FrameId;
+        frames.push(frame);
+        ids.insert_unique(hash, id, |&id| hasher.hash_one(&frames[id as usize]));
         id
     }
 
@@ -113,6 +131,41 @@ impl FrameTable {
 
     pub fn is_empty(&self) -> bool {
         self.frames.is_empty()
+    }
+
+    /// Which table this is: ids kept outside it are valid only in the table of their generation
+    /// (and its clones).
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+}
+
+/// Moves frames from one table into a new one, each once: a new period starts with only the
+/// frames still in use (those the resolver's caches hold), so a long recording does not keep the
+/// frames of every process that ever ran.
+pub struct FrameCarry<'a> {
+    from: &'a FrameTable,
+    to: &'a mut FrameTable,
+    /// The new id of each old one carried so far (`FrameId::MAX`: not yet).
+    moved: Vec<FrameId>,
+}
+
+impl<'a> FrameCarry<'a> {
+    pub fn new(from: &'a FrameTable, to: &'a mut FrameTable) -> Self {
+        FrameCarry { from, to, moved: vec![FrameId::MAX; from.len()] }
+    }
+
+    /// `id`'s frame's id in the new table.
+    pub fn carry(&mut self, id: FrameId) -> FrameId {
+        let moved = &mut self.moved[id as usize];
+        if *moved == FrameId::MAX {
+            *moved = self.to.intern(self.from.frame(id).clone());
+        }
+        *moved
+    }
+
+    pub fn new_generation(&self) -> u64 {
+        self.to.generation()
     }
 }
 
@@ -234,10 +287,24 @@ impl Profile {
         Profile { frequency_hz, ..Default::default() }
     }
 
-    /// An empty profile for the next period of a recording: the same settings, and the same frame
-    /// table, so frame ids the resolver keeps stay valid.
+    /// An empty profile for the next period of a recording: the same settings, and an empty frame
+    /// table into which the resolver carries the frames it keeps ids of ([`FrameCarry`]).
     pub fn next_period(&self) -> Profile {
-        Profile { frames: self.frames.clone(), group_by_container: self.group_by_container, ..Profile::new(self.frequency_hz) }
+        Profile { group_by_container: self.group_by_container, ..Profile::new(self.frequency_hz) }
+    }
+
+    /// Starts a new frame table with the frames of this profile's stacks and those `carry_caches`
+    /// carries (the resolver's), dropping the rest.
+    pub fn renew_frames(&mut self, carry_caches: impl FnOnce(&mut FrameCarry<'_>)) {
+        let old = std::mem::take(&mut self.frames);
+        let mut carry = FrameCarry::new(&old, &mut self.frames);
+        for (mut stored, count) in std::mem::take(&mut self.counts) {
+            for id in stored.frames.iter_mut() {
+                *id = carry.carry(*id);
+            }
+            self.counts.insert(stored, count);
+        }
+        carry_caches(&mut carry);
     }
 
     /// Adds an owned stack, interning its frames.
@@ -355,5 +422,26 @@ mod tests {
         let (key, count) = merged.stacks().next().unwrap();
         assert_eq!(count, 5);
         assert!(key.frames.iter().all(|f| matches!(f, Frame::Python(p) if p.line == 0 && p.first_line == 3)));
+    }
+
+    #[test]
+    fn renewed_frames_keep_the_stacks_and_what_is_carried_and_drop_the_rest() {
+        let key = |line| StackKey { pid: 1, tid: 1, comm: "python3".into(), frames: vec![python(line), python(20)], truncated: false, labels: None };
+        let mut profile = Profile::new(99);
+        profile.add(key(4), 2);
+        let cached = profile.frames.intern(python(30));
+        profile.frames.intern(python(40));
+        let generation = profile.frames.generation();
+        let mut carried = None;
+        profile.renew_frames(|carry| carried = Some(carry.carry(cached)));
+        assert_ne!(profile.frames.generation(), generation);
+        assert_eq!(profile.frames.len(), 3, "the two stack frames and the carried one");
+        assert_eq!(profile.frames.frame(carried.unwrap()), &python(30));
+        let (stack, count) = profile.stacks().next().unwrap();
+        assert_eq!(count, 2);
+        assert_eq!(stack.frames.iter().cloned().collect::<Vec<_>>(), vec![python(4), python(20)]);
+        // Interning again finds the carried frames rather than adding them twice.
+        assert_eq!(profile.frames.intern(python(20)), profile.frames.intern(python(20)));
+        assert_eq!(profile.frames.len(), 3);
     }
 }

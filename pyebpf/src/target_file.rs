@@ -17,6 +17,19 @@ use std::path::Path;
 pub fn open_in_root(pid: u32, path: &Path) -> io::Result<File> {
     let root = File::open(format!("/proc/{pid}/root"))?;
     let handle = openat2(&root, path.strip_prefix("/").unwrap_or(path), libc::O_PATH | libc::O_CLOEXEC)?;
+    reopen_if_regular(handle, path)
+}
+
+/// Opens `path` for reading if it is a regular file; anything else (a FIFO, a device) is refused
+/// without being opened. For `/proc/PID/map_files/...` links, which lead to exactly the file a
+/// process mapped, but which could be a device it mapped.
+pub fn open_regular(path: &Path) -> io::Result<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let handle = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_PATH).open(path)?;
+    reopen_if_regular(handle.into(), path)
+}
+
+fn reopen_if_regular(handle: OwnedFd, path: &Path) -> io::Result<File> {
     let kind = File::from(handle.try_clone()?).metadata()?.file_type();
     if !kind.is_file() {
         return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("{} is not a regular file", path.display())));
@@ -65,5 +78,24 @@ mod tests {
         let magic = dir.path().join("magic");
         std::os::unix::fs::symlink("/proc/self/exe", &magic).unwrap();
         assert!(open_in_root(pid, &magic).is_err());
+    }
+
+    #[test]
+    fn open_regular_refuses_fifos_and_devices_without_opening_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("lib.so");
+        std::fs::write(&file, b"ELF").unwrap();
+        assert_eq!(std::io::read_to_string(open_regular(&file).unwrap()).unwrap(), "ELF");
+        let fifo = dir.path().join("fifo");
+        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: mkfifo reads a NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        assert_eq!(open_regular(&fifo).unwrap_err().kind(), io::ErrorKind::InvalidInput);
+        assert_eq!(open_regular(Path::new("/dev/null")).unwrap_err().kind(), io::ErrorKind::InvalidInput);
+        // A map_files link of this process's own executable mapping.
+        let maps = procfs::process::Process::myself().unwrap().maps().unwrap();
+        let exe = maps.iter().find(|m| matches!(m.pathname, procfs::process::MMapPath::Path(_))).unwrap();
+        let link = format!("/proc/self/map_files/{:x}-{:x}", exe.address.0, exe.address.1);
+        assert!(open_regular(Path::new(&link)).unwrap().metadata().unwrap().is_file());
     }
 }

@@ -10,8 +10,9 @@
 //! a frame-pointer prologue puts `rbp`, so the merge places Python segments by the same rule for
 //! both unwinders.
 //!
-//! Caches are bounded: a file's unwind sections are read once per (device, inode) and kept for at
-//! most [`MAX_FILES`] files; a process's module list is rebuilt only when an address falls outside
+//! Caches are bounded: a file's unwind sections (only those: the file is read piecemeal) are read
+//! once per (device, inode) and kept for at most [`MAX_FILES`] files and [`MAX_CACHED_BYTES`]; a
+//! process's module list is rebuilt only when an address falls outside
 //! it, at most once per [`MAPS_REFRESH_INTERVAL`], and dropped when the process exits or execs.
 
 use std::collections::HashMap;
@@ -26,15 +27,19 @@ use object::{Object, ObjectSection, ObjectSegment};
 use procfs::process::{MMPermissions, MMapPath, MemoryMap};
 use pyebpf_common::{MAX_USER_FRAMES, STACK_SNAPSHOT_MAX};
 
+use crate::target_file;
+
 /// Files whose unwind sections are kept at most (all dropped at once when exceeded).
 const MAX_FILES: usize = 256;
 /// Processes whose module lists are kept at most.
 const MAX_PROCESSES: usize = 4096;
 /// The shortest time between two reads of one process's maps.
 const MAPS_REFRESH_INTERVAL: Duration = Duration::from_millis(100);
-/// Files larger than this are not read for their unwind sections (their frames fall back to frame
-/// pointers): a bound on what one hostile mapping can make pyebpf read.
-const MAX_FILE_BYTES: u64 = 1 << 30;
+/// Unwind sections kept at most, over all files (all dropped at once when exceeded).
+const MAX_CACHED_BYTES: usize = 256 << 20;
+/// Unwind sections larger than this are not read (their frames fall back to frame pointers): a
+/// bound on what one hostile mapping can make pyebpf hold.
+const MAX_SECTION_BYTES: u64 = 64 << 20;
 
 /// Where a frame-pointer prologue puts the frame pointer, below the CFA: the saved `rbp` and the
 /// return address lie between them.
@@ -81,11 +86,11 @@ struct Segment {
     svma: u64,
 }
 
-/// What unwinding needs of one ELF file.
+/// What unwinding needs of one ELF file. (framehop reads instructions only for Mach-O and PE
+/// files, so `.text` is not kept.)
 #[derive(Debug, Default)]
 struct FileCfi {
     segments: Vec<Segment>,
-    text: Option<(Range<u64>, Data)>,
     eh_frame: Option<(Range<u64>, Data)>,
     eh_frame_hdr: Option<(Range<u64>, Data)>,
     debug_frame: Option<Data>,
@@ -93,10 +98,10 @@ struct FileCfi {
 }
 
 impl FileCfi {
-    fn parse(data: &[u8]) -> Result<FileCfi, object::Error> {
+    fn parse<'data, R: object::ReadRef<'data>>(data: R) -> Result<FileCfi, object::Error> {
         let file = object::File::parse(data)?;
         let section = |name: &str| {
-            let section = file.section_by_name(name)?;
+            let section = file.section_by_name(name).filter(|section| section.size() <= MAX_SECTION_BYTES)?;
             let bytes: Data = section.data().ok()?.into();
             Some((section.address()..section.address() + section.size(), bytes))
         };
@@ -108,12 +113,17 @@ impl FileCfi {
                     Segment { file_offset, file_size, svma: segment.address() }
                 })
                 .collect(),
-            text: section(".text"),
             eh_frame: section(".eh_frame"),
             eh_frame_hdr: section(".eh_frame_hdr"),
             debug_frame: section(".debug_frame").map(|(_, data)| data),
             got: file.section_by_name(".got").map(|s| s.address()..s.address() + s.size()),
         })
+    }
+
+    /// The bytes it holds.
+    fn size(&self) -> usize {
+        let len = |section: &Option<(Range<u64>, Data)>| section.as_ref().map_or(0, |(_, data)| data.len());
+        len(&self.eh_frame) + len(&self.eh_frame_hdr) + self.debug_frame.as_ref().map_or(0, |data| data.len())
     }
 
     /// Where stated address 0 lies in a process that maps `file_offset` of this file at `start`.
@@ -136,13 +146,10 @@ impl FileCfi {
     }
 
     fn module(&self, name: String, avma: Range<u64>, base_avma: u64) -> Module<Data> {
-        let (text_svma, text) = self.text.clone().unzip();
         let (eh_frame_svma, eh_frame) = self.eh_frame.clone().unzip();
         let (eh_frame_hdr_svma, eh_frame_hdr) = self.eh_frame_hdr.clone().unzip();
         let info = ExplicitModuleSectionInfo {
             base_svma: 0,
-            text_svma,
-            text,
             got_svma: self.got.clone(),
             eh_frame_svma,
             eh_frame,
@@ -173,6 +180,10 @@ impl ProcessModules {
 #[derive(Default)]
 pub struct StackUnwinder {
     files: HashMap<FileId, Option<Arc<FileCfi>>>,
+    /// The bytes `files` holds.
+    cached_bytes: usize,
+    /// The kernel's vDSO, read once from pyebpf's own mapping.
+    vdso: Option<Option<Arc<FileCfi>>>,
     processes: HashMap<u32, ProcessModules>,
 }
 
@@ -208,8 +219,9 @@ impl StackUnwinder {
         if self.processes.len() >= MAX_PROCESSES {
             self.processes.clear();
         }
-        if self.files.len() >= MAX_FILES {
+        if self.files.len() >= MAX_FILES || self.cached_bytes >= MAX_CACHED_BYTES {
             self.files.clear();
+            self.cached_bytes = 0;
         }
         let modules = match read_executable_maps(pid) {
             Ok(maps) => self.modules(pid, &maps),
@@ -229,13 +241,24 @@ impl StackUnwinder {
     fn modules(&mut self, pid: u32, maps: &[MemoryMap]) -> Vec<Module<Data>> {
         let mut modules = Vec::new();
         for entry in maps {
-            let MMapPath::Path(path) = &entry.pathname else { continue };
-            let id = FileId { dev: (entry.dev.0, entry.dev.1), inode: entry.inode };
             let (start, limit) = entry.address;
-            let cfi = self.files.entry(id).or_insert_with(|| read_file_cfi(pid, start, limit, path)).clone();
+            let (cfi, name) = match &entry.pathname {
+                MMapPath::Path(path) => {
+                    let id = FileId { dev: (entry.dev.0, entry.dev.1), inode: entry.inode };
+                    let cached_bytes = &mut self.cached_bytes;
+                    let cfi = self.files.entry(id).or_insert_with(|| {
+                        let cfi = read_file_cfi(pid, start, limit, path);
+                        *cached_bytes += cfi.as_ref().map_or(0, |cfi| cfi.size());
+                        cfi
+                    });
+                    (cfi.clone(), path.to_string_lossy().into_owned())
+                }
+                MMapPath::Vdso => (self.vdso.get_or_insert_with(own_vdso_cfi).clone(), "[vdso]".to_owned()),
+                _ => continue,
+            };
             let Some(cfi) = cfi else { continue };
             let Some(base_avma) = cfi.base_avma(start, entry.offset) else { continue };
-            modules.push(cfi.module(path.to_string_lossy().into_owned(), start..limit, base_avma));
+            modules.push(cfi.module(name, start..limit, base_avma));
         }
         modules
     }
@@ -283,11 +306,12 @@ fn unwind_with(unwinder: &UnwinderX86_64<Data>, cache: &mut CacheX86_64, snapsho
     unwound
 }
 
-/// Reads a mapped file's unwind sections; None if it cannot be read or parsed (its frames fall
-/// back to frame pointers).
+/// Reads a mapped file's unwind sections (and headers; nothing else of it); None if it cannot be
+/// read or parsed (its frames fall back to frame pointers).
 fn read_file_cfi(pid: u32, start: u64, limit: u64, path: &Path) -> Option<Arc<FileCfi>> {
-    let data = file_paths(pid, start, limit, path).iter().find_map(|candidate| read_regular_file(candidate))?;
-    match FileCfi::parse(&data) {
+    let map_file = PathBuf::from(format!("/proc/{pid}/map_files/{start:x}-{limit:x}"));
+    let file = target_file::open_regular(&map_file).or_else(|_| target_file::open_in_root(pid, path)).ok()?;
+    match FileCfi::parse(&object::ReadCache::new(file)) {
         Ok(cfi) => Some(Arc::new(cfi)),
         Err(err) => {
             log::debug!("cannot read the unwind information of {}: {err}", path.display());
@@ -296,34 +320,19 @@ fn read_file_cfi(pid: u32, start: u64, limit: u64, path: &Path) -> Option<Arc<Fi
     }
 }
 
-/// The contents of a regular file of at most [`MAX_FILE_BYTES`]. Opened without blocking and checked
-/// on the open descriptor: a process's path may name a FIFO or device now (a deleted file's name
-/// reused), which must neither block pyebpf nor be read.
-fn read_regular_file(path: &Path) -> Option<Vec<u8>> {
-    use std::io::Read;
-    use std::os::unix::fs::OpenOptionsExt;
-    let mut file = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(path).ok()?;
-    let metadata = file.metadata().ok()?;
-    if !metadata.is_file() || metadata.len() > MAX_FILE_BYTES {
-        return None;
-    }
-    let mut data = Vec::with_capacity(metadata.len() as usize);
-    file.by_ref().take(MAX_FILE_BYTES).read_to_end(&mut data).ok()?;
-    Some(data)
+/// The unwind sections of the kernel's vDSO as pyebpf itself maps it: every 64-bit process maps
+/// the same image, so this serves them all, and nothing of it is read from a target.
+fn own_vdso_cfi() -> Option<Arc<FileCfi>> {
+    let maps = procfs::process::Process::myself().ok()?.maps().ok()?;
+    let (start, limit) = maps.iter().find(|entry| entry.pathname == MMapPath::Vdso)?.address;
+    // SAFETY: the kernel maps the vDSO readable for the process's whole life, and never moves it.
+    let image = unsafe { std::slice::from_raw_parts(start as *const u8, (limit - start) as usize) };
+    FileCfi::parse(image).map(Arc::new).inspect_err(|err| log::debug!("cannot read the vDSO's unwind information: {err}")).ok()
 }
 
 fn read_executable_maps(pid: u32) -> procfs::ProcResult<Vec<MemoryMap>> {
     let maps = procfs::process::Process::new(pid as i32)?.maps()?;
     Ok(maps.into_iter().filter(|entry| entry.perms.contains(MMPermissions::EXECUTE)).collect())
-}
-
-/// Ways to open a mapped file: `map_files` reaches the exact file mapped (also in containers and
-/// after deletion); the process's root reaches its path. Never the path as pyebpf sees it.
-fn file_paths(pid: u32, start: u64, limit: u64, path: &Path) -> [PathBuf; 2] {
-    [
-        PathBuf::from(format!("/proc/{pid}/map_files/{start:x}-{limit:x}")),
-        PathBuf::from(format!("/proc/{pid}/root")).join(path.strip_prefix("/").unwrap_or(path)),
-    ]
 }
 
 #[cfg(test)]
@@ -332,17 +341,10 @@ mod tests {
     use proptest::prelude::*;
 
     #[test]
-    fn a_fifo_is_neither_waited_on_nor_read() {
-        let dir = tempfile::tempdir().unwrap();
-        let fifo = dir.path().join("python3 (deleted)");
-        let name = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
-        // SAFETY: a valid C string; mkfifo creates the FIFO in our own temporary directory.
-        assert_eq!(unsafe { libc::mkfifo(name.as_ptr(), 0o600) }, 0);
-        assert!(read_regular_file(&fifo).is_none());
-        let regular = dir.path().join("lib.so");
-        std::fs::write(&regular, b"not an ELF file").unwrap();
-        assert_eq!(read_regular_file(&regular).as_deref(), Some(&b"not an ELF file"[..]));
-        assert!(FileCfi::parse(b"not an ELF file").is_err());
+    fn the_vdso_has_unwind_information_and_other_bytes_are_refused() {
+        let vdso = own_vdso_cfi().expect("this process's vDSO parses");
+        assert!(vdso.eh_frame.is_some() && vdso.eh_frame_hdr.is_some(), "{vdso:?}");
+        assert!(FileCfi::parse(&b"not an ELF file"[..]).is_err());
     }
 
     #[test]

@@ -170,3 +170,59 @@ fn a_10000_deep_stack_is_truncated_and_marked_and_others_lose_nothing() {
     assert!(c.all >= 1000, "the other process got only {} samples", c.all);
     assert_eq!(c.mixed + c.truncated, 0, "the other process's stacks suffered");
 }
+
+/// With `--rotate`, each period starts a new frame table holding only the frames the resolver's
+/// caches still use (their ids are carried over): every period's stacks must stay exactly the
+/// ones the workload runs. The native part below `<module>` is one fixed chain for the whole run,
+/// and the Python part is a prefix of one of the two paths; a frame carried to a wrong id would
+/// break one or the other. 3.15 joins chains at the marker (established chains carried); Debian's
+/// 3.13 is unwound from stack copies.
+fn check_rotated_periods(version: &str) {
+    let (child, _dir) = start_ready(&debian_python(version), "alternating.py", &["2"]);
+    let dir = tempfile::tempdir().unwrap();
+    let pid = child.pid().to_string();
+    let output = Command::new(pyebpf())
+        .args(["record", "-p", &pid, "-F", "499", "-d", "5.5", "--rotate", "1", "-o"])
+        .arg(dir.path().join("p.folded"))
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let mut periods: Vec<PathBuf> = std::fs::read_dir(dir.path()).unwrap().map(|entry| entry.unwrap().path()).collect();
+    periods.sort();
+    assert!(periods.len() >= 5, "{version}: {} rotated files", periods.len());
+    let paths = ["a", "b"].map(|p| ["<module>", "main", &format!("{p}_outer"), &format!("{p}_mid"), &format!("{p}_leaf"), "spin"].map(String::from));
+    let mut native_chains = std::collections::HashSet::new();
+    for period in &periods {
+        let stacks = stacks_of(&std::fs::read_to_string(period).unwrap(), child.pid());
+        let (mut python_samples, mut unwound_short, mut wrong) = (0, 0, Vec::new());
+        for (frames, n) in &stacks {
+            let Some(module) = frames.iter().position(|f| function_of(f) == "<module>") else { continue };
+            python_samples += n;
+            // An unwind that stops at code without unwind information loses the native part;
+            // such samples stay rare, and are not a chain of their own.
+            match module {
+                0 => unwound_short += n,
+                _ => drop(native_chains.insert(frames[..module].to_vec())),
+            }
+            let python: Vec<&str> = frames.iter().filter(|f| f.contains("alternating.py:")).map(|f| function_of(f)).collect();
+            if !paths.iter().any(|path| python.len() <= path.len() && python.iter().zip(path).all(|(f, p)| f == p)) {
+                wrong.push(frames.clone());
+            }
+        }
+        let all = total(&stacks);
+        assert!(python_samples * 10 >= all * 9 && all >= 50, "{version} {}: {python_samples} of {all} samples under <module>", period.display());
+        assert!(wrong.is_empty(), "{version} {}: stacks the workload never ran: {wrong:?}", period.display());
+        assert!(unwound_short * 50 <= python_samples, "{version} {}: {unwound_short} of {python_samples} samples without their native part", period.display());
+    }
+    assert_eq!(native_chains.len(), 1, "{version}: the native chain below <module> changed between periods: {native_chains:?}");
+}
+
+#[test]
+fn rotated_periods_keep_true_stacks_debian_3_13() {
+    check_rotated_periods("3.13");
+}
+
+#[test]
+fn rotated_periods_keep_true_stacks_debian_3_15() {
+    check_rotated_periods("3.15");
+}

@@ -23,6 +23,9 @@ use terminal::Screen;
 
 /// How often the view takes a new window of samples.
 const REFRESH: Duration = Duration::from_secs(1);
+/// Every this many windows the frame table starts again with the frames still in use, so one left
+/// running on a host where processes come and go does not keep the frames of every one of them.
+const RENEW_FRAMES_WINDOWS: u64 = 60;
 
 /// What the screen shows.
 pub struct View {
@@ -132,7 +135,13 @@ async fn top(args: &TopArgs) -> Result<()> {
                 add_samples(&mut batch, &mut resolver, &mut sampler, tally.window_mut(), &mut stats);
                 Action::Nothing
             }
-            _ = refresh.tick() => view.window_ended(tally.end_window(), sampler.lost_samples()),
+            _ = refresh.tick() => {
+                let snapshot = tally.end_window();
+                if tally.windows() % RENEW_FRAMES_WINDOWS == 0 {
+                    tally.window_mut().renew_frames(|carry| resolver.carry_frames(carry));
+                }
+                view.window_ended(snapshot, sampler.lost_samples())
+            }
             _ = upkeep.tick() => {
                 resolver.upkeep(&mut sampler);
                 Action::Nothing

@@ -134,9 +134,8 @@ impl Tally {
     /// Ends the window: its rows in both views (unsorted), with the accumulated counts updated.
     pub fn end_window(&mut self) -> Snapshot {
         self.windows += 1;
-        // The next window keeps the frame table: the resolver holds ids into it.
         let next = self.window.next_period();
-        let window = std::mem::replace(&mut self.window, next);
+        let mut window = std::mem::replace(&mut self.window, next);
         let mut snapshot = Snapshot { samples: window.total_samples(), rows: Default::default() };
         for view in [FrameView::Merged, FrameView::PythonOnly] {
             let counts = window_counts(&window, view);
@@ -152,7 +151,14 @@ impl Tally {
             let windows = self.windows;
             so_far.retain(|_, entry| windows - entry.last_window < FORGET_AFTER_WINDOWS);
         }
+        // The next window goes on with the frame table: the resolver holds ids into it.
+        self.window.frames = std::mem::take(&mut window.frames);
         snapshot
+    }
+
+    /// Windows ended so far.
+    pub fn windows(&self) -> u64 {
+        self.windows
     }
 }
 
