@@ -26,6 +26,11 @@ const MAX_QUEUED_BYTES: usize = 64 << 20;
 /// Batches the channel holds at most (the byte bound usually binds first).
 const MAX_QUEUED_BATCHES: usize = 4096;
 
+/// Consumed buffers kept for reuse at most, and the largest kept: a burst that queued many or
+/// large batches does not leave its memory held for the rest of the run.
+const MAX_SPARE_BATCHES: usize = 16;
+const MAX_SPARE_BYTES: usize = 4 << 20;
+
 /// Records drained from the ring buffer in one go, as sent: each record's bytes, back to back.
 #[derive(Default)]
 struct RawBatch {
@@ -59,6 +64,8 @@ pub struct ReaderDrops {
 struct Shared {
     stop: AtomicBool,
     queued_bytes: AtomicUsize,
+    /// Buffers sent back for reuse and not yet taken.
+    spare: AtomicUsize,
     drops: ReaderDrops,
 }
 
@@ -117,7 +124,12 @@ impl RingReader {
 
     fn give_back(&self, out: &mut RecordBatch) {
         for mut raw in out.raw.drain(..) {
+            let spare = &self.shared.spare;
+            if spare.load(Ordering::Relaxed) >= MAX_SPARE_BATCHES || raw.bytes.capacity() > MAX_SPARE_BYTES {
+                continue;
+            }
             raw.clear();
+            spare.fetch_add(1, Ordering::Relaxed);
             // The reader has stopped when this fails; the buffer just goes.
             let _ = self.recycle.send(raw);
         }
@@ -180,7 +192,7 @@ impl Reader {
         let len = batch.bytes.len();
         self.shared.queued_bytes.fetch_add(len, Ordering::Relaxed);
         match self.sender.try_send(batch) {
-            Ok(()) => Some(self.recycled.try_recv().unwrap_or_default()),
+            Ok(()) => Some(self.take_spare()),
             Err(tokio::sync::mpsc::error::TrySendError::Full(mut batch)) => {
                 self.shared.queued_bytes.fetch_sub(len, Ordering::Relaxed);
                 self.count_dropped(&batch);
@@ -188,6 +200,16 @@ impl Reader {
                 Some(batch)
             }
             Err(tokio::sync::mpsc::error::TrySendError::Closed(_)) => None,
+        }
+    }
+
+    fn take_spare(&self) -> RawBatch {
+        match self.recycled.try_recv() {
+            Ok(batch) => {
+                self.shared.spare.fetch_sub(1, Ordering::Relaxed);
+                batch
+            }
+            Err(_) => RawBatch::default(),
         }
     }
 
