@@ -1,5 +1,5 @@
-//! Issue 13 end to end: bad values, closed standard error, SIGHUP, `--rotate`, bounded memory in a
-//! long run, and hostile targets.
+//! Issue 13 end to end: bad values, closed standard error, SIGHUP, `--rotate`, a soak (bounded
+//! memory in a long run), and hostile targets.
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
@@ -195,47 +195,25 @@ fn rotate_writes_a_complete_profile_every_period() {
 }
 
 /// Resident memory of a process, in KiB (`VmRSS` of `/proc/PID/status`).
-fn rss_kib(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let line = status.lines().find(|line| line.starts_with("VmRSS:")).unwrap();
-    line.split_whitespace().nth(1).unwrap().parse().unwrap()
-}
-
-/// A launched shell starts a new short-lived Python (a 0.2 s busy loop) every 0.2 s for 42 s;
-/// pyebpf follows every one of them. Recording the shell's children rather than the whole host
-/// keeps other processes on the machine (a build beside the test) out of the measurement.
+/// Issue 13's soak, sized for CI: `tests/soak.py` runs `record -a -F 999 --rotate 15` for 90 s
+/// while a new short-lived Python (3.13, 3.14, 3.15 in turn) starts every 0.2 s, and fails unless
+/// RSS (whole and anonymous, read every 5 s) stays within 10% (8 MiB at least) of its warm-up peak,
+/// nothing is lost, every short-lived process has its Python frames, and every rotated file is whole.
+/// The 10-minute run of docs/RELIABILITY.md is the same script with `--duration 600 --rotate 60`.
 #[test]
-fn memory_stays_bounded_while_processes_come_and_go() {
+fn a_short_soak_stays_flat_loses_nothing_and_resolves_every_process() {
     let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("churn.folded");
-    let churn = format!(
-        "end=$(($(date +%s) + 42)); n=0; while [ $(date +%s) -lt $end ]; do {} -c 'import time\ndef busy():\n    t = time.time()\n    while time.time() - t < 0.2: pass\nbusy()' & n=$((n+1)); sleep 0.2; done; wait; echo $n > {}",
-        debian_python("3.14").display(),
-        dir.path().join("started").display()
-    );
-    let recorder = Command::new(pyebpf())
-        .args(["record", "-F", "999", "-d", "40", "-o"])
-        .arg(&out)
-        .args(["--", "bash", "-c", &churn])
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let pid = recorder.id();
-    std::thread::sleep(Duration::from_secs(10));
-    let early = rss_kib(pid);
-    std::thread::sleep(Duration::from_secs(28));
-    let late = rss_kib(pid);
-    let output = recorder.wait_with_output().unwrap();
-    std::thread::sleep(Duration::from_secs(3));
-    let started = std::fs::read_to_string(dir.path().join("started")).unwrap_or_default();
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    eprintln!("pyebpf RSS: {early} KiB at 10 s, {late} KiB at 38 s ({} short-lived Pythons started)", started.trim());
-    assert!(output.status.success(), "{stderr}");
-    assert!(late < early + 20 * 1024, "RSS grew from {early} KiB to {late} KiB between 10 s and 38 s");
-    // The short-lived processes were profiled with their Python frames.
-    let text = std::fs::read_to_string(&out).unwrap();
-    let busy = text.lines().filter(|line| line.contains("busy (<string>")).count();
-    assert!(busy > 0, "no Python frame of a short-lived process");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("soak.py");
+    let output = Command::new("python3")
+        .arg(&script)
+        .args(["--duration", "90", "--rotate", "15", "--rss-interval", "5", "--out"])
+        .arg(dir.path())
+        .env("PYEBPF_BIN", pyebpf())
+        .output()
+        .expect("python3 runs tests/soak.py");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    eprintln!("{stdout}{}", String::from_utf8_lossy(&output.stderr));
+    assert!(output.status.success(), "the soak failed:\n{stdout}");
 }
 
 /// A C program named `python3.15` whose `.PyRuntime` section (and `_PyRuntime` symbol) holds
