@@ -83,13 +83,16 @@ fn record_all_works_with_only_bpf_perfmon_and_sys_ptrace() {
     }
 }
 
-/// Spins in leaf_fn under outer_fn → middle_fn.
+/// Spins in leaf_fn under outer_fn → middle_fn. The call leaf_fn never makes keeps gcc from
+/// leaving out its frame (shrink-wrapping), which would hide middle_fn from frame pointers.
 const SPIN_C: &str = r#"
+#include <unistd.h>
 volatile unsigned long sink;
-__attribute__((noinline)) void leaf_fn(void) { for (;;) sink++; }
+static int calls;
+__attribute__((noinline)) void leaf_fn(void) { for (;;) { if (calls) sink += getppid(); else sink++; } }
 __attribute__((noinline)) void middle_fn(void) { leaf_fn(); sink++; }
 __attribute__((noinline)) void outer_fn(void) { middle_fn(); sink++; }
-int main(void) { outer_fn(); return 0; }
+int main(int argc, char **argv) { (void)argv; calls = argc > 1; outer_fn(); return 0; }
 "#;
 
 /// Without CAP_SYS_ADMIN `/proc/PID/map_files` is closed to pyebpf, so native frames come from the

@@ -9,6 +9,7 @@
 //! under the path and never looks again (auto-reload is off), so the path must never name another
 //! file while blazesym remembers it: blazesym forgets the path before the descriptor is closed.
 
+use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::fs::File;
 use std::io;
@@ -63,10 +64,11 @@ impl OpenFiles {
 
     /// The path blazesym reaches file `id` by, opening the file where `location` says first.
     pub fn path(&mut self, id: FileId, location: &Location) -> io::Result<&Path> {
-        if !self.files.contains_key(&id) {
-            self.files.insert(id, OpenFile::open(location)?);
-        }
-        Ok(&self.files[&id].path)
+        let file = match self.files.entry(id) {
+            Entry::Occupied(entry) => entry.into_mut(),
+            Entry::Vacant(entry) => entry.insert(OpenFile::open(location)?),
+        };
+        Ok(&file.path)
     }
 
     /// The file's GNU build ID, read from the open file, or from one opened for this alone.
