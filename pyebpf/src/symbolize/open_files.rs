@@ -3,7 +3,7 @@
 //!
 //! blazesym opens files by path. A path a target names can be swapped (for a FIFO that blocks the
 //! open forever, a device, another file) between any check pyebpf makes and blazesym's open, and
-//! `map_files` names an address range, which can be remapped. So pyebpf opens each file once, as a
+//! `map_files` names an address range, which can be remapped. So pyebpf opens the file itself, as a
 //! regular file ([`crate::target_file`]), and keeps the descriptor: its own magic link leads to that
 //! open file and nothing else for as long as the descriptor lives. blazesym keeps what it opened
 //! under the path and never looks again (auto-reload is off), so the path must never name another
