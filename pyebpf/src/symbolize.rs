@@ -15,7 +15,8 @@
 //! all at once (they are found again on demand; a bound hit is rare enough for that to be cheap).
 //!
 //! Files are opened through `/proc/PID/map_files/` (falling back to `/proc/PID/root/PATH`), which
-//! reaches the process's own file even inside a container or after it was deleted or replaced.
+//! reaches the process's own file even inside a container or after it was deleted or replaced;
+//! pyebpf opens each itself and blazesym reads it through the open descriptor ([`open_files`]).
 //!
 //! blazesym's symbolizer is single-threaded (`!Send`), and so is [`Symbolizer`]: create it on the
 //! thread that symbolizes (e.g. inside `tokio::task::spawn_blocking` or a dedicated thread).
@@ -32,6 +33,9 @@ use blazesym::{MaybeDefault, Pid};
 use procfs::process::{MMPermissions, MMapPath, MemoryMap};
 
 use crate::stack::{KernelFrame, Module, NativeFrame};
+use open_files::{Location, OpenFiles};
+
+mod open_files;
 
 /// The shortest time between two reads of one process's maps: junk addresses from a broken
 /// frame-pointer chain fall outside every mapping and must not cause a re-read per sample.
@@ -89,15 +93,14 @@ impl Mapping {
 
 /// File offsets to look up in one file, and where the mapping that needs them lies.
 struct FileBatch<'a> {
-    start: u64,
-    limit: u64,
-    path_in_process: &'a Path,
+    location: Location<'a>,
     offsets: Vec<u64>,
 }
 
 impl<'a> FileBatch<'a> {
-    fn new(mapping: &Mapping, path_in_process: &'a Path) -> FileBatch<'a> {
-        FileBatch { start: mapping.module.start, limit: mapping.module.limit, path_in_process, offsets: Vec::new() }
+    fn new(pid: u32, mapping: &Mapping, path_in_process: &'a Path) -> FileBatch<'a> {
+        let location = Location { pid, start: mapping.module.start, limit: mapping.module.limit, path: path_in_process };
+        FileBatch { location, offsets: Vec::new() }
     }
 }
 
@@ -123,8 +126,7 @@ pub struct Symbolizer {
     blazesym: blazesym::symbolize::Symbolizer,
     processes: HashMap<u32, ProcessMaps>,
     build_ids: HashMap<FileId, Option<Arc<str>>>,
-    /// The path each file was first opened by; blazesym keeps the file open under it.
-    opened_files: HashMap<FileId, PathBuf>,
+    open_files: OpenFiles,
     by_file_offset: HashMap<(FileId, u64), Resolved>,
     by_process_addr: HashMap<(u32, u64), Resolved>,
     kernel: HashMap<u64, Option<Arc<str>>>,
@@ -150,7 +152,7 @@ impl Symbolizer {
             blazesym,
             processes: HashMap::new(),
             build_ids: HashMap::new(),
-            opened_files: HashMap::new(),
+            open_files: OpenFiles::default(),
             by_file_offset: HashMap::new(),
             by_process_addr: HashMap::new(),
             kernel: HashMap::new(),
@@ -159,11 +161,8 @@ impl Symbolizer {
 
     /// Keeps the caches that grow with the files and code seen within their bounds.
     fn enforce_bounds(&mut self) {
-        if self.opened_files.len() > MAX_OPEN_FILES {
-            for path in self.opened_files.values() {
-                let _ = self.blazesym.evict(&Evict::Elf(evict::Elf::new(path.clone())));
-            }
-            self.opened_files.clear();
+        if self.open_files.len() > MAX_OPEN_FILES {
+            self.open_files.close_all(&mut self.blazesym);
             self.build_ids.clear();
         }
         clear_if_over(&mut self.by_file_offset, MAX_RESOLVED);
@@ -270,7 +269,7 @@ impl Symbolizer {
         let (path, backing, build_id) = match file {
             Some(path) => {
                 let id = FileId { dev: entry.dev, inode: entry.inode };
-                let build_id = self.build_id(id, pid, start, limit, &path);
+                let build_id = self.build_id(id, &Location { pid, start, limit, path: &path });
                 let name = path.to_string_lossy().into();
                 (name, Backing::File { id, path_in_process: path }, build_id)
             }
@@ -280,16 +279,8 @@ impl Symbolizer {
         Mapping { module: Arc::new(module), backing }
     }
 
-    fn build_id(&mut self, id: FileId, pid: u32, start: u64, limit: u64, path: &Path) -> Option<Arc<str>> {
-        self.build_ids
-            .entry(id)
-            .or_insert_with(|| {
-                file_paths(pid, start, limit, path)
-                    .find_map(|candidate| blazesym::helper::read_elf_build_id(&candidate).ok())
-                    .flatten()
-                    .map(|bytes| hex(&bytes).into())
-            })
-            .clone()
+    fn build_id(&mut self, id: FileId, location: &Location) -> Option<Arc<str>> {
+        self.build_ids.entry(id).or_insert_with(|| self.open_files.build_id(id, location).map(|bytes| hex(&bytes).into())).clone()
     }
 
     /// Looks up, in one batch per file, every address not resolved yet.
@@ -305,7 +296,7 @@ impl Symbolizer {
                     if !self.by_file_offset.contains_key(&(*id, offset)) {
                         by_file
                             .entry(*id)
-                            .or_insert_with(|| FileBatch::new(mapping, path_in_process))
+                            .or_insert_with(|| FileBatch::new(pid, mapping, path_in_process))
                             .offsets
                             .push(offset);
                     }
@@ -318,17 +309,12 @@ impl Symbolizer {
             }
         }
 
-        let mut file_results = Vec::new();
-        let mut opened = Vec::new();
         for (id, mut batch) in by_file {
             batch.offsets.sort_unstable();
             batch.offsets.dedup();
-            let (resolved, path) = self.symbolize_file(pid, id, &batch);
-            file_results.extend(batch.offsets.into_iter().map(|offset| (id, offset)).zip(resolved));
-            opened.extend(path.map(|path| (id, path)));
+            let resolved = symbolize_file(&mut self.blazesym, &mut self.open_files, id, &batch);
+            self.by_file_offset.extend(batch.offsets.into_iter().map(|offset| (id, offset)).zip(resolved));
         }
-        self.by_file_offset.extend(file_results);
-        self.opened_files.extend(opened);
 
         if !by_process.is_empty() {
             by_process.sort_unstable();
@@ -336,24 +322,6 @@ impl Symbolizer {
             let resolved = self.symbolize_in_process(pid, &by_process);
             self.by_process_addr.extend(by_process.into_iter().map(|addr| (pid, addr)).zip(resolved));
         }
-    }
-
-    /// Symbolizes file offsets in one file, and says which path opened it. A file that cannot be
-    /// opened gives unknown results, remembered like any other so it is not retried every sample.
-    fn symbolize_file(&self, pid: u32, id: FileId, batch: &FileBatch) -> (Vec<Resolved>, Option<PathBuf>) {
-        // The path that opened the file before is kept open by blazesym, even if its process exited.
-        let known = self.opened_files.get(&id).cloned();
-        let candidates = known.into_iter().chain(file_paths(pid, batch.start, batch.limit, batch.path_in_process));
-        for path in candidates {
-            let mut elf = Elf::new(path.clone());
-            elf.debug_syms = may_follow_debug_link(&path, id);
-            let source = Source::Elf(elf);
-            match self.blazesym.symbolize(&source, Input::FileOffset(&batch.offsets)) {
-                Ok(results) => return (results.iter().map(resolved).collect(), Some(path)),
-                Err(err) => log::debug!("cannot symbolize {}: {err}", path.display()),
-            }
-        }
-        (unknown(batch.offsets.len()), None)
     }
 
     fn symbolize_in_process(&self, pid: u32, addrs: &[u64]) -> Vec<Resolved> {
@@ -365,6 +333,30 @@ impl Symbolizer {
                 log::debug!("cannot symbolize anonymous code of process {pid}: {err}");
                 unknown(addrs.len())
             }
+        }
+    }
+}
+
+/// Symbolizes file offsets in one file. A file opened before stays open, so late samples of a
+/// process that has exited still resolve. A file that cannot be opened or read gives unknown
+/// results, remembered like any other so it is not retried every sample.
+fn symbolize_file(blazesym: &mut blazesym::symbolize::Symbolizer, files: &mut OpenFiles, id: FileId, batch: &FileBatch) -> Vec<Resolved> {
+    let name = batch.location.path.display();
+    let path = match files.path(id, &batch.location) {
+        Ok(path) => path.to_path_buf(),
+        Err(err) => {
+            log::debug!("cannot open {name} of process {}: {err}", batch.location.pid);
+            return unknown(batch.offsets.len());
+        }
+    };
+    let mut elf = Elf::new(path.clone());
+    elf.debug_syms = may_follow_debug_link(&path, id);
+    match blazesym.symbolize(&Source::Elf(elf), Input::FileOffset(&batch.offsets)) {
+        Ok(results) => results.iter().map(resolved).collect(),
+        Err(err) => {
+            log::debug!("cannot symbolize {name}: {err}");
+            files.close(blazesym, id);
+            unknown(batch.offsets.len())
         }
     }
 }
@@ -448,22 +440,12 @@ fn read_executable_maps(pid: u32) -> procfs::ProcResult<Vec<MemoryMap>> {
     Ok(entries)
 }
 
-/// Ways to open a mapped file, most robust first: `map_files` reaches the exact file mapped (also in
-/// containers and after deletion) but needs CAP_SYS_ADMIN; the process's root reaches its path,
-/// offered only while it names a regular file inside that root (see [`crate::target_file`]: the
-/// target controls the path, and a FIFO there would block blazesym's open forever).
-fn file_paths(pid: u32, start: u64, limit: u64, path: &Path) -> impl Iterator<Item = PathBuf> {
-    let map_file = PathBuf::from(format!("/proc/{pid}/map_files/{start:x}-{limit:x}"));
-    let rooted = PathBuf::from(format!("/proc/{pid}/root")).join(path.strip_prefix("/").unwrap_or(path));
-    let rooted = safe_rooted(pid, path, rooted);
-    std::iter::once(map_file).chain(rooted)
-}
-
 /// Whether blazesym may read this file's DWARF. With it, blazesym follows the file's debug link:
-/// it canonicalizes the path it opened, which for a `map_files` link is the path the target names
-/// (`NAME (deleted)`, say), and opens that and what it finds beside it (a FIFO there blocks it
-/// forever). Only a file that canonical path still reaches, in a directory only root can change,
-/// is safe; others are symbolized from their ELF symbols alone.
+/// it canonicalizes the path it opened, which for the descriptor's `/proc/self/fd/N` link is the
+/// path the file had when opened, as pyebpf's root sees it (`NAME (deleted)`, say), and opens that
+/// and what it finds beside it (a FIFO there blocks it forever). Only a file that canonical path
+/// still reaches, in a directory only root can change, is safe; others are symbolized from their
+/// ELF symbols alone.
 fn may_follow_debug_link(path: &Path, id: FileId) -> bool {
     use std::os::unix::fs::MetadataExt;
     let Ok(canonical) = std::fs::canonicalize(path) else { return false };
@@ -472,14 +454,6 @@ fn may_follow_debug_link(path: &Path, id: FileId) -> bool {
     };
     let same_file = file.is_file() && file.ino() == id.inode && (libc::major(file.dev()) as i32, libc::minor(file.dev()) as i32) == id.dev;
     same_file && dir.uid() == 0 && dir.mode() & 0o022 == 0
-}
-
-/// `rooted` if it resolves to the same regular file as `path` resolved inside the process's root.
-fn safe_rooted(pid: u32, path: &Path, rooted: PathBuf) -> Option<PathBuf> {
-    use std::os::unix::fs::MetadataExt;
-    let checked = crate::target_file::open_in_root(pid, path).ok()?.metadata().ok()?;
-    let plain = std::fs::symlink_metadata(&rooted).ok()?;
-    (plain.is_file() && plain.dev() == checked.dev() && plain.ino() == checked.ino()).then_some(rooted)
 }
 
 fn pseudo_path(path: &MMapPath) -> Arc<str> {
@@ -732,6 +706,75 @@ int main() {
         std::thread::sleep(MAPS_REFRESH_INTERVAL);
         let frames = symbolizer.user_frames(pid, &[address]);
         assert_eq!(names(&frames), ["plugin_fn"], "{frames:#?}");
+    }
+
+    fn mkfifo(path: &Path) {
+        let c = std::ffi::CString::new(path.to_str().unwrap()).unwrap();
+        // SAFETY: mkfifo reads a NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0, "mkfifo {}", path.display());
+    }
+
+    #[test]
+    fn a_file_once_opened_is_read_even_after_the_target_puts_a_fifo_at_its_path() {
+        let dir = tempfile::tempdir().unwrap();
+        let exe = compile("gcc", PROGRAM, "spin", &["-g", "-O1", "-fno-omit-frame-pointer"], dir.path());
+        let mut program = Running::start(&exe);
+        let pid = program.pid();
+        let [leaf, middle, outer] = program.addresses()[..] else { panic!("three addresses") };
+        let entry = read_executable_maps(pid).unwrap().into_iter().find(|entry| (entry.address.0..entry.address.1).contains(&leaf)).unwrap();
+        let id = FileId { dev: entry.dev, inode: entry.inode };
+        // No mapping lies at 0..0, so map_files has nothing and the path the process names is
+        // opened, as it is without CAP_SYS_ADMIN.
+        let mut files = OpenFiles::default();
+        let path = files.path(id, &Location { pid, start: 0, limit: 0, path: &exe }).unwrap().to_path_buf();
+        assert!(path.starts_with("/proc/self/fd"), "{}", path.display());
+        let build_id = files.build_id(id, &Location { pid, start: 0, limit: 0, path: &exe }).expect("a build ID");
+        assert!(may_follow_debug_link(&path, id), "{} in a directory only root may change", exe.display());
+
+        // The target swaps its file for FIFOs, under both names its mapping can be found by.
+        std::fs::remove_file(&exe).unwrap();
+        mkfifo(&exe);
+        mkfifo(&dir.path().join("spin (deleted)"));
+
+        let offsets = [leaf, middle, outer].iter().map(|addr| addr - entry.address.0 + entry.offset).collect();
+        let (sender, receiver) = std::sync::mpsc::channel();
+        // On its own thread: a read that blocks on a FIFO fails the test instead of hanging it.
+        std::thread::spawn(move || {
+            let mut blazesym = blazesym::symbolize::Symbolizer::new();
+            let batch = FileBatch { location: Location { pid, start: 0, limit: 0, path: &exe }, offsets };
+            let resolved = symbolize_file(&mut blazesym, &mut files, id, &batch);
+            let names: Vec<String> = resolved.iter().map(|functions| functions.iter().map(|f| f.name.to_string()).collect()).collect();
+            let _ = sender.send((names, files.build_id(id, &batch.location), may_follow_debug_link(&path, id)));
+        });
+        let (names, after, follows) = receiver.recv_timeout(Duration::from_secs(30)).expect("symbolizing blocked on the FIFO");
+        assert_eq!(names, ["leaf_fn", "middle_fn", "outer_fn"]);
+        assert_eq!(after.as_deref(), Some(&build_id[..]));
+        // The descriptor's canonical path is now `spin (deleted)`, a FIFO: no debug link from there.
+        assert!(!follows);
+    }
+
+    #[test]
+    fn the_debug_link_is_followed_from_an_open_file_only_where_root_alone_may_change_it() {
+        use std::os::unix::fs::{MetadataExt, PermissionsExt};
+        let dir = tempfile::tempdir().unwrap();
+        let exe = compile("gcc", PROGRAM, "spin", &["-g", "-O1"], dir.path());
+        let metadata = std::fs::metadata(&exe).unwrap();
+        let id = FileId { dev: (libc::major(metadata.dev()) as i32, libc::minor(metadata.dev()) as i32), inode: metadata.ino() };
+        let location = Location { pid: std::process::id(), start: 0, limit: 0, path: &exe };
+        let mut files = OpenFiles::default();
+        let path = files.path(id, &location).unwrap().to_path_buf();
+        assert!(may_follow_debug_link(&path, id), "a root-owned directory of mode 0700");
+
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
+        assert!(!may_follow_debug_link(&path, id), "a directory anyone may change");
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        assert!(may_follow_debug_link(&path, id));
+
+        // Another file renamed over the opened one: the canonical path reaches a different file.
+        let other = dir.path().join("other");
+        std::fs::copy(&exe, &other).unwrap();
+        std::fs::rename(&other, &exe).unwrap();
+        assert!(!may_follow_debug_link(&path, id), "the canonical path no longer reaches the open file");
     }
 
     #[test]

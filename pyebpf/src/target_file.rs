@@ -98,4 +98,18 @@ mod tests {
         let link = format!("/proc/self/map_files/{:x}-{:x}", exe.address.0, exe.address.1);
         assert!(open_regular(Path::new(&link)).unwrap().metadata().unwrap().is_file());
     }
+
+    #[test]
+    fn a_map_files_link_to_a_mapped_device_is_refused() {
+        // Any user may map a device executable; its map_files link leads to the device itself.
+        let zero = File::open("/dev/zero").unwrap();
+        // SAFETY: a new shared read/exec mapping of /dev/zero, which this test never touches.
+        let address = unsafe { libc::mmap(std::ptr::null_mut(), 4096, libc::PROT_READ | libc::PROT_EXEC, libc::MAP_SHARED, zero.as_raw_fd(), 0) };
+        assert_ne!(address, libc::MAP_FAILED);
+        let link = format!("/proc/self/map_files/{:x}-{:x}", address as u64, address as u64 + 4096);
+        let error = open_regular(Path::new(&link)).unwrap_err();
+        // SAFETY: unmaps exactly the mapping made above.
+        unsafe { libc::munmap(address, 4096) };
+        assert_eq!(error.kind(), io::ErrorKind::InvalidInput, "{error}");
+    }
 }

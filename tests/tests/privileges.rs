@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
-use pyebpf_tests::{assert_one_line_error, pyebpf, stacks_of, total, Killed};
+use pyebpf_tests::{assert_one_line_error, compile_c, count_where, pyebpf, stacks_of, total, Killed};
 
 const CAPS: [&str; 3] = ["bpf", "perfmon", "sys_ptrace"];
 
@@ -81,6 +81,38 @@ fn record_all_works_with_only_bpf_perfmon_and_sys_ptrace() {
         assert!(total(&stacks) >= 20, "only {} samples of {}: {stderr}", total(&stacks), target.pid());
         assert!(with * 10 >= total(&stacks) * 9, "{with} of {} samples of {} in cap_spin: {stderr}", total(&stacks), target.pid());
     }
+}
+
+/// Spins in leaf_fn under outer_fn → middle_fn. The call leaf_fn never makes keeps gcc from
+/// leaving out its frame (shrink-wrapping), which would hide middle_fn from frame pointers.
+const SPIN_C: &str = r#"
+#include <unistd.h>
+volatile unsigned long sink;
+static int calls;
+__attribute__((noinline)) void leaf_fn(void) { for (;;) { if (calls) sink += getppid(); else sink++; } }
+__attribute__((noinline)) void middle_fn(void) { leaf_fn(); sink++; }
+__attribute__((noinline)) void outer_fn(void) { middle_fn(); sink++; }
+int main(int argc, char **argv) { (void)argv; calls = argc > 1; outer_fn(); return 0; }
+"#;
+
+/// Without CAP_SYS_ADMIN `/proc/PID/map_files` is closed to pyebpf, so native frames come from the
+/// file at the path the target names, which pyebpf opens itself (inside the target's root, as a
+/// regular file) and blazesym reads through that open descriptor.
+#[test]
+fn native_frames_resolve_without_cap_sys_admin() {
+    let (dir, bin) = shared_dir();
+    let spin = compile_c(dir.path(), "spin", SPIN_C, &["-O1", "-fno-omit-frame-pointer", "-mno-omit-leaf-frame-pointer"]);
+    let target = Killed(Command::new(&spin).spawn().unwrap());
+    std::thread::sleep(Duration::from_millis(100));
+    let out = dir.path().join("p.folded");
+    let output = as_nobody_with(&CAPS, &bin, &["record", "-p", &target.pid().to_string(), "-d", "2", "-o", out.to_str().unwrap()]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "record -p with the three capabilities failed: {stderr}");
+    let text = std::fs::read_to_string(&out).unwrap();
+    let stacks = stacks_of(&text, target.pid());
+    let chained = count_where(&stacks, |frames| frames.join(";").contains("outer_fn;middle_fn;leaf_fn"));
+    assert!(total(&stacks) >= 20, "only {} samples of {}: {stderr}", total(&stacks), target.pid());
+    assert!(chained * 10 >= total(&stacks) * 9, "{chained} of {} samples in outer_fn;middle_fn;leaf_fn:\n{text}", total(&stacks));
 }
 
 #[test]
