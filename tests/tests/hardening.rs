@@ -414,3 +414,55 @@ fn a_fifo_in_place_of_a_mapped_file_blocks_nothing() {
     assert!(recorded.status.success(), "{recorded:?}");
     assert!(total(&stacks_of(&std::fs::read_to_string(&out).unwrap(), target.pid())) > 0, "no samples of the target");
 }
+
+/// The main thread spins in `sub_spin` inside a subinterpreter (entered from the main
+/// interpreter's `enter_sub`) while a second thread spins in `main_spin` in the main interpreter.
+const SUBINTERPRETER_SPINNERS: &str = r#"
+import sys, threading
+from concurrent import interpreters
+def main_spin():
+    while True: pass
+threading.Thread(target=main_spin, daemon=True).start()
+def enter_sub():
+    interpreters.create().exec(f"def sub_spin():\n    open({sys.argv[1]!r}, 'w').close()\n    while True: pass\nsub_spin()\n")
+enter_sub()
+"#;
+
+/// A thread has a thread state in each interpreter it entered; its samples must be read in the
+/// one it runs in (it used to be whichever was listed last: the main interpreter's, parked at
+/// `Interpreter.exec`, so `sub_spin` never showed).
+#[test]
+fn a_thread_running_in_a_subinterpreter_is_sampled_there() {
+    for version in ["3.14", "3.15"] {
+        let dir = tempfile::tempdir().unwrap();
+        let ready = dir.path().join("ready");
+        let target = Killed(Command::new(debian_python(version)).args(["-c", SUBINTERPRETER_SPINNERS]).arg(&ready).stdin(Stdio::null()).spawn().unwrap());
+        let started = Instant::now();
+        while !ready.exists() {
+            assert!(started.elapsed() < Duration::from_secs(30), "{version}: the subinterpreter did not start");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let out = dir.path().join("sub.folded");
+        let output = run_pyebpf(&["record", "-p", &target.pid().to_string(), "-d", "2", "--threads", "-o", out.to_str().unwrap()]);
+        assert!(output.status.success(), "{version}: {}", String::from_utf8_lossy(&output.stderr));
+        let text = std::fs::read_to_string(&out).unwrap();
+        let stacks = stacks_of(&text, target.pid());
+        let main_thread = format!("thread {}", target.pid());
+        let python = |frames: &[String], name: &str| frames.iter().any(|f| f.starts_with(&format!("{name} (")));
+        let (mut in_sub, mut parked, mut other_thread) = (0, 0, 0);
+        for (frames, count) in &stacks {
+            if frames.contains(&main_thread) {
+                if python(frames, "sub_spin") {
+                    in_sub += count;
+                } else if python(frames, "Interpreter.exec") {
+                    parked += count;
+                }
+            } else if python(frames, "main_spin") {
+                other_thread += count;
+            }
+        }
+        assert!(in_sub >= 20, "{version}: {in_sub} samples of the main thread in sub_spin, {parked} at Interpreter.exec:\n{text}");
+        assert!(parked * 20 <= in_sub, "{version}: {parked} samples of the main thread parked at Interpreter.exec, {in_sub} in sub_spin");
+        assert!(other_thread >= 20, "{version}: the main interpreter's thread has {other_thread} samples in main_spin");
+    }
+}
