@@ -45,6 +45,21 @@ fn bad_values_fail_before_sampling_with_one_line() {
         (&["-F", "99999999999999999999999"], "--frequency"),
         (&["--rotate", "0"], "--rotate"),
         (&["--rotate", "1e3"], "--rotate"),
+        // A negative number is a bad value, not an unknown option followed by usage help.
+        (&["-d", "-1"], "--duration"),
+        (&["-d", "-0"], "--duration"),
+        // Rounds to a recording of no time at all.
+        (&["-d", "1e-12"], "--duration"),
+        (&["-F", "-5"], "--frequency"),
+        (&["--rotate", "-1"], "--rotate"),
+        (&["--ring-buffer-kb", "0"], "--ring-buffer-kb"),
+        (&["--ring-buffer-kb", "-4"], "--ring-buffer-kb"),
+        (&["--max-python-frames", "0"], "--max-python-frames"),
+        (&["--max-python-frames", "-3"], "--max-python-frames"),
+        (&["--max-python-frames", "513"], "--max-python-frames"),
+        // A choice names the values it allows on the same line.
+        (&["--unwind", "xyz"], "possible values: fp, dwarf, auto"),
+        (&["--format", "xyz"], "possible values: pprof, collapsed"),
     ];
     for (args, expected) in cases {
         let started = Instant::now();
@@ -55,6 +70,11 @@ fn bad_values_fail_before_sampling_with_one_line() {
         assert_ne!(output.status.code(), Some(101), "{args:?} panicked");
         assert!(started.elapsed() < Duration::from_secs(2), "{args:?} sampled before failing");
         assert!(files_in(dir.path()).is_empty(), "{args:?} left a file");
+    }
+    for args in [&["record", "-p", "-1", "-o", out][..], &["top", "-F", "0"], &["top", "-F", "-1"], &["top", "-p", "-1"], &["dump", "-p", "-1"]] {
+        let output = run_pyebpf(args);
+        assert_one_line_error(&output, "invalid value");
+        assert_eq!(output.status.code(), Some(2), "{args:?}");
     }
     // --rotate writes new files next to a file name; standard output cannot be rotated.
     assert_one_line_error(&run_pyebpf(&["record", "-a", "-d", "1", "--rotate", "1", "-o", "-"]), "--rotate");
