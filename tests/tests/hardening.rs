@@ -486,3 +486,33 @@ fn a_thread_running_in_a_subinterpreter_is_sampled_there() {
         assert!(other_thread >= 20, "{version}: the main interpreter's thread has {other_thread} samples in main_spin");
     }
 }
+
+/// `code object cache hit rate: P% of N` from `--stats`: N.
+fn code_cache_lookups(stats: &str) -> u64 {
+    let line = stats.lines().find(|line| line.starts_with("code object cache hit rate:")).unwrap_or_else(|| panic!("no code cache line:\n{stats}"));
+    line.rsplit(' ').next().unwrap().parse().unwrap()
+}
+
+/// Three short-lived Pythons, one after the other, each calling 300 functions of its own for
+/// 0.5 s: when the recording ends all have exited, and `--stats` must still count what their
+/// code-object caches did (it used to sum the processes still attached at the end: "0.0% of 0").
+#[test]
+fn stats_keep_the_counters_of_exited_processes() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = dir.path().join("short.py");
+    std::fs::write(
+        &script,
+        "import time\nexec('\\n'.join(f'def f{i}():\\n    return {i}' for i in range(300)))\nfunctions = [globals()[f'f{i}'] for i in range(300)]\nt = time.time()\ndef busy():\n    while time.time() - t < 0.5:\n        for f in functions: f()\nbusy()\n",
+    )
+    .unwrap();
+    let python = debian_python("3.14");
+    let runs = format!("for i in 1 2 3; do {} {}; done", python.display(), script.display());
+    let out = dir.path().join("short.folded");
+    let output = run_pyebpf(&["record", "-F", "999", "--stats", "-o", out.to_str().unwrap(), "--", "sh", "-c", &runs]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{stderr}");
+    let text = std::fs::read_to_string(&out).unwrap();
+    assert!(text.lines().any(|line| line.contains(";busy (")), "the short-lived Pythons were not sampled:\n{stderr}");
+    let lookups = code_cache_lookups(&stderr);
+    assert!(lookups >= 30, "{lookups} code-object lookups counted for three exited Pythons:\n{stderr}");
+}
