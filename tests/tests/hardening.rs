@@ -516,3 +516,15 @@ fn stats_keep_the_counters_of_exited_processes() {
     let lookups = code_cache_lookups(&stderr);
     assert!(lookups >= 30, "{lookups} code-object lookups counted for three exited Pythons:\n{stderr}");
 }
+
+/// A file on /proc or /sys looks writable to root (access() agrees), yet no temporary can be
+/// created next to it: that used to show only once the recording was over, losing it.
+#[test]
+fn kernel_file_systems_are_refused_before_sampling() {
+    for (output, kind) in [("/proc/version", "proc"), ("/proc/profile.folded", "proc"), ("/sys/kernel/profile.folded", "sysfs")] {
+        let started = Instant::now();
+        let output_of = run_pyebpf(&["record", "-a", "-d", "5", "--format", "collapsed", "-o", output]);
+        assert_one_line_error(&output_of, &format!("on a {kind} file system"));
+        assert!(started.elapsed() < Duration::from_secs(2), "{output}: sampled before failing");
+    }
+}
