@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use pyebpf_tests::{assert_one_line_error, debian_python, pyebpf, run_pyebpf, stacks_of, total, Killed};
+use pyebpf_tests::{assert_one_line_error, debian_python, pyebpf, run_pyebpf, stacks_of, start_ready, total, Killed};
 
 /// A Python process spinning in `spin` forever, under Debian's 3.14.
 fn python_spinner() -> Killed {
@@ -435,33 +435,14 @@ fn a_fifo_in_place_of_a_mapped_file_blocks_nothing() {
     assert!(total(&stacks_of(&std::fs::read_to_string(&out).unwrap(), target.pid())) > 0, "no samples of the target");
 }
 
-/// The main thread spins in `sub_spin` inside a subinterpreter (entered from the main
-/// interpreter's `enter_sub`) while a second thread spins in `main_spin` in the main interpreter.
-const SUBINTERPRETER_SPINNERS: &str = r#"
-import sys, threading
-from concurrent import interpreters
-def main_spin():
-    while True: pass
-threading.Thread(target=main_spin, daemon=True).start()
-def enter_sub():
-    interpreters.create().exec(f"def sub_spin():\n    open({sys.argv[1]!r}, 'w').close()\n    while True: pass\nsub_spin()\n")
-enter_sub()
-"#;
-
 /// A thread has a thread state in each interpreter it entered; its samples must be read in the
 /// one it runs in (it used to be whichever was listed last: the main interpreter's, parked at
 /// `Interpreter.exec`, so `sub_spin` never showed).
 #[test]
 fn a_thread_running_in_a_subinterpreter_is_sampled_there() {
     for version in ["3.14", "3.15"] {
-        let dir = tempfile::tempdir().unwrap();
-        let ready = dir.path().join("ready");
-        let target = Killed(Command::new(debian_python(version)).args(["-c", SUBINTERPRETER_SPINNERS]).arg(&ready).stdin(Stdio::null()).spawn().unwrap());
-        let started = Instant::now();
-        while !ready.exists() {
-            assert!(started.elapsed() < Duration::from_secs(30), "{version}: the subinterpreter did not start");
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        // The main thread spins in `sub_spin` in a subinterpreter, a second thread in `main_spin`.
+        let (target, dir) = start_ready(&debian_python(version), "subinterpreter.py", &[]);
         let out = dir.path().join("sub.folded");
         let output = run_pyebpf(&["record", "-p", &target.pid().to_string(), "-d", "2", "--threads", "-o", out.to_str().unwrap()]);
         assert!(output.status.success(), "{version}: {}", String::from_utf8_lossy(&output.stderr));
