@@ -99,16 +99,16 @@ pub struct RecordArgs {
     pub all: bool,
 
     /// Profile this process (repeat for several), until it exits
-    #[arg(short = 'p', long = "pid", value_name = "PID")]
+    #[arg(short = 'p', long = "pid", value_name = "PID", allow_negative_numbers = true)]
     pub pid: Vec<u32>,
 
     /// Sampling frequency per CPU, in Hz
-    #[arg(short = 'F', long = "frequency", value_name = "HZ", default_value_t = 99,
+    #[arg(short = 'F', long = "frequency", value_name = "HZ", default_value_t = 99, allow_negative_numbers = true,
           value_parser = clap::value_parser!(u64).range(1..=10_000))]
     pub frequency: u64,
 
     /// Stop after this many seconds (default: until Ctrl-C, or until COMMAND or every -p process exits)
-    #[arg(short = 'd', long = "duration", value_name = "SECONDS", value_parser = parse_duration)]
+    #[arg(short = 'd', long = "duration", value_name = "SECONDS", value_parser = parse_duration, allow_negative_numbers = true)]
     pub duration: Option<Duration>,
 
     /// Where to write the profile: a file, `-` (standard output), a device or a FIFO
@@ -124,7 +124,7 @@ pub struct RecordArgs {
     /// Write a complete profile every SECONDS and start a new one, so a long run never risks more
     /// than one period: each goes to the output's name with the period's UTC start inserted before
     /// the extension (`profile.20261123T120000.pb.gz`); the last, partial period is written at exit
-    #[arg(long = "rotate", value_name = "SECONDS",
+    #[arg(long = "rotate", value_name = "SECONDS", allow_negative_numbers = true,
           value_parser = clap::value_parser!(u64).range(1..=MAX_SECONDS))]
     pub rotate: Option<u64>,
 
@@ -167,7 +167,7 @@ pub struct RecordArgs {
 
     /// Python frames walked at most per sample; deeper stacks keep their innermost frames and
     /// are marked truncated
-    #[arg(long = "max-python-frames", value_name = "N", default_value_t = 512,
+    #[arg(long = "max-python-frames", value_name = "N", default_value_t = 512, allow_negative_numbers = true,
           value_parser = clap::value_parser!(u32).range(1..=512))]
     pub max_python_frames: u32,
 
@@ -176,7 +176,7 @@ pub struct RecordArgs {
     pub stats: bool,
 
     /// Size of the kernel-to-user sample ring buffer, in KiB (a power of two, at least 4)
-    #[arg(long = "ring-buffer-kb", value_name = "KIB", default_value_t = 4096, value_parser = parse_ring_buffer_kb)]
+    #[arg(long = "ring-buffer-kb", value_name = "KIB", default_value_t = 4096, value_parser = parse_ring_buffer_kb, allow_negative_numbers = true)]
     pub ring_buffer_kb: u32,
 
     /// With -p: also profile the children the given processes start after pyebpf attached
@@ -197,14 +197,17 @@ pub struct RecordArgs {
 /// The longest `--duration` and `--rotate`: a year.
 const MAX_SECONDS: u64 = 365 * 24 * 3600;
 
+/// The shortest `--duration`: a millisecond (`1e-12` would be a recording of no time at all).
+const MIN_DURATION: f64 = 0.001;
+
 /// The largest ring buffer: its pages stay locked in kernel memory for the whole recording.
 pub const MAX_RING_BUFFER_KB: u32 = 256 * 1024;
 
-/// `--duration`: a finite number of seconds above zero, at most [`MAX_SECONDS`].
+/// `--duration`: a finite number of seconds from [`MIN_DURATION`] to [`MAX_SECONDS`].
 fn parse_duration(text: &str) -> Result<Duration, String> {
     let seconds: f64 = text.trim().parse().map_err(|_| "not a number of seconds".to_string())?;
-    if !seconds.is_finite() || seconds <= 0.0 || seconds > MAX_SECONDS as f64 {
-        return Err(format!("must be a number of seconds above 0 and at most {MAX_SECONDS} (a year)"));
+    if !(MIN_DURATION..=MAX_SECONDS as f64).contains(&seconds) {
+        return Err(format!("must be a number of seconds from {MIN_DURATION} to {MAX_SECONDS} (a year)"));
     }
     Ok(Duration::from_secs_f64(seconds))
 }
@@ -222,11 +225,11 @@ fn parse_ring_buffer_kb(text: &str) -> Result<u32, String> {
 #[derive(Args, Debug)]
 pub struct TopArgs {
     /// Only this process (repeat for several; default: every process on the host)
-    #[arg(short = 'p', long = "pid", value_name = "PID")]
+    #[arg(short = 'p', long = "pid", value_name = "PID", allow_negative_numbers = true)]
     pub pid: Vec<u32>,
 
     /// Sampling frequency per CPU, in Hz
-    #[arg(short = 'F', long = "frequency", value_name = "HZ", default_value_t = 99,
+    #[arg(short = 'F', long = "frequency", value_name = "HZ", default_value_t = 99, allow_negative_numbers = true,
           value_parser = clap::value_parser!(u64).range(1..=10_000))]
     pub frequency: u64,
 
@@ -241,7 +244,7 @@ pub struct TopArgs {
 #[derive(Args, Debug)]
 pub struct DumpArgs {
     /// The process to read
-    #[arg(short = 'p', long = "pid", value_name = "PID")]
+    #[arg(short = 'p', long = "pid", value_name = "PID", allow_negative_numbers = true)]
     pub pid: u32,
 
     /// Print JSON instead of tracebacks
@@ -267,7 +270,8 @@ mod tests {
     fn durations_are_finite_positive_and_bounded() {
         assert_eq!(parse_duration("1.5"), Ok(Duration::from_millis(1500)));
         assert_eq!(parse_duration("31536000"), Ok(Duration::from_secs(MAX_SECONDS)));
-        for bad in ["inf", "-inf", "NaN", "1e20", "-1", "0", "0.0", "", "x", "31536001"] {
+        assert_eq!(parse_duration("0.001"), Ok(Duration::from_millis(1)));
+        for bad in ["inf", "-inf", "NaN", "1e20", "-1", "-0", "0", "0.0", "1e-12", "0.0009", "", "x", "31536001"] {
             assert!(parse_duration(bad).is_err(), "{bad:?} accepted");
         }
     }

@@ -1,4 +1,4 @@
-use clap::error::ErrorKind;
+use clap::error::{ContextKind, ContextValue, ErrorKind};
 use clap::Parser;
 use pyebpf::cli::{Cli, Command};
 use pyebpf::report;
@@ -7,10 +7,8 @@ fn main() {
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         // A bad value is one line, like every other error; clap's usage help stays for the rest.
-        Err(err) if err.kind() == ErrorKind::ValueValidation => {
-            let rendered = err.to_string();
-            let line = rendered.lines().next().unwrap_or_default();
-            report!("{}", line.strip_prefix("error: ").unwrap_or(line));
+        Err(err) if matches!(err.kind(), ErrorKind::ValueValidation | ErrorKind::InvalidValue) => {
+            report!("{}", bad_value_line(&err));
             std::process::exit(2);
         }
         Err(err) => err.exit(),
@@ -23,5 +21,16 @@ fn main() {
     if let Err(err) = result {
         report!("{err:#}");
         std::process::exit(1);
+    }
+}
+
+/// clap's first line, with the values a choice allows (clap lists those on a line of their own).
+fn bad_value_line(err: &clap::Error) -> String {
+    let rendered = err.to_string();
+    let line = rendered.lines().next().unwrap_or_default();
+    let line = line.strip_prefix("error: ").unwrap_or(line);
+    match err.get(ContextKind::ValidValue) {
+        Some(ContextValue::Strings(values)) if !values.is_empty() => format!("{line} (possible values: {})", values.join(", ")),
+        _ => line.to_string(),
     }
 }

@@ -179,3 +179,30 @@ fn dump_of_a_busy_thread_debian_3_14() {
 fn dump_of_a_busy_thread_debian_3_15() {
     check_dump_of_a_busy_thread(&debian_python("3.15"));
 }
+
+/// A thread that entered a subinterpreter has a thread state in each interpreter: both are shown,
+/// each with its interpreter, and the one it does not run in now is marked parked.
+#[test]
+fn dump_labels_each_interpreter_of_a_thread_in_a_subinterpreter() {
+    let (target, _dir) = start_ready(&debian_python("3.14"), "subinterpreter.py", &[]);
+    let output = dump(target.pid(), false);
+    let text = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{text}{}", String::from_utf8_lossy(&output.stderr));
+    let blocks: Vec<&str> = text.split("\nThread ").skip(1).collect();
+    let main = format!("{} (python3.14) in interpreter ", target.pid());
+    let running = blocks.iter().find(|b| b.starts_with(&main) && !b.starts_with(&format!("{main}0"))).unwrap_or_else(|| panic!("{text}"));
+    assert!(!running.contains("[parked") && running.contains("in sub_spin"), "{text}");
+    let parked = blocks.iter().find(|b| b.starts_with(&format!("{main}0"))).unwrap_or_else(|| panic!("{text}"));
+    assert!(parked.lines().next().unwrap().ends_with("[parked: the thread runs in another interpreter]"), "{text}");
+    assert!(parked.contains("in enter_sub") && !parked.contains("sub_spin"), "{text}");
+    let json: Value = serde_json::from_slice(&dump(target.pid(), true).stdout).unwrap();
+    let states: Vec<(i64, bool)> = json["threads"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|t| t["tid"] == target.pid())
+        .map(|t| (t["interpreter"].as_i64().unwrap(), t["parked"].as_bool().unwrap()))
+        .collect();
+    assert_eq!(states.len(), 2, "{json}");
+    assert!(states.contains(&(0, true)) && states.iter().any(|&(id, parked)| id != 0 && !parked), "{states:?}");
+}

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use pyebpf_tests::{assert_one_line_error, debian_python, pyebpf, run_pyebpf, stacks_of, total, Killed};
+use pyebpf_tests::{assert_one_line_error, debian_python, pyebpf, run_pyebpf, stacks_of, start_ready, total, Killed};
 
 /// A Python process spinning in `spin` forever, under Debian's 3.14.
 fn python_spinner() -> Killed {
@@ -45,6 +45,21 @@ fn bad_values_fail_before_sampling_with_one_line() {
         (&["-F", "99999999999999999999999"], "--frequency"),
         (&["--rotate", "0"], "--rotate"),
         (&["--rotate", "1e3"], "--rotate"),
+        // A negative number is a bad value, not an unknown option followed by usage help.
+        (&["-d", "-1"], "--duration"),
+        (&["-d", "-0"], "--duration"),
+        // Rounds to a recording of no time at all.
+        (&["-d", "1e-12"], "--duration"),
+        (&["-F", "-5"], "--frequency"),
+        (&["--rotate", "-1"], "--rotate"),
+        (&["--ring-buffer-kb", "0"], "--ring-buffer-kb"),
+        (&["--ring-buffer-kb", "-4"], "--ring-buffer-kb"),
+        (&["--max-python-frames", "0"], "--max-python-frames"),
+        (&["--max-python-frames", "-3"], "--max-python-frames"),
+        (&["--max-python-frames", "513"], "--max-python-frames"),
+        // A choice names the values it allows on the same line.
+        (&["--unwind", "xyz"], "possible values: fp, dwarf, auto"),
+        (&["--format", "xyz"], "possible values: pprof, collapsed"),
     ];
     for (args, expected) in cases {
         let started = Instant::now();
@@ -55,6 +70,11 @@ fn bad_values_fail_before_sampling_with_one_line() {
         assert_ne!(output.status.code(), Some(101), "{args:?} panicked");
         assert!(started.elapsed() < Duration::from_secs(2), "{args:?} sampled before failing");
         assert!(files_in(dir.path()).is_empty(), "{args:?} left a file");
+    }
+    for args in [&["record", "-p", "-1", "-o", out][..], &["top", "-F", "0"], &["top", "-F", "-1"], &["top", "-p", "-1"], &["dump", "-p", "-1"]] {
+        let output = run_pyebpf(args);
+        assert_one_line_error(&output, "invalid value");
+        assert_eq!(output.status.code(), Some(2), "{args:?}");
     }
     // --rotate writes new files next to a file name; standard output cannot be rotated.
     assert_one_line_error(&run_pyebpf(&["record", "-a", "-d", "1", "--rotate", "1", "-o", "-"]), "--rotate");
@@ -391,4 +411,79 @@ fn a_fifo_in_place_of_a_mapped_file_blocks_nothing() {
     let recorded = ends_in_time(&nobody, &bin, &["record", "-p", &pid, "-d", "2", "-o", out.to_str().unwrap()]);
     assert!(recorded.status.success(), "{recorded:?}");
     assert!(total(&stacks_of(&std::fs::read_to_string(&out).unwrap(), target.pid())) > 0, "no samples of the target");
+}
+
+/// A thread has a thread state in each interpreter it entered; its samples must be read in the
+/// one it runs in (it used to be whichever was listed last: the main interpreter's, parked at
+/// `Interpreter.exec`, so `sub_spin` never showed).
+#[test]
+fn a_thread_running_in_a_subinterpreter_is_sampled_there() {
+    for version in ["3.14", "3.15"] {
+        // The main thread spins in `sub_spin` in a subinterpreter, a second thread in `main_spin`.
+        let (target, dir) = start_ready(&debian_python(version), "subinterpreter.py", &[]);
+        let out = dir.path().join("sub.folded");
+        let output = run_pyebpf(&["record", "-p", &target.pid().to_string(), "-d", "2", "--threads", "-o", out.to_str().unwrap()]);
+        assert!(output.status.success(), "{version}: {}", String::from_utf8_lossy(&output.stderr));
+        let text = std::fs::read_to_string(&out).unwrap();
+        let stacks = stacks_of(&text, target.pid());
+        let main_thread = format!("thread {}", target.pid());
+        let python = |frames: &[String], name: &str| frames.iter().any(|f| f.starts_with(&format!("{name} (")));
+        let (mut in_sub, mut parked, mut other_thread) = (0, 0, 0);
+        for (frames, count) in &stacks {
+            if frames.contains(&main_thread) {
+                if python(frames, "sub_spin") {
+                    in_sub += count;
+                } else if python(frames, "Interpreter.exec") {
+                    parked += count;
+                }
+            } else if python(frames, "main_spin") {
+                other_thread += count;
+            }
+        }
+        assert!(in_sub >= 20, "{version}: {in_sub} samples of the main thread in sub_spin, {parked} at Interpreter.exec:\n{text}");
+        assert!(parked * 20 <= in_sub, "{version}: {parked} samples of the main thread parked at Interpreter.exec, {in_sub} in sub_spin");
+        assert!(other_thread >= 20, "{version}: the main interpreter's thread has {other_thread} samples in main_spin");
+    }
+}
+
+/// `code object cache hit rate: P% of N` from `--stats`: N.
+fn code_cache_lookups(stats: &str) -> u64 {
+    let line = stats.lines().find(|line| line.starts_with("code object cache hit rate:")).unwrap_or_else(|| panic!("no code cache line:\n{stats}"));
+    line.rsplit(' ').next().unwrap().parse().unwrap()
+}
+
+/// Three short-lived Pythons, one after the other, each calling 300 functions of its own for
+/// 0.5 s: when the recording ends all have exited, and `--stats` must still count what their
+/// code-object caches did (it used to sum the processes still attached at the end: "0.0% of 0").
+#[test]
+fn stats_keep_the_counters_of_exited_processes() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = dir.path().join("short.py");
+    std::fs::write(
+        &script,
+        "import time\nexec('\\n'.join(f'def f{i}():\\n    return {i}' for i in range(300)))\nfunctions = [globals()[f'f{i}'] for i in range(300)]\nt = time.time()\ndef busy():\n    while time.time() - t < 0.5:\n        for f in functions: f()\nbusy()\n",
+    )
+    .unwrap();
+    let python = debian_python("3.14");
+    let runs = format!("for i in 1 2 3; do {} {}; done", python.display(), script.display());
+    let out = dir.path().join("short.folded");
+    let output = run_pyebpf(&["record", "-F", "999", "--stats", "-o", out.to_str().unwrap(), "--", "sh", "-c", &runs]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{stderr}");
+    let text = std::fs::read_to_string(&out).unwrap();
+    assert!(text.lines().any(|line| line.contains(";busy (")), "the short-lived Pythons were not sampled:\n{stderr}");
+    let lookups = code_cache_lookups(&stderr);
+    assert!(lookups >= 30, "{lookups} code-object lookups counted for three exited Pythons:\n{stderr}");
+}
+
+/// A file on /proc or /sys looks writable to root (access() agrees), yet no temporary can be
+/// created next to it: that used to show only once the recording was over, losing it.
+#[test]
+fn kernel_file_systems_are_refused_before_sampling() {
+    for (output, kind) in [("/proc/version", "proc"), ("/proc/profile.folded", "proc"), ("/sys/kernel/profile.folded", "sysfs")] {
+        let started = Instant::now();
+        let output_of = run_pyebpf(&["record", "-a", "-d", "5", "--format", "collapsed", "-o", output]);
+        assert_one_line_error(&output_of, &format!("on a {kind} file system"));
+        assert!(started.elapsed() < Duration::from_secs(2), "{output}: sampled before failing");
+    }
 }

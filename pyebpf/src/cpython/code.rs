@@ -25,6 +25,9 @@ pub const MAX_LINETABLE: usize = 64 << 10;
 const MAX_ENTRY_BYTES: u64 = 1 + 4 * 6;
 /// The instructions of a code object are 2-byte code units.
 const CODE_UNIT: u64 = 2;
+/// Type objects remembered as `code` at most: CPython has one, but a target can make any number
+/// of objects whose type is named "code" (they are checked again once forgotten).
+const MAX_CODE_TYPES: usize = 16;
 
 /// What a profile needs of a code object.
 #[derive(Debug)]
@@ -103,7 +106,7 @@ pub fn read_code(
         if &text != b"code\0" {
             return Err(PyError::Malformed(format!("object at {addr:#x} is not a code object")));
         }
-        code_types.insert(ob_type);
+        remember_code_type(code_types, ob_type);
     }
     let linetable = field_u64(&header, offsets.code_linetable);
     let size = mem.read_u64(linetable.wrapping_add(offsets.bytes_ob_size))?;
@@ -129,9 +132,26 @@ pub fn read_code(
     })
 }
 
+fn remember_code_type(code_types: &mut HashSet<u64>, ob_type: u64) {
+    if code_types.len() >= MAX_CODE_TYPES {
+        code_types.clear();
+    }
+    code_types.insert(ob_type);
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn code_types_remembered_stay_bounded() {
+        let mut code_types = HashSet::new();
+        for ob_type in (0..100_000u64).map(|n| n * 8) {
+            remember_code_type(&mut code_types, ob_type);
+            assert!(code_types.len() <= MAX_CODE_TYPES);
+        }
+        assert!(code_types.contains(&(99_999 * 8)), "the latest type is remembered");
+    }
 
     #[test]
     fn location_tables_are_read_up_to_what_the_code_can_use_and_the_cap() {

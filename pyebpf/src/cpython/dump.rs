@@ -14,6 +14,7 @@ use anyhow::{Context, Result};
 use serde::Serialize;
 
 use super::memory::ReadMemory;
+use super::threads::current_states;
 use super::{runtime, PyError, PyProcess, PyThread, MAX_DEPTH};
 use crate::cli::DumpArgs;
 
@@ -22,6 +23,11 @@ struct ThreadDump {
     tid: u32,
     name: Option<String>,
     holds_gil: bool,
+    /// The id of the thread state's interpreter (0: the main one).
+    interpreter: i64,
+    /// Where the thread has a state in several interpreters: set on the state it does not run in
+    /// now, parked at the call that entered the one it runs in.
+    parked: bool,
     /// Innermost first.
     frames: Vec<FrameDump>,
     /// The stack is deeper than `MAX_DEPTH` frames: `frames` are its innermost ones.
@@ -62,19 +68,23 @@ pub fn run(args: DumpArgs) -> Result<()> {
 fn dump<M: ReadMemory>(process: &mut PyProcess<M>, json: bool, out: &mut impl Write) -> Result<()> {
     let pid = process.pid();
     let version = process.version().to_string();
-    let threads = process.threads().with_context(|| format!("cannot list the threads of process {pid}"))?;
+    // Every thread state, so a thread in a subinterpreter also shows where it entered it.
+    let threads = process.thread_states().with_context(|| format!("cannot list the threads of process {pid}"))?;
+    let current = current_states(threads.clone());
+    let several_interpreters = threads.iter().any(|thread| thread.interpreter != threads[0].interpreter);
     if json {
         writeln!(out, "{{\n  \"pid\": {pid},\n  \"python\": {},\n  \"threads\": [", serde_json::to_string(&version)?)?;
     } else {
         writeln!(out, "Process {pid}: CPython {version}")?;
     }
     for (index, thread) in threads.iter().enumerate() {
-        let dump = dump_thread(process, thread)?;
+        let mut dump = dump_thread(process, thread)?;
+        dump.parked = current.iter().any(|c| c.tid == thread.tid && c.tstate != thread.tstate);
         if json {
             let separator = if index + 1 < threads.len() { "," } else { "" };
             writeln!(out, "{}{separator}", serde_json::to_string_pretty(&dump)?)?;
         } else {
-            print_traceback(&dump, out)?;
+            print_traceback(&dump, several_interpreters, out)?;
         }
     }
     if json {
@@ -89,7 +99,16 @@ fn dump<M: ReadMemory>(process: &mut PyProcess<M>, json: bool, out: &mut impl Wr
 const READ_ATTEMPTS: usize = 5;
 
 fn dump_thread<M: ReadMemory>(process: &mut PyProcess<M>, thread: &PyThread) -> Result<ThreadDump> {
-    let mut dump = ThreadDump { tid: thread.tid, name: process.thread_name(thread.tid), holds_gil: thread.holds_gil, frames: Vec::new(), truncated: false, error: None };
+    let mut dump = ThreadDump {
+        tid: thread.tid,
+        name: process.thread_name(thread.tid),
+        holds_gil: thread.holds_gil,
+        interpreter: thread.interpreter,
+        parked: false,
+        frames: Vec::new(),
+        truncated: false,
+        error: None,
+    };
     let mut current_frame = thread.current_frame;
     for attempt in 1..=READ_ATTEMPTS {
         let (frames, truncated, error) = thread_frames(process, current_frame);
@@ -143,9 +162,12 @@ fn thread_frames<M: ReadMemory>(process: &mut PyProcess<M>, current_frame: u64) 
     (frames, walk.truncated, None)
 }
 
-fn print_traceback(thread: &ThreadDump, out: &mut impl Write) -> io::Result<()> {
+fn print_traceback(thread: &ThreadDump, several_interpreters: bool, out: &mut impl Write) -> io::Result<()> {
     let name = thread.name.as_deref().unwrap_or("?");
-    writeln!(out, "\nThread {} ({name}){}", thread.tid, if thread.holds_gil { " [holds the GIL]" } else { "" })?;
+    let interpreter = if several_interpreters { format!(" in interpreter {}", thread.interpreter) } else { String::new() };
+    let gil = if thread.holds_gil { " [holds the GIL]" } else { "" };
+    let parked = if thread.parked { " [parked: the thread runs in another interpreter]" } else { "" };
+    writeln!(out, "\nThread {} ({name}){interpreter}{gil}{parked}", thread.tid)?;
     writeln!(out, "Traceback (most recent call last):")?;
     if let Some(error) = &thread.error {
         writeln!(out, "  <older frames unreadable: {error}>")?;

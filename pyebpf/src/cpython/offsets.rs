@@ -21,6 +21,7 @@ struct Layout {
     runtime_size: usize,
     interpreters_head: usize,
     interp_size: usize,
+    interp_id: usize,
     interp_next: usize,
     interp_threads_head: usize,
     interp_ceval_gil: usize,
@@ -36,6 +37,8 @@ struct Layout {
     tstate_last_profiled_frame: Option<usize>,
     tstate_last_profiled_seq: Option<usize>,
     tstate_native_thread_id: usize,
+    /// `_status`, whose bits say whether the thread state is the one its thread runs now.
+    tstate_status: usize,
     frame_size: usize,
     frame_previous: usize,
     frame_executable: usize,
@@ -72,10 +75,10 @@ struct Layout {
 
 const LAYOUT_3_13: Layout = Layout {
     free_threaded: 2, runtime_size: 3, interpreters_head: 5,
-    interp_size: 6, interp_next: 8, interp_threads_head: 9, interp_ceval_gil: 14, interp_gil: 15, gil_locked: 17, gil_holder: 18,
+    interp_size: 6, interp_id: 7, interp_next: 8, interp_threads_head: 9, interp_ceval_gil: 14, interp_gil: 15, gil_locked: 17, gil_holder: 18,
     code_object_generation: None,
     tstate_size: 19, tstate_next: 21, tstate_current_frame: 23, tstate_last_profiled_frame: None,
-    tstate_last_profiled_seq: None, tstate_native_thread_id: 25,
+    tstate_last_profiled_seq: None, tstate_native_thread_id: 25, tstate_status: 27,
     frame_size: 28, frame_previous: 29, frame_executable: 30, frame_instr_ptr: 31, frame_owner: 33,
     code_size: 34, code_filename: 35, code_qualname: 37, code_linetable: 38, code_firstlineno: 39, code_adaptive: 43,
     object_size: 44, object_type: 45, type_size: 46, type_name: 47, bytes_size: 64, bytes_ob_size: 65, bytes_data: 66,
@@ -85,10 +88,10 @@ const LAYOUT_3_13: Layout = Layout {
 
 const LAYOUT_3_14: Layout = Layout {
     free_threaded: 2, runtime_size: 3, interpreters_head: 5,
-    interp_size: 6, interp_next: 8, interp_threads_head: 9, interp_ceval_gil: 15, interp_gil: 16, gil_locked: 18, gil_holder: 19,
+    interp_size: 6, interp_id: 7, interp_next: 8, interp_threads_head: 9, interp_ceval_gil: 15, interp_gil: 16, gil_locked: 18, gil_holder: 19,
     code_object_generation: Some(20),
     tstate_size: 22, tstate_next: 24, tstate_current_frame: 26, tstate_last_profiled_frame: None,
-    tstate_last_profiled_seq: None, tstate_native_thread_id: 28,
+    tstate_last_profiled_seq: None, tstate_native_thread_id: 28, tstate_status: 30,
     frame_size: 31, frame_previous: 32, frame_executable: 33, frame_instr_ptr: 34, frame_owner: 36,
     code_size: 39, code_filename: 40, code_qualname: 42, code_linetable: 43, code_firstlineno: 44, code_adaptive: 48,
     object_size: 50, object_type: 51, type_size: 52, type_name: 53, bytes_size: 74, bytes_ob_size: 75, bytes_data: 76,
@@ -99,10 +102,10 @@ const LAYOUT_3_14: Layout = Layout {
 /// 3.15.0b4 and later (b4 inserted `last_profiled_frame_seq`).
 const LAYOUT_3_15: Layout = Layout {
     free_threaded: 2, runtime_size: 3, interpreters_head: 5,
-    interp_size: 6, interp_next: 8, interp_threads_head: 9, interp_ceval_gil: 15, interp_gil: 16, gil_locked: 18, gil_holder: 19,
+    interp_size: 6, interp_id: 7, interp_next: 8, interp_threads_head: 9, interp_ceval_gil: 15, interp_gil: 16, gil_locked: 18, gil_holder: 19,
     code_object_generation: Some(20),
     tstate_size: 22, tstate_next: 24, tstate_current_frame: 26, tstate_last_profiled_frame: Some(28),
-    tstate_last_profiled_seq: Some(29), tstate_native_thread_id: 31,
+    tstate_last_profiled_seq: Some(29), tstate_native_thread_id: 31, tstate_status: 33,
     frame_size: 39, frame_previous: 40, frame_executable: 41, frame_instr_ptr: 42, frame_owner: 44,
     code_size: 47, code_filename: 48, code_qualname: 50, code_linetable: 51, code_firstlineno: 52, code_adaptive: 56,
     object_size: 58, object_type: 59, type_size: 60, type_name: 61, bytes_size: 86, bytes_ob_size: 87, bytes_data: 88,
@@ -169,6 +172,7 @@ pub struct DebugOffsets {
     pub version: PyVersion,
     pub interpreters_head: u64,
     pub interp_size: u64,
+    pub interp_id: u64,
     pub interp_next: u64,
     pub interp_threads_head: u64,
     /// Pointer to the GIL the interpreter uses.
@@ -183,6 +187,7 @@ pub struct DebugOffsets {
     pub tstate_last_profiled_frame: Option<u64>,
     pub tstate_last_profiled_seq: Option<u64>,
     pub tstate_native_thread_id: u64,
+    pub tstate_status: u64,
     pub frame_size: u64,
     pub frame_previous: u64,
     pub frame_executable: u64,
@@ -241,13 +246,13 @@ pub fn read_debug_offsets(mem: &impl ReadMemory, runtime: u64) -> Result<DebugOf
     };
     let l = layout;
     let runtime_fields = sized(l.runtime_size, MAX_STATE_SIZE, &[l.interpreters_head])?;
-    let interp = sized(l.interp_size, MAX_STATE_SIZE, &[l.interp_next, l.interp_threads_head, l.interp_ceval_gil, l.interp_gil, l.gil_locked, l.gil_holder])?;
+    let interp = sized(l.interp_size, MAX_STATE_SIZE, &[l.interp_next, l.interp_threads_head, l.interp_ceval_gil, l.interp_gil, l.gil_locked, l.gil_holder, l.interp_id])?;
     // The GIL may be another interpreter's (shared with the main one): its fields are read through
     // the `ceval.gil` pointer, relative to the start of the GIL structure.
     let within_gil = |field: u64| {
         field.checked_sub(interp[3]).ok_or_else(|| PyError::BadOffsets(format!("GIL field {field} before the GIL at {}", interp[3])))
     };
-    let tstate = sized(l.tstate_size, MAX_OBJECT_SIZE, &[l.tstate_next, l.tstate_current_frame, l.tstate_native_thread_id])?;
+    let tstate = sized(l.tstate_size, MAX_OBJECT_SIZE, &[l.tstate_next, l.tstate_current_frame, l.tstate_native_thread_id, l.tstate_status])?;
     let marker = match (l.tstate_last_profiled_frame, l.tstate_last_profiled_seq) {
         (Some(frame), Some(seq)) => Some(sized(l.tstate_size, MAX_OBJECT_SIZE, &[frame, seq])?),
         _ => None,
@@ -269,6 +274,7 @@ pub fn read_debug_offsets(mem: &impl ReadMemory, runtime: u64) -> Result<DebugOf
         version,
         interpreters_head: runtime_fields[0],
         interp_size: at(l.interp_size),
+        interp_id: interp[6],
         interp_next: interp[0],
         interp_threads_head: interp[1],
         interp_ceval_gil: interp[2],
@@ -281,6 +287,7 @@ pub fn read_debug_offsets(mem: &impl ReadMemory, runtime: u64) -> Result<DebugOf
         tstate_last_profiled_frame: marker.as_ref().map(|m| m[0]),
         tstate_last_profiled_seq: marker.as_ref().map(|m| m[1]),
         tstate_native_thread_id: tstate[2],
+        tstate_status: tstate[3],
         frame_size: at(l.frame_size),
         frame_previous: frame[0],
         frame_executable: frame[1],

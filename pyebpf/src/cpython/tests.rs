@@ -157,3 +157,48 @@ fn location_tables_and_names_are_cut_at_their_budgets() {
     let counters = process.code_cache_counters();
     assert_eq!((counters.truncated_linetables, counters.truncated_strings), (1, 2), "{counters:?}");
 }
+
+/// The main thread spins in a subinterpreter, entered from the main interpreter, while another
+/// thread waits in the main interpreter; `sys.argv[1]` is created from inside the subinterpreter.
+const SUBINTERPRETER: &str = r#"
+import sys, threading
+try:
+    from concurrent import interpreters
+    run = interpreters.create().exec
+except ImportError:
+    import _interpreters
+    interp = _interpreters.create()
+    run = lambda code: _interpreters.run_string(interp, code)
+def main_wait():
+    threading.Event().wait()
+threading.Thread(target=main_wait, daemon=True).start()
+def enter_sub():
+    run(f"def sub_spin():\n    open({sys.argv[1]!r}, 'w').close()\n    while True: pass\nsub_spin()\n")
+enter_sub()
+"#;
+
+#[test]
+fn a_thread_in_a_subinterpreter_is_read_in_the_state_it_runs_in() {
+    for version in ["3.13", "3.14", "3.15"] {
+        let (target, mut process) = attach_running(version, SUBINTERPRETER);
+        let main_tid = target.0.id();
+        let states = process.thread_states().unwrap();
+        let main_states: Vec<_> = states.iter().filter(|t| t.tid == main_tid).collect();
+        assert_eq!(main_states.len(), 2, "{version}: the main thread has a state in each interpreter: {states:?}");
+        assert!(main_states.iter().any(|t| t.interpreter == 0) && main_states.iter().any(|t| t.interpreter != 0), "{version}: {states:?}");
+        let innermost = |process: &mut PyProcess, frame: u64| {
+            let links = process.walk_frames(frame).unwrap().links;
+            links.iter().find_map(|link| process.frame_info(link).unwrap()).map(|r| r.frame.qualname.to_string())
+        };
+        let threads = process.threads().unwrap();
+        assert_eq!(threads.len(), 2, "{version}: one state per thread: {threads:?}");
+        let main = threads.iter().find(|t| t.tid == main_tid).unwrap();
+        assert!(main.active && main.interpreter != 0, "{version}: {main:?}");
+        assert_eq!(innermost(&mut process, main.current_frame).as_deref(), Some("sub_spin"), "{version}");
+        let parked = main_states.iter().find(|t| t.interpreter == 0).unwrap();
+        assert!(!parked.active, "{version}: {parked:?}");
+        assert_eq!(innermost(&mut process, parked.current_frame).as_deref(), Some(if version == "3.13" { "<lambda>" } else { "Interpreter.exec" }), "{version}");
+        let waiting = threads.iter().find(|t| t.tid != main_tid).unwrap();
+        assert_eq!((waiting.interpreter, innermost(&mut process, waiting.current_frame).as_deref()), (0, Some("Condition.wait")), "{version}");
+    }
+}

@@ -1,4 +1,9 @@
-//! The thread states of every interpreter of a process, and which one holds the GIL.
+//! The thread states of every interpreter of a process, which one each thread runs now, and which
+//! one holds the GIL.
+//!
+//! A thread has a thread state in every interpreter it has entered: one that runs code in a
+//! subinterpreter (`concurrent.interpreters`, `_interpreters`) keeps its main-interpreter state,
+//! parked at the call that switched, beside the subinterpreter's, which runs.
 
 use std::collections::HashSet;
 
@@ -8,6 +13,10 @@ use super::{PyError, PyProcess};
 /// Most interpreters and threads followed per process.
 const MAX_INTERPRETERS: usize = 64;
 const MAX_THREADS: usize = 4096;
+
+/// `_status.active` (the fifth bit field of `PyThreadState._status` in 3.13 to 3.15): the thread
+/// state is attached to its thread now. Running Python code needs an attached thread state.
+const STATUS_ACTIVE: u32 = 1 << 4;
 
 /// A Python thread.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -19,12 +28,23 @@ pub struct PyThread {
     /// Its innermost interpreter frame, 0 when it runs no Python code.
     pub current_frame: u64,
     pub holds_gil: bool,
+    /// The id of its interpreter (0: the main interpreter).
+    pub interpreter: i64,
+    /// Attached to its thread now: the thread runs in this thread state's interpreter.
+    pub active: bool,
 }
 
 impl<M: ReadMemory> PyProcess<M> {
-    /// Every thread of every interpreter. Also refreshes the code-object cache when the process
-    /// says code objects may have been freed.
+    /// Every thread, each in the thread state it runs now: the attached one where a thread has
+    /// several. Also refreshes the code-object cache when the process says code objects may have
+    /// been freed.
     pub fn threads(&mut self) -> Result<Vec<PyThread>, PyError> {
+        Ok(current_states(self.thread_states()?))
+    }
+
+    /// Every thread state of every interpreter: a thread that entered several interpreters is
+    /// listed once in each. Also refreshes the code-object cache like [`Self::threads`].
+    pub fn thread_states(&mut self) -> Result<Vec<PyThread>, PyError> {
         let mut threads = Vec::new();
         let mut seen = HashSet::new();
         let mut interp = self.mem.read_u64(self.runtime.wrapping_add(self.offsets.interpreters_head))?;
@@ -73,6 +93,7 @@ impl<M: ReadMemory> PyProcess<M> {
     fn interpreter_threads(&self, interp: u64, seen: &mut HashSet<u64>, threads: &mut Vec<PyThread>) -> Result<(), PyError> {
         let o = &self.offsets;
         let gil_holder = self.gil_holder(interp)?;
+        let interpreter = self.mem.read_u64(interp.wrapping_add(o.interp_id))? as i64;
         let mut tstate = self.mem.read_u64(interp.wrapping_add(o.interp_threads_head))?;
         while tstate != 0 {
             if threads.len() >= MAX_THREADS || !seen.insert(tstate) {
@@ -84,6 +105,8 @@ impl<M: ReadMemory> PyProcess<M> {
                 tstate,
                 current_frame: self.mem.read_u64(tstate.wrapping_add(o.tstate_current_frame))?,
                 holds_gil: gil_holder == Some(tstate),
+                interpreter,
+                active: self.mem.read_u32(tstate.wrapping_add(o.tstate_status))? & STATUS_ACTIVE != 0,
             });
             tstate = self.mem.read_u64(tstate.wrapping_add(o.tstate_next))?;
         }
@@ -111,5 +134,48 @@ impl<M: ReadMemory> PyProcess<M> {
             self.code_generation = generation;
         }
         Ok(())
+    }
+}
+
+/// One thread state per thread, in list order: the active one, or where none (or, in a corrupt
+/// list, several) is, the first listed. Interpreters are listed newest first, and a thread state
+/// made to run code in a subinterpreter lives only while its thread is in there, so the first is
+/// the innermost.
+pub(super) fn current_states(states: Vec<PyThread>) -> Vec<PyThread> {
+    let mut chosen: Vec<PyThread> = Vec::with_capacity(states.len());
+    for state in states {
+        match chosen.iter_mut().find(|kept| kept.tid == state.tid) {
+            Some(kept) if state.active && !kept.active => *kept = state,
+            Some(_) => {}
+            None => chosen.push(state),
+        }
+    }
+    chosen
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn state(tid: u32, tstate: u64, interpreter: i64, active: bool) -> PyThread {
+        PyThread { tid, tstate, current_frame: 1, holds_gil: false, interpreter, active }
+    }
+
+    #[test]
+    fn each_thread_keeps_the_state_it_runs_in() {
+        // Newest interpreter first, as CPython lists them: thread 1 runs in interpreter 2 (which it
+        // entered from interpreter 0), thread 3 in interpreter 0, thread 4 is detached in both.
+        let states = vec![
+            state(1, 0x10, 2, true),
+            state(4, 0x40, 2, false),
+            state(1, 0x11, 0, false),
+            state(3, 0x30, 0, true),
+            state(4, 0x41, 0, false),
+        ];
+        let tstates: Vec<(u32, u64)> = current_states(states).iter().map(|t| (t.tid, t.tstate)).collect();
+        assert_eq!(tstates, [(1, 0x10), (4, 0x40), (3, 0x30)]);
+        // The active state wins wherever it is listed.
+        let later = vec![state(1, 0x10, 2, false), state(1, 0x11, 0, true)];
+        assert_eq!(current_states(later)[0].tstate, 0x11);
     }
 }

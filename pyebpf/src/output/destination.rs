@@ -96,6 +96,7 @@ impl Destination {
             Destination::Replace(path) => {
                 // A new file is renamed into the directory; an existing file must also be writable,
                 // or the user did not mean to have it replaced.
+                refuse_pseudo_file_system(parent_dir(path))?;
                 may_write(parent_dir(path), libc::W_OK | libc::X_OK)?;
                 if fs::symlink_metadata(path).is_ok() {
                     may_write(path, libc::W_OK)?;
@@ -292,6 +293,37 @@ fn may_write(path: &Path, mode: libc::c_int) -> Result<(), OutputError> {
         Ok(())
     } else {
         Err(OutputError::io(path)(io::Error::last_os_error()))
+    }
+}
+
+/// Kernel file systems (`statfs` magic numbers) whose directories take no new files: access()
+/// says a root user may write there, and the temporary fails only once the recording is over.
+const PSEUDO_FILE_SYSTEMS: [(libc::__fsword_t, &str); 10] = [
+    (0x9fa0, "proc"),
+    (0x6265_6572, "sysfs"),
+    (0x0027_e0eb, "cgroup"),
+    (0x6367_7270, "cgroup2"),
+    (0x6462_6720, "debugfs"),
+    (0x7472_6163, "tracefs"),
+    (0x7363_6673, "securityfs"),
+    (0xcafe_4a11, "bpf"),
+    (0x6165_676c, "pstore"),
+    (0xde5e_81e4, "efivarfs"),
+];
+
+/// Refuses, before sampling, a directory on a kernel file system (`-o /proc/version`).
+fn refuse_pseudo_file_system(dir: &Path) -> Result<(), OutputError> {
+    let name = CString::new(dir.as_os_str().as_bytes()).map_err(|err| OutputError::io(dir)(err.into()))?;
+    let mut stats = std::mem::MaybeUninit::<libc::statfs>::zeroed();
+    // SAFETY: `name` is a valid NUL-terminated string and `stats` a statfs to fill.
+    if unsafe { libc::statfs(name.as_ptr(), stats.as_mut_ptr()) } != 0 {
+        return Ok(()); // may_write names what is wrong with the directory
+    }
+    // SAFETY: filled by the successful call above.
+    let magic = unsafe { stats.assume_init() }.f_type;
+    match PSEUDO_FILE_SYSTEMS.iter().find(|(kind, _)| *kind == magic) {
+        Some(&(_, kind)) => Err(OutputError::PseudoFileSystem { path: dir.to_path_buf(), kind }),
+        None => Ok(()),
     }
 }
 

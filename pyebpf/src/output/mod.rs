@@ -37,6 +37,8 @@ pub enum OutputError {
     CannotRotate(PathBuf),
     #[error("{}: {cause}", path.display())]
     Io { path: PathBuf, cause: io::Error },
+    #[error("{} is on a {kind} file system, where no file can be created", .path.display())]
+    PseudoFileSystem { path: PathBuf, kind: &'static str },
     #[error("cannot tell the format of {} from its extension: use .pb.gz or .pprof (pprof), .folded, .txt or .collapsed (collapsed), .svg (flame graph), .speedscope.json (speedscope), or --format", .0.display())]
     UnknownExtension(PathBuf),
 }
