@@ -71,6 +71,9 @@ pub type PyItem = PyStackItem<FrameId>;
 /// Frames resolved per process at most (then forgotten, and resolved again on demand).
 const MAX_FRAME_IDS: usize = 100_000;
 
+/// Threads remembered per process as running no Python, at most (then forgotten all at once).
+const MAX_NOT_PYTHON_THREADS: usize = 4096;
+
 /// Chains kept per thread, newest first: samples still in flight when a chain is replaced (a
 /// consumer that fell behind) may have joined an older one.
 const CHAINS_KEPT: usize = 8;
@@ -121,6 +124,8 @@ impl Other {
 
 pub struct PythonSampling {
     processes: HashMap<u32, PythonProcess>,
+    /// What the code-object caches of processes forgotten since (exited, exec'd) counted.
+    retired_code_cache: crate::cpython::CodeCacheCounters,
     others: HashMap<u32, Other>,
     options: SamplingOptions,
     next_gen: u64,
@@ -128,7 +133,7 @@ pub struct PythonSampling {
 
 impl PythonSampling {
     pub fn new(options: SamplingOptions) -> Self {
-        PythonSampling { processes: HashMap::new(), others: HashMap::new(), options, next_gen: 1 }
+        PythonSampling { processes: HashMap::new(), retired_code_cache: Default::default(), others: HashMap::new(), options, next_gen: 1 }
     }
 
     /// Attaches to `pid` if it is a CPython 3.13+ process not seen before, and registers its
@@ -233,6 +238,9 @@ impl PythonSampling {
     pub fn forget(&mut self, pid: u32, sampler: &mut Sampler) {
         self.others.remove(&pid);
         if let Some(process) = self.processes.remove(&pid) {
+            // Its counts stay in --stats; what its cache holds goes with it.
+            let counters = process.py.code_cache_counters();
+            self.retired_code_cache = self.retired_code_cache + crate::cpython::CodeCacheCounters { cached_entries: 0, cached_bytes: 0, ..counters };
             for tid in process.threads.keys() {
                 sampler.remove_py_thread(*tid);
             }
@@ -292,9 +300,10 @@ impl PythonSampling {
         Some(truncated)
     }
 
-    /// Code-object cache counters summed over processes, for `--stats`.
+    /// Code-object cache counters summed over every process attached to (those that have exited
+    /// too), for `--stats`; the entries and bytes cached are those of the processes attached now.
     pub fn code_cache_counters(&self) -> crate::cpython::CodeCacheCounters {
-        self.processes.values().map(|p| p.py.code_cache_counters()).sum()
+        self.processes.values().map(|p| p.py.code_cache_counters()).sum::<crate::cpython::CodeCacheCounters>() + self.retired_code_cache
     }
 }
 
@@ -516,6 +525,10 @@ impl PythonProcess {
         self.refresh_threads(sampler);
         // An empty list is an interpreter still starting up: its main thread is not bound yet.
         if !self.threads.contains_key(&tid) && !self.threads.is_empty() {
+            // Native threads that come and go would otherwise pile up here for the process's life.
+            if self.not_python.len() >= MAX_NOT_PYTHON_THREADS {
+                self.not_python.clear();
+            }
             self.not_python.insert(tid);
         }
     }

@@ -11,7 +11,7 @@
 //!
 //! A long host-wide run sees an endless stream of processes and files, so every cache is bounded:
 //! what belongs to a process goes when the process has exited ([`Symbolizer::forget_processes`]);
-//! open files beyond [`MAX_OPEN_FILES`] are closed, and results beyond [`MAX_RESOLVED`] dropped,
+//! open files beyond [`MAX_OPEN_FILES`] (or [`MAX_OPEN_BYTES`] in all) are closed, and results beyond [`MAX_RESOLVED`] dropped,
 //! all at once (they are found again on demand; a bound hit is rare enough for that to be cheap).
 //!
 //! Files are opened through `/proc/PID/map_files/` (falling back to `/proc/PID/root/PATH`), which
@@ -43,6 +43,12 @@ const MAPS_REFRESH_INTERVAL: Duration = Duration::from_millis(100);
 
 /// Files blazesym keeps open (and mapped) at most.
 const MAX_OPEN_FILES: usize = 256;
+
+/// The open files' sizes added up, at most: what blazesym parses of a file grows with its size.
+const MAX_OPEN_BYTES: u64 = 2 << 30;
+
+/// Build IDs kept at most (of files seen, whether symbolized or not).
+const MAX_BUILD_IDS: usize = 4096;
 
 /// Resolved addresses kept at most, per kind (file offsets, in-process, kernel addresses).
 const MAX_RESOLVED: usize = 100_000;
@@ -161,10 +167,11 @@ impl Symbolizer {
 
     /// Keeps the caches that grow with the files and code seen within their bounds.
     fn enforce_bounds(&mut self) {
-        if self.open_files.len() > MAX_OPEN_FILES {
+        if self.open_files.len() > MAX_OPEN_FILES || self.open_files.bytes() > MAX_OPEN_BYTES {
             self.open_files.close_all(&mut self.blazesym);
             self.build_ids.clear();
         }
+        clear_if_over(&mut self.build_ids, MAX_BUILD_IDS);
         clear_if_over(&mut self.by_file_offset, MAX_RESOLVED);
         clear_if_over(&mut self.by_process_addr, MAX_RESOLVED);
     }

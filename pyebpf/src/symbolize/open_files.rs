@@ -33,12 +33,14 @@ pub(super) struct Location<'a> {
 struct OpenFile {
     _file: File,
     path: PathBuf,
+    size: u64,
 }
 
 impl OpenFile {
     fn new(file: File) -> OpenFile {
         let path = PathBuf::from(format!("/proc/self/fd/{}", file.as_raw_fd()));
-        OpenFile { _file: file, path }
+        let size = file.metadata().map_or(0, |metadata| metadata.len());
+        OpenFile { _file: file, path, size }
     }
 
     /// Opens a mapped file: `map_files` reaches the exact file mapped (also in containers and after
@@ -55,6 +57,8 @@ impl OpenFile {
 #[derive(Default)]
 pub(super) struct OpenFiles {
     files: HashMap<FileId, OpenFile>,
+    /// The open files' sizes, added up.
+    bytes: u64,
 }
 
 impl OpenFiles {
@@ -62,11 +66,19 @@ impl OpenFiles {
         self.files.len()
     }
 
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
     /// The path blazesym reaches file `id` by, opening the file where `location` says first.
     pub fn path(&mut self, id: FileId, location: &Location) -> io::Result<&Path> {
         let file = match self.files.entry(id) {
             Entry::Occupied(entry) => entry.into_mut(),
-            Entry::Vacant(entry) => entry.insert(OpenFile::open(location)?),
+            Entry::Vacant(entry) => {
+                let file = OpenFile::open(location)?;
+                self.bytes += file.size;
+                entry.insert(file)
+            }
         };
         Ok(&file.path)
     }
@@ -87,6 +99,7 @@ impl OpenFiles {
     /// Closes file `id`, once blazesym has forgotten its path.
     pub fn close(&mut self, blazesym: &mut blazesym::symbolize::Symbolizer, id: FileId) {
         if let Some(file) = self.files.remove(&id) {
+            self.bytes = self.bytes.saturating_sub(file.size);
             forget(blazesym, &file);
         }
     }
@@ -96,6 +109,7 @@ impl OpenFiles {
         for (_, file) in self.files.drain() {
             forget(blazesym, &file);
         }
+        self.bytes = 0;
     }
 }
 
