@@ -20,6 +20,22 @@ pub fn open_in_root(pid: u32, path: &Path) -> io::Result<File> {
     reopen_if_regular(handle, path)
 }
 
+/// Opens the file process `pid` maps at `start..limit` (inode `inode`, `path` in its maps), for
+/// reading: through `map_files`, which reaches exactly the file mapped (also in containers and
+/// after deletion) but needs CAP_SYS_ADMIN; otherwise by `path` inside the process's root, if that
+/// is still the inode mapped (the target may have renamed another file over it since).
+pub fn open_mapped(pid: u32, start: u64, limit: u64, path: &Path, inode: u64) -> io::Result<File> {
+    use std::os::unix::fs::MetadataExt;
+    if let Ok(file) = open_regular(Path::new(&format!("/proc/{pid}/map_files/{start:x}-{limit:x}"))) {
+        return Ok(file);
+    }
+    let file = open_in_root(pid, path)?;
+    if file.metadata()?.ino() != inode {
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("{} is no longer the file process {pid} maps", path.display())));
+    }
+    Ok(file)
+}
+
 /// Opens `path` for reading if it is a regular file; anything else (a FIFO, a device) is refused
 /// without being opened. For `/proc/PID/map_files/...` links, which lead to exactly the file a
 /// process mapped, but which could be a device it mapped.
@@ -78,6 +94,21 @@ mod tests {
         let magic = dir.path().join("magic");
         std::os::unix::fs::symlink("/proc/self/exe", &magic).unwrap();
         assert!(open_in_root(pid, &magic).is_err());
+    }
+
+    #[test]
+    fn open_mapped_refuses_another_file_renamed_over_the_mapped_path() {
+        use std::os::unix::fs::MetadataExt;
+        let dir = tempfile::tempdir().unwrap();
+        let (mapped, other) = (dir.path().join("lib.so"), dir.path().join("other.so"));
+        std::fs::write(&mapped, b"mapped").unwrap();
+        std::fs::write(&other, b"other").unwrap();
+        let inode = std::fs::metadata(&mapped).unwrap().ino();
+        let pid = std::process::id();
+        // No mapping at 0-0, so the path inside the root is what is opened.
+        assert_eq!(std::io::read_to_string(open_mapped(pid, 0, 0, &mapped, inode).unwrap()).unwrap(), "mapped");
+        std::fs::rename(&other, &mapped).unwrap();
+        assert_eq!(open_mapped(pid, 0, 0, &mapped, inode).unwrap_err().kind(), io::ErrorKind::InvalidInput);
     }
 
     #[test]

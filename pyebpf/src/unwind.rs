@@ -17,7 +17,7 @@
 
 use std::collections::HashMap;
 use std::ops::Range;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -247,7 +247,7 @@ impl StackUnwinder {
                     let id = FileId { dev: (entry.dev.0, entry.dev.1), inode: entry.inode };
                     let cached_bytes = &mut self.cached_bytes;
                     let cfi = self.files.entry(id).or_insert_with(|| {
-                        let cfi = read_file_cfi(pid, start, limit, path);
+                        let cfi = read_file_cfi(pid, start, limit, path, entry.inode);
                         *cached_bytes += cfi.as_ref().map_or(0, |cfi| cfi.size());
                         cfi
                     });
@@ -308,9 +308,8 @@ fn unwind_with(unwinder: &UnwinderX86_64<Data>, cache: &mut CacheX86_64, snapsho
 
 /// Reads a mapped file's unwind sections (and headers; nothing else of it); None if it cannot be
 /// read or parsed (its frames fall back to frame pointers).
-fn read_file_cfi(pid: u32, start: u64, limit: u64, path: &Path) -> Option<Arc<FileCfi>> {
-    let map_file = PathBuf::from(format!("/proc/{pid}/map_files/{start:x}-{limit:x}"));
-    let file = target_file::open_regular(&map_file).or_else(|_| target_file::open_in_root(pid, path)).ok()?;
+fn read_file_cfi(pid: u32, start: u64, limit: u64, path: &Path, inode: u64) -> Option<Arc<FileCfi>> {
+    let file = target_file::open_mapped(pid, start, limit, path, inode).ok()?;
     match FileCfi::parse(&object::ReadCache::new(file)) {
         Ok(cfi) => Some(Arc::new(cfi)),
         Err(err) => {

@@ -43,13 +43,9 @@ impl OpenFile {
         OpenFile { _file: file, path, size }
     }
 
-    /// Opens a mapped file: `map_files` reaches the exact file mapped (also in containers and after
-    /// deletion) but needs CAP_SYS_ADMIN; otherwise the path the process names, inside its root.
-    fn open(location: &Location) -> io::Result<OpenFile> {
+    fn open(location: &Location, id: FileId) -> io::Result<OpenFile> {
         let Location { pid, start, limit, path } = *location;
-        let map_file = PathBuf::from(format!("/proc/{pid}/map_files/{start:x}-{limit:x}"));
-        let file = target_file::open_regular(&map_file).or_else(|_| target_file::open_in_root(pid, path))?;
-        Ok(OpenFile::new(file))
+        Ok(OpenFile::new(target_file::open_mapped(pid, start, limit, path, id.inode)?))
     }
 }
 
@@ -75,7 +71,7 @@ impl OpenFiles {
         let file = match self.files.entry(id) {
             Entry::Occupied(entry) => entry.into_mut(),
             Entry::Vacant(entry) => {
-                let file = OpenFile::open(location)?;
+                let file = OpenFile::open(location, id)?;
                 self.bytes += file.size;
                 entry.insert(file)
             }
@@ -89,7 +85,7 @@ impl OpenFiles {
         let file = match self.files.get(&id) {
             Some(file) => file,
             None => {
-                opened = OpenFile::open(location).ok()?;
+                opened = OpenFile::open(location, id).ok()?;
                 &opened
             }
         };
