@@ -264,6 +264,17 @@ impl StackUnwinder {
     }
 }
 
+/// Unwinds `snapshot` through one ELF image (a file's bytes) mapped whole at `start`: how the
+/// fuzzers reach the unwind-section parsing and unwinding with bytes of their own. None if the
+/// image does not parse.
+pub fn unwind_in_image(image: &[u8], start: u64, snapshot: &Snapshot<'_>) -> Option<Unwound> {
+    let cfi = FileCfi::parse(image).ok()?;
+    let limit = start.checked_add(image.len() as u64)?;
+    let mut unwinder = UnwinderX86_64::new();
+    unwinder.add_module(cfi.module("image".to_owned(), start..limit, cfi.base_avma(start, 0)?));
+    Some(unwind_with(&unwinder, &mut CacheX86_64::new(), snapshot))
+}
+
 /// Unwinds `snapshot` frame by frame, keeping each frame's CFA, until the root, an unreadable or
 /// inconsistent frame, or [`MAX_USER_FRAMES`].
 fn unwind_with(unwinder: &UnwinderX86_64<Data>, cache: &mut CacheX86_64, snapshot: &Snapshot<'_>) -> Unwound {

@@ -1,10 +1,12 @@
 //! Fuzzing the parsers of outside bytes other than the CPython reader (`fuzz_reader`): the records
-//! the eBPF program sends through the ring buffer, the kernel's BTF, and the ELF lookup of
-//! `_PyRuntime` in a mapped interpreter. Inputs are arbitrary bytes and mutated copies of real
-//! ones (the running kernel's BTF, Debian's python3.14 executable). Any outcome is fine except a
+//! the eBPF program sends through the ring buffer, the kernel's BTF, the ELF lookup of
+//! `_PyRuntime` in a mapped interpreter, and the call frame information (CFI) stack copies are
+//! unwound with. Inputs are arbitrary bytes and mutated copies of real ones (the running kernel's
+//! BTF, Debian's python3.14 and python3.13 executables). Any outcome is fine except a
 //! panic, a hang or an unbounded allocation; what a parser accepts must also be consistent.
 //! `PYEBPF_FUZZ_CASES` scales the number of cases like `fuzz_reader` (default 800 000: the records
-//! get a quarter of them; BTF and ELF, whose inputs are megabytes, one in 200: about 30 s each).
+//! get a quarter of them; BTF and ELF, whose inputs are megabytes, one in 200: about 30 s each;
+//! CFI one in 100, about 5 s).
 
 use std::cell::Cell;
 use std::mem::size_of;
@@ -15,7 +17,8 @@ use proptest::test_runner::{Config as ProptestConfig, TestRunner};
 use pyebpf::reader::{Record, RecordBatch};
 use pyebpf::cpython::runtime::runtime_in_elf;
 use pyebpf::kernel_btf::Btf;
-use pyebpf_common::{record_kind, ProcessEvent, SampleRecord};
+use pyebpf::unwind::{unwind_in_image, Snapshot};
+use pyebpf_common::{record_kind, ProcessEvent, SampleRecord, MAX_USER_FRAMES};
 
 fn cases() -> u32 {
     std::env::var("PYEBPF_FUZZ_CASES").ok().and_then(|n| n.parse().ok()).unwrap_or(800_000)
@@ -178,4 +181,48 @@ fn elf_runtime_lookup_survives_mutated_executables() {
         })
         .unwrap();
     eprintln!("ELF mutations: {} found a runtime, {} did not", outcomes[0].get(), outcomes[1].get());
+}
+
+/// Debian's python3.13 (built without frame pointers, so its samples are CFI-unwound) with its
+/// `.eh_frame` and `.eh_frame_hdr` mutated, unwinding stacks of random words and return addresses
+/// into its code. An unwind must end (the frame bound holds) and never panic.
+#[test]
+fn cfi_unwinding_survives_mutated_unwind_sections_and_random_stacks() {
+    use object::{Object, ObjectSection};
+    let prefix = PathBuf::from(std::env::var("PYEBPF_PYTHONS").expect("PYEBPF_PYTHONS must name the test Pythons' prefix (cargo xtask test sets it)"));
+    let original = std::fs::read(prefix.join("usr/bin/python3.13")).unwrap();
+    let (text, unwind_sections) = {
+        let elf = object::File::parse(original.as_slice()).unwrap();
+        let range = |name: &str| {
+            let (offset, size) = elf.section_by_name(name).unwrap().file_range().unwrap();
+            offset as f64 / original.len() as f64..(offset + size) as f64 / original.len() as f64
+        };
+        (elf.section_by_name(".text").unwrap().address()..elf.section_by_name(".text").unwrap().address() + elf.section_by_name(".text").unwrap().size(), [range(".eh_frame_hdr"), range(".eh_frame")])
+    };
+    const START: u64 = 0x5555_5555_0000;
+    let return_address = (text.start..text.end).prop_map(|at| START + at);
+    let word = prop_oneof![any::<u64>(), return_address.clone(), (0u64..4096).prop_map(|n| 0x7ffd_0000_0000 + n * 8)];
+    let in_sections = prop_oneof![unwind_sections[0].clone(), unwind_sections[1].clone()];
+    let writes = prop::collection::vec((in_sections, prop::collection::vec(any::<u8>(), 1..9)), 0..8);
+    let strategy = (mutation(), writes, return_address, prop::collection::vec(word, 0..512), any::<u64>());
+    let unwound = Cell::new(0u64);
+    let frames = Cell::new(0u64);
+    runner(cases() / 100)
+        .run(&strategy, |(mut mutation, section_writes, ip, words, bp)| {
+            mutation.writes.extend(section_writes);
+            mutation.truncate = None;
+            let image = apply(&original, &mutation);
+            let stack: Vec<u8> = words.iter().flat_map(|word| word.to_le_bytes()).collect();
+            let snapshot = Snapshot { ip, sp: 0x7ffd_0000_0000, bp, stack: &stack };
+            if let Some(result) = unwind_in_image(&image, START, &snapshot) {
+                prop_assert!(result.addrs.len() <= MAX_USER_FRAMES, "{} frames", result.addrs.len());
+                prop_assert!(result.frame_bases.len() <= result.addrs.len());
+                unwound.set(unwound.get() + 1);
+                frames.set(frames.get() + result.addrs.len() as u64);
+            }
+            Ok(())
+        })
+        .unwrap();
+    eprintln!("CFI: {} unwinds, {} frames", unwound.get(), frames.get());
+    assert!(unwound.get() > 0, "no mutated image parsed: the fuzzer reached no unwinding");
 }
