@@ -226,3 +226,30 @@ fn cfi_unwinding_survives_mutated_unwind_sections_and_random_stacks() {
     eprintln!("CFI: {} unwinds, {} frames", unwound.get(), frames.get());
     assert!(unwound.get() > 0, "no mutated image parsed: the fuzzer reached no unwinding");
 }
+
+/// What the CFI fuzzer found first: an `.eh_frame_hdr` whose `eh_frame_ptr` lies past the FDEs it
+/// indexes makes gimli subtract past zero (unchecked; it wraps as shipped, into an offset the next
+/// read rejects). Kept as a regression input: the unwind ends at the sampled instruction.
+#[test]
+fn an_eh_frame_hdr_pointing_past_its_fdes_stops_the_unwind() {
+    use object::{Object, ObjectSection};
+    let prefix = PathBuf::from(std::env::var("PYEBPF_PYTHONS").expect("PYEBPF_PYTHONS must name the test Pythons' prefix (cargo xtask test sets it)"));
+    let mut image = std::fs::read(prefix.join("usr/bin/python3.13")).unwrap();
+    let (hdr, text) = {
+        let elf = object::File::parse(image.as_slice()).unwrap();
+        let (hdr, _) = elf.section_by_name(".eh_frame_hdr").unwrap().file_range().unwrap();
+        (hdr as usize, elf.section_by_name(".text").unwrap().address())
+    };
+    const START: u64 = 0x5555_5555_0000;
+    let ip = START + text + 0x100;
+    // A stack of return addresses into the code: the intact image unwinds through some of them.
+    let stack: Vec<u8> = (0..64).flat_map(|_| (START + text + 0x200).to_le_bytes()).collect();
+    let snapshot = Snapshot { ip, sp: 0x7ffd_0000_0000, bp: 0, stack: &stack };
+    let intact = unwind_in_image(&image, START, &snapshot).unwrap();
+    assert!(intact.addrs.len() > 1, "the intact image does not unwind: {intact:?}");
+    // eh_frame_ptr (after version and three encodings), pc-relative sdata4: far past every FDE.
+    assert_eq!(image[hdr], 1, "an .eh_frame_hdr of version 1");
+    image[hdr + 4..hdr + 8].copy_from_slice(&0x7fff_0000i32.to_le_bytes());
+    let unwound = unwind_in_image(&image, START, &snapshot).expect("the image still parses");
+    assert_eq!(unwound.addrs, vec![ip], "{unwound:?}");
+}
