@@ -21,11 +21,14 @@ fn is_python_file(path: &Path) -> bool {
     })
 }
 
-/// Whether `pid` is gone: no /proc entry, or exited and not yet reaped (its /proc entry stays but
-/// its memory is gone).
+/// Whether `pid` is gone: no /proc entry, or exiting or exited and not yet reaped (its /proc entry
+/// stays but its memory is gone).
 pub fn has_exited(pid: u32) -> bool {
+    // PF_EXITING: set when the process starts to exit, before its memory goes (its maps read
+    // empty from then on) and well before it shows as a zombie.
+    const PF_EXITING: u32 = 0x4;
     let Ok(process) = Process::new(pid as i32) else { return true };
-    process.stat().map_or(true, |stat| matches!(stat.state, 'Z' | 'X'))
+    process.stat().map_or(true, |stat| matches!(stat.state, 'Z' | 'X') || stat.flags & PF_EXITING != 0)
 }
 
 /// Where a process keeps its runtime state.
@@ -67,6 +70,10 @@ pub fn find_runtime(pid: u32) -> Result<Runtime, PyError> {
             }
             Ok(None) | Err(_) => {}
         }
+    }
+    if candidates.is_empty() && has_exited(pid) {
+        // Its maps were read while it exited.
+        return Err(PyError::NoProcess(pid));
     }
     Err(unreadable.unwrap_or(PyError::NotPython(pid)))
 }
