@@ -65,11 +65,13 @@ fn check_alternating(label: &str, slice_ms: &str, env: &[(&str, &str)]) {
     let (child, _dir) = start_ready(&python(label), "alternating.py", &[slice_ms]);
     std::thread::sleep(Duration::from_millis(200));
     let pid = child.pid().to_string();
-    // 8 s: long enough that timer jitter averages out of the shares.
-    let (collapsed, stderr) = record_with_env(&["-p", &pid, "-F", "499", "-d", "8", "--no-native"], env);
+    // Each sample sees an independent coin (the round's order), so the share's spread is binomial:
+    // 8 s at 999 Hz gives about 8,000 samples, where 3 points is more than 5 standard deviations
+    // (at 499 Hz it was under 4, and CI once drew 46.7% on a run without any mixed stack).
+    let (collapsed, stderr) = record_with_env(&["-p", &pid, "-F", "999", "-d", "8", "--no-native"], env);
     let c = path_counts(&stacks_of(&collapsed, child.pid()));
     let context = format!("{label}, {slice_ms} ms slices, env {env:?}: a {} b {} mixed {} truncated {} of {}", c.a, c.b, c.mixed, c.truncated, c.all);
-    assert!(c.all >= 1200, "{context}: too few samples");
+    assert!(c.all >= 4000, "{context}: too few samples");
     assert_eq!(c.mixed, 0, "{context}: stacks that never happened");
     assert!(c.truncated * 100 <= c.all, "{context}: more than 1% truncated");
     let share_a = 100.0 * c.a as f64 / (c.a + c.b) as f64;
