@@ -25,7 +25,7 @@ use crate::reader::{Record, RecordBatch};
 use crate::report;
 use crate::stack::{FrameCarry, FrameId, Profile, SampleStack};
 use crate::stats::Stats;
-use crate::summary::Summary;
+use crate::summary::{RunTotals, Summary};
 use crate::symbolize::Symbolizer;
 use crate::unwind::{Snapshot, StackUnwinder, Unwound};
 
@@ -222,9 +222,22 @@ pub fn run(args: RecordArgs) -> Result<()> {
     let watched = Watched::open(&args.pid)?;
     process::raise_open_file_limit();
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().context("start the async runtime")?;
-    let (profile, stats) = runtime.block_on(record(&args, &watched, &sink))?;
+    let (profile, stats, periods) = runtime.block_on(record(&args, &watched, &sink))?;
     let output = sink.write(&profile).context("cannot write the profile")?;
-    report::report_text(format_args!("{}", Summary::new(&profile, &stats, output, sink.open_command())));
+    let summary = match periods {
+        // The run's summary adds up every period; each period's own line names its file.
+        Some(WrittenPeriods { mut totals, first }) => {
+            report!("wrote {} samples of {} processes to {output} ({} lost)", profile.total_samples(), profile.processes(), stats.lost_samples);
+            totals.add(&profile);
+            let files = match first {
+                Some(first) => format!("{} files, {first} to {output}", totals.profiles),
+                None => output,
+            };
+            Summary::new(totals, &stats, files, None)
+        }
+        None => Summary::new(RunTotals::of(&profile), &stats, output, sink.open_command()),
+    };
+    report::report_text(format_args!("{summary}"));
     if args.stats {
         report::report_text(format_args!("{stats}"));
     }
@@ -249,7 +262,14 @@ fn rotate(writer: &PeriodWriter, resolver: &mut SampleResolver, profile: &mut Pr
 struct PeriodWriter {
     /// One period waits at most; a writer slower than the periods holds the loop back.
     queue: std::sync::mpsc::SyncSender<(Profile, u64)>,
-    thread: std::thread::JoinHandle<()>,
+    thread: std::thread::JoinHandle<WrittenPeriods>,
+}
+
+/// The periods a [`PeriodWriter`] wrote: what they add up to, and the first one's file.
+#[derive(Default)]
+struct WrittenPeriods {
+    totals: RunTotals,
+    first: Option<String>,
 }
 
 impl PeriodWriter {
@@ -258,13 +278,19 @@ impl PeriodWriter {
         let thread = std::thread::Builder::new()
             .name("pyebpf-writer".into())
             .spawn(move || {
+                let mut written = WrittenPeriods::default();
                 for (profile, lost) in periods {
                     // A period that cannot be written is lost, but the next ones may still be.
                     match sink.write(&profile) {
-                        Ok(name) => report!("wrote {} samples of {} processes to {name} ({lost} lost)", profile.total_samples(), profile.processes()),
+                        Ok(name) => {
+                            report!("wrote {} samples of {} processes to {name} ({lost} lost)", profile.total_samples(), profile.processes());
+                            written.totals.add(&profile);
+                            written.first.get_or_insert(name);
+                        }
                         Err(err) => report!("cannot write the profile: {err}"),
                     }
                 }
+                written
             })
             .context("start the profile writer")?;
         Ok(PeriodWriter { queue, thread })
@@ -276,12 +302,13 @@ impl PeriodWriter {
         }
     }
 
-    /// Waits until every period handed over is written.
-    fn finish(self) {
+    /// Waits until every period handed over is written; returns what they add up to.
+    fn finish(self) -> WrittenPeriods {
         drop(self.queue);
-        if self.thread.join().is_err() {
+        self.thread.join().unwrap_or_else(|_| {
             report!("cannot write the profile: the writer failed");
-        }
+            WrittenPeriods::default()
+        })
     }
 }
 
@@ -289,7 +316,9 @@ fn unix_now_ns() -> i64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as i64)
 }
 
-async fn record(args: &RecordArgs, watched: &Watched, sink: &Arc<ProfileSink>) -> Result<(Profile, Stats)> {
+/// Records until the end of the run; returns its last (or only) profile, and with `--rotate` what
+/// the periods written before it add up to.
+async fn record(args: &RecordArgs, watched: &Watched, sink: &Arc<ProfileSink>) -> Result<(Profile, Stats, Option<WrittenPeriods>)> {
     // Installed before the command starts, so a signal never finds pyebpf without its handlers,
     // and the command starts with these signals at their defaults (exec resets handled signals).
     let mut interrupt = signal(SignalKind::interrupt()).context("install the SIGINT handler")?;
@@ -362,9 +391,7 @@ async fn record(args: &RecordArgs, watched: &Watched, sink: &Arc<ProfileSink>) -
         add_samples(&mut batch, &mut resolver, &mut sampler, &mut profile, &mut stats);
     }
     progress.finish();
-    if let Some(writer) = writer {
-        writer.finish();
-    }
+    let periods = writer.map(PeriodWriter::finish);
     resolver.finish(&mut stats);
     stats.lost_samples = sampler.lost_samples();
     (stats.reader_dropped_batches, stats.reader_dropped_samples) = sampler.reader_drops();
@@ -372,7 +399,7 @@ async fn record(args: &RecordArgs, watched: &Watched, sink: &Arc<ProfileSink>) -
         sampler.program_run_time().map_or((0, 0), |(time, runs)| (time.as_nanos() as u64, runs));
     stats.own_cpu_ns = own_cpu_ns();
     profile.duration_ns = started.elapsed().as_nanos() as i64;
-    Ok((profile, stats))
+    Ok((profile, stats, periods))
 }
 
 /// Resolves a batch of records in order: samples become stacks in `profile`, events update the resolver.

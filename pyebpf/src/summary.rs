@@ -25,6 +25,47 @@ pub struct FunctionTime {
     pub total: u64,
 }
 
+/// Distinct Python functions a run's summary counts; a hostile process could name without end.
+const MAX_RUN_FUNCTIONS: usize = 50_000;
+
+/// What the profiles of a run add up to, for its summary. With `--rotate` each period's profile
+/// is written and dropped, so the run is summed period by period.
+#[derive(Debug, Default)]
+pub struct RunTotals {
+    pub profiles: usize,
+    pub samples: u64,
+    pub duration_ns: i64,
+    pub frequency_hz: u64,
+    pids: HashSet<u32>,
+    /// Own and total samples per function.
+    functions: HashMap<Function, (u64, u64)>,
+    /// Samples whose innermost function came after [`MAX_RUN_FUNCTIONS`] others.
+    uncounted: u64,
+    unresolved: u64,
+}
+
+impl RunTotals {
+    pub fn of(profile: &Profile) -> Self {
+        let mut totals = RunTotals::default();
+        totals.add(profile);
+        totals
+    }
+
+    pub fn add(&mut self, profile: &Profile) {
+        self.profiles += 1;
+        self.samples += profile.total_samples();
+        self.duration_ns += profile.duration_ns;
+        self.frequency_hz = profile.frequency_hz;
+        self.pids.extend(profile.stacks().map(|(key, _)| key.pid));
+        self.unresolved += profile.stacks().filter(|(key, _)| key.frames.is_empty()).map(|(_, count)| count).sum::<u64>();
+        self.uncounted += add_python_functions(profile, &mut self.functions, MAX_RUN_FUNCTIONS);
+    }
+
+    pub fn processes(&self) -> usize {
+        self.pids.len()
+    }
+}
+
 #[derive(Debug)]
 pub struct Summary {
     pub duration_s: f64,
@@ -34,6 +75,8 @@ pub struct Summary {
     pub python_processes: u64,
     /// The hottest Python functions by own samples (those with any), at most [`TOP`].
     pub top: Vec<FunctionTime>,
+    /// Samples in functions the summary had no room for (a run naming more than [`MAX_RUN_FUNCTIONS`]).
+    pub uncounted: u64,
     pub lost: u64,
     /// Python stacks cut where the chain could not be proven.
     pub truncated: u64,
@@ -45,27 +88,29 @@ pub struct Summary {
 }
 
 impl Summary {
-    pub fn new(profile: &Profile, stats: &Stats, output: String, open_command: Option<String>) -> Self {
+    pub fn new(totals: RunTotals, stats: &Stats, output: String, open_command: Option<String>) -> Self {
         Summary {
-            duration_s: profile.duration_ns as f64 / 1e9,
-            samples: profile.total_samples(),
-            frequency_hz: profile.frequency_hz,
-            processes: profile.processes(),
+            duration_s: totals.duration_ns as f64 / 1e9,
+            samples: totals.samples,
+            frequency_hz: totals.frequency_hz,
+            processes: totals.processes(),
             python_processes: stats.python_processes,
-            top: python_functions(profile).into_iter().filter(|time| time.own > 0).take(TOP).collect(),
+            top: sorted_functions(totals.functions).into_iter().filter(|time| time.own > 0).take(TOP).collect(),
+            uncounted: totals.uncounted,
             lost: stats.lost_samples,
             truncated: stats.truncated_samples,
-            unresolved: profile.stacks().filter(|(key, _)| key.frames.is_empty()).map(|(_, count)| count).sum(),
+            unresolved: totals.unresolved,
             output,
             open_command,
         }
     }
 }
 
-/// Every Python function of the profile with its own and total samples, by own samples, most first.
-/// A recursive function counts once per sample in its total.
-pub fn python_functions(profile: &Profile) -> Vec<FunctionTime> {
-    let mut times: HashMap<Function, (u64, u64)> = HashMap::new();
+/// Adds the profile's samples to each Python function's own samples (as the innermost Python
+/// frame) and total (anywhere on the stack; a recursive function counts once per sample), counting
+/// at most `max` functions; returns the samples whose innermost function found no room.
+fn add_python_functions(profile: &Profile, times: &mut HashMap<Function, (u64, u64)>, max: usize) -> u64 {
+    let mut uncounted = 0;
     let mut seen = HashSet::new();
     for (key, count) in profile.stacks() {
         seen.clear();
@@ -73,16 +118,28 @@ pub fn python_functions(profile: &Profile) -> Vec<FunctionTime> {
         for frame in key.frames.iter() {
             let Frame::Python(python) = frame else { continue };
             let function = Function { qualname: python.qualname.clone(), filename: python.filename.clone() };
-            let time = times.entry(function.clone()).or_default();
-            if innermost {
-                time.0 += count;
-                innermost = false;
+            let first_here = seen.insert(function.clone());
+            if times.len() >= max && !times.contains_key(&function) {
+                if innermost {
+                    uncounted += count;
+                }
+            } else {
+                let time = times.entry(function).or_default();
+                if innermost {
+                    time.0 += count;
+                }
+                if first_here {
+                    time.1 += count;
+                }
             }
-            if seen.insert(function) {
-                time.1 += count;
-            }
+            innermost = false;
         }
     }
+    uncounted
+}
+
+/// The functions by own samples, most first.
+fn sorted_functions(times: HashMap<Function, (u64, u64)>) -> Vec<FunctionTime> {
     let mut functions: Vec<FunctionTime> = times.into_iter().map(|(function, (own, total))| FunctionTime { function, own, total }).collect();
     functions.sort_by(|a, b| {
         (b.own, b.total).cmp(&(a.own, a.total)).then_with(|| (&a.function.qualname, &a.function.filename).cmp(&(&b.function.qualname, &b.function.filename)))
@@ -123,6 +180,9 @@ impl fmt::Display for Summary {
                 )?;
             }
         }
+        if self.uncounted > 0 {
+            writeln!(f, "  ({} samples are in functions beyond the first {MAX_RUN_FUNCTIONS} and not listed)", self.uncounted)?;
+        }
         write!(f, "  lost: {}, Python stacks truncated: {}, unresolved (no frames): {}", self.lost, self.truncated, self.unresolved)?;
         if let Some(command) = &self.open_command {
             write!(f, "\n  open it: {command}")?;
@@ -142,7 +202,7 @@ mod tests {
         // work -> work -> helper: helper is own, work counts once in total.
         let frames = vec![python("helper", "/w.py", 1, 2), python("work", "/w.py", 5, 6), python("work", "/w.py", 5, 7)];
         profile.add(key(300, 300, "py", frames), 4);
-        let functions = python_functions(&profile);
+        let functions = sorted_functions(RunTotals::of(&profile).functions);
         let find = |name: &str| functions.iter().find(|f| &*f.function.qualname == name).unwrap().clone();
         assert_eq!((find("Worker.compute").own, find("Worker.compute").total), (10, 10));
         assert_eq!((find("main").own, find("main").total), (0, 10));
@@ -152,10 +212,33 @@ mod tests {
     }
 
     #[test]
+    fn a_run_adds_up_its_periods_and_counts_functions_beyond_the_bound_apart() {
+        let mut second = Profile::new(100);
+        second.duration_ns = 1_000_000_000;
+        second.add(key(300, 300, "py", vec![python("late", "/w.py", 1, 2), python("main", "/srv/work.py", 30, 31)]), 6);
+        let mut totals = RunTotals::of(&sample_profile());
+        totals.add(&second);
+        assert_eq!((totals.profiles, totals.samples, totals.duration_ns, totals.processes()), (2, 21, 3_000_000_000, 3));
+        let functions = sorted_functions(std::mem::take(&mut totals.functions));
+        let times: Vec<(&str, u64, u64)> = functions.iter().map(|f| (&*f.function.qualname, f.own, f.total)).collect();
+        assert_eq!(times, [("Worker.compute", 10, 10), ("late", 6, 6), ("main", 0, 16)]);
+
+        // Room for one function: `late` is new and innermost, so its samples are counted apart;
+        // `main` already has its row and keeps counting.
+        let mut first = Profile::new(100);
+        first.add(key(300, 300, "py", vec![python("main", "/srv/work.py", 30, 33)]), 1);
+        let mut bounded = HashMap::new();
+        assert_eq!(add_python_functions(&first, &mut bounded, 1), 0);
+        assert_eq!(add_python_functions(&second, &mut bounded, 1), 6);
+        assert_eq!(bounded.len(), 1);
+        assert_eq!(bounded[&Function { qualname: "main".into(), filename: "/srv/work.py".into() }], (1, 7));
+    }
+
+    #[test]
     fn summary_lists_shares_counts_and_how_to_open() {
         let profile = sample_profile();
         let stats = Stats { lost_samples: 2, truncated_samples: 1, python_processes: 1, ..Stats::default() };
-        let text = Summary::new(&profile, &stats, "out.svg".into(), Some("xdg-open out.svg".into())).to_string();
+        let text = Summary::new(RunTotals::of(&profile), &stats, "out.svg".into(), Some("xdg-open out.svg".into())).to_string();
         assert!(text.starts_with("pyebpf: wrote 15 samples of 2 processes to out.svg (2 lost)\n"), "{text}");
         assert!(text.contains("2.0 s at 100 Hz, 15 samples, 2 processes (1 Python)"), "{text}");
         assert!(text.contains(" 66.7%   66.7%  Worker.compute (/srv/work.py)"), "{text}");

@@ -190,6 +190,7 @@ fn rotate_writes_a_complete_profile_every_period() {
     let files = files_in(dir.path());
     assert!((3..=4).contains(&files.len()), "{} files: {files:?}\n{stderr}", files.len());
     let mut spinner_samples = Vec::new();
+    let mut all_samples = 0;
     for file in &files {
         let name = file.file_name().unwrap().to_string_lossy().into_owned();
         // p.YYYYMMDDTHHMMSS.folded
@@ -204,7 +205,20 @@ fn rotate_writes_a_complete_profile_every_period() {
         let stacks = stacks_of(&text, spinner.pid());
         assert!(stacks.iter().any(|(frames, _)| frames.iter().any(|f| f.starts_with("spin (<string>"))), "{name}: no Python frame");
         spinner_samples.push(total(&stacks));
+        all_samples += text.lines().map(|line| line.rsplit_once(' ').unwrap().1.parse::<u64>().unwrap()).sum::<u64>();
     }
+    // The run's summary adds up every period, not only the last: its samples are all the files'
+    // (`pyebpf: wrote N samples of P processes to F files, FIRST to LAST (L lost)`), and the
+    // spinner, busy throughout, is its hottest function with at least its samples in the files.
+    let run = stderr.lines().rfind(|l| l.starts_with("pyebpf: wrote ")).unwrap();
+    let expected = format!(" to {} files, {} to {} (", files.len(), files[0].display(), files[files.len() - 1].display());
+    assert!(run.contains(&expected), "run summary {run:?} does not name the {} files:\n{stderr}", files.len());
+    let run_samples: u64 = run["pyebpf: wrote ".len()..].split(' ').next().unwrap().parse().unwrap();
+    assert_eq!(run_samples, all_samples, "the run summary's samples are not the files' sum:\n{stderr}");
+    let hottest = stderr.lines().skip_while(|l| !l.contains("own   total")).nth(1).unwrap_or_else(|| panic!("{stderr}"));
+    let own_share: f64 = hottest.split('%').next().unwrap().trim().parse().unwrap();
+    let spinner_share = 100.0 * spinner_samples.iter().sum::<u64>() as f64 / all_samples as f64;
+    assert!(hottest.contains("spin (<string>)") && own_share >= spinner_share - 0.1, "hottest {hottest:?}, the spinner has {spinner_share:.1}%:\n{stderr}");
     // Each full period holds at most a second of the spinner (199 Hz, a little slack for timers):
     // the aggregate restarts every period. On a busy machine the spinner gets less than a CPU, but
     // every full period gets a like share of it.
