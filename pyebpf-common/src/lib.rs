@@ -219,6 +219,25 @@ impl SampleRecord {
 pub mod py_proc_flags {
     /// Stop the walk at a `last_profiled_frame` marker that matches the thread's `PY_MARKERS` entry.
     pub const USE_MARKER: u32 = 1 << 0;
+    /// The process has subinterpreters: a thread may have a thread state in each, and switch
+    /// between them faster than userspace reads the thread list. At each sample, the thread state
+    /// attached to the thread is looked up in the interpreters' thread lists.
+    pub const FIND_ATTACHED: u32 = 1 << 1;
+}
+
+/// Steps of the look-up of `FIND_ATTACHED` at most: one per thread state or interpreter visited.
+pub const MAX_ATTACHED_STEPS: u32 = 256;
+
+/// A Python thread, the value of `PY_THREADS` (keyed by the host's thread id).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PyThreadEntry {
+    /// The thread state userspace found the thread in when it last read the thread list.
+    pub tstate: u64,
+    /// The thread's id in its process's PID namespace (`native_thread_id`): how its thread states
+    /// name it, for `FIND_ATTACHED`.
+    pub ns_tid: u32,
+    pub _pad: u32,
 }
 
 /// A thread's established marker chain, the value of `PY_MARKERS` (keyed by tid). Userspace
@@ -263,6 +282,16 @@ pub struct PyProcConfig {
     pub _pad: u32,
     /// Bits cleared from `f_executable` before use (its tag bits; 0 where it is not tagged).
     pub executable_tag_mask: u64,
+    /// For `FIND_ATTACHED`: the address of `_PyRuntime.interpreters.head`, and where to read the
+    /// interpreter and thread lists and a thread state's id and attached bit (`_status`,
+    /// `status_attached`).
+    pub interpreters_head: u64,
+    pub interp_next: u32,
+    pub interp_threads_head: u32,
+    pub tstate_next: u32,
+    pub tstate_native_thread_id: u32,
+    pub tstate_status: u32,
+    pub status_attached: u32,
 }
 
 #[cfg(feature = "user")]
@@ -271,5 +300,6 @@ mod pod {
     unsafe impl aya::Pod for super::Config {}
     unsafe impl aya::Pod for super::PyProcConfig {}
     unsafe impl aya::Pod for super::PyCapture {}
+    unsafe impl aya::Pod for super::PyThreadEntry {}
     unsafe impl aya::Pod for super::MarkerChain {}
 }

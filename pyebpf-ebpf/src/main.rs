@@ -22,7 +22,8 @@ use aya_ebpf::{
 use aya_log_ebpf::debug;
 use pyebpf_common::{
     config_flags, py_proc_flags, py_status, record_kind, user_status, Config, MarkerChain, ProcessEvent, PyCapture,
-    PyFrameRecord, PyProcConfig, SampleRecord, MARKER_POSITIONS, MAX_KERNEL_FRAMES, MAX_PY_FRAMES, MAX_SNAPSHOT_PROCS,
+    PyFrameRecord, PyProcConfig, PyThreadEntry, SampleRecord, MARKER_POSITIONS, MAX_ATTACHED_STEPS, MAX_KERNEL_FRAMES,
+    MAX_PY_FRAMES, MAX_SNAPSHOT_PROCS,
     MAX_USER_FRAMES, NO_OFFSET, PY_FRAME_WINDOW, STACK_CHUNK, STACK_SNAPSHOT_MAX,
 };
 
@@ -46,7 +47,7 @@ static TARGETS: HashMap<u32, u8> = HashMap::with_max_entries(65536, 0);
 static PY_PROCS: HashMap<u32, PyProcConfig> = HashMap::with_max_entries(4096, 0);
 
 #[map(name = "PY_THREADS")]
-static PY_THREADS: HashMap<u32, u64> = HashMap::with_max_entries(65536, 0);
+static PY_THREADS: HashMap<u32, PyThreadEntry> = HashMap::with_max_entries(65536, 0);
 
 /// Not preallocated: a replaced entry is freed only after programs reading it are done, so a
 /// lookup never sees a value half overwritten by the next one.
@@ -278,11 +279,18 @@ fn capture_python(ctx: &PerfEventContext, tgid: u32, tid: u32, py: &mut PyCaptur
     *py = PyCapture::default();
     // SAFETY: plain-data values; a concurrent update from userspace at worst gives a stale entry,
     // which the reads below tolerate.
-    let (Some(proc_config), Some(tstate)) = (unsafe { PY_PROCS.get(tgid) }, unsafe { PY_THREADS.get(tid) }) else {
+    let (Some(proc_config), Some(thread)) = (unsafe { PY_PROCS.get(tgid) }, unsafe { PY_THREADS.get(tid) }) else {
         return;
     };
     let config = *proc_config;
-    py.tstate = *tstate;
+    let thread = *thread;
+    py.tstate = thread.tstate;
+    if config.flags & py_proc_flags::FIND_ATTACHED != 0 {
+        let attached = find_attached(&config, thread.ns_tid);
+        if attached != 0 {
+            py.tstate = attached;
+        }
+    }
     py.status |= py_status::THREAD_KNOWN;
     let Some(frame) = read_u64(py.tstate + config.tstate_current_frame as u64) else {
         debug!(ctx, "tid {}: cannot read its thread state at {:x}", tid, py.tstate);
@@ -290,8 +298,70 @@ fn capture_python(ctx: &PerfEventContext, tgid: u32, tid: u32, py: &mut PyCaptur
     };
     py.frame = frame;
     py.status |= py_status::FRAME_READ;
-    let stop_at = marker_stop(tid, &config, py);
+    // The thread's marker chain belongs to the thread state userspace registered.
+    let stop_at = if py.tstate == thread.tstate { marker_stop(tid, &config, py) } else { 0 };
     walk_frames(&config, frame, stop_at, py, frames);
+}
+
+/// A look-up of the thread state attached to a thread, shared between `find_attached` and its
+/// `bpf_loop` steps.
+struct AttachedSearch {
+    config: *const PyProcConfig,
+    ns_tid: u64,
+    /// The interpreter whose thread list comes next.
+    next_interp: u64,
+    /// The thread state to look at next; 0 at the end of an interpreter's list.
+    tstate: u64,
+    found: u64,
+}
+
+/// The thread state of thread `ns_tid` that is attached to it now (the one whose interpreter it
+/// runs in), found in the interpreters' thread lists; 0 if none is (the thread is between
+/// interpreters or waits without one) or the lists cannot be read.
+fn find_attached(config: &PyProcConfig, ns_tid: u32) -> u64 {
+    let Some(head) = read_u64(config.interpreters_head) else { return 0 };
+    let mut search = AttachedSearch { config, ns_tid: ns_tid as u64, next_interp: head, tstate: 0, found: 0 };
+    // SAFETY: the callback is a BPF subprogram taking this context; the kernel bounds the count,
+    // which also ends a list that loops.
+    unsafe { generated::bpf_loop(MAX_ATTACHED_STEPS, attached_step as *mut c_void, &mut search as *mut AttachedSearch as *mut c_void, 0) };
+    search.found
+}
+
+/// One thread state, or the start of the next interpreter's list: 0 goes on, 1 stops.
+#[inline(never)]
+unsafe extern "C" fn attached_step(_index: u64, context: *mut c_void) -> i64 {
+    // SAFETY: bpf_loop passes find_attached's `AttachedSearch` back unchanged.
+    let search = unsafe { &mut *(context as *mut AttachedSearch) };
+    // SAFETY: find_attached's caller's copy, alive for the whole loop.
+    let config = unsafe { &*search.config };
+    if search.tstate == 0 {
+        let interp = search.next_interp;
+        if interp == 0 {
+            return 1;
+        }
+        let (Some(head), Some(next)) =
+            (read_u64(interp + config.interp_threads_head as u64), read_u64(interp + config.interp_next as u64))
+        else {
+            return 1;
+        };
+        search.tstate = head;
+        search.next_interp = next;
+        return 0;
+    }
+    let tstate = search.tstate;
+    let (Some(id), Some(status), Some(next)) = (
+        read_u64(tstate + config.tstate_native_thread_id as u64),
+        read_u32(tstate + config.tstate_status as u64),
+        read_u64(tstate + config.tstate_next as u64),
+    ) else {
+        return 1;
+    };
+    if id == search.ns_tid && status & config.status_attached != 0 {
+        search.found = tstate;
+        return 1;
+    }
+    search.tstate = next;
+    0
 }
 
 /// The frame at which the walk may stop: the current marker, when it sits where the thread's

@@ -6,7 +6,7 @@ use aya::programs::perf_event::{PerfEventConfig, PerfEventScope, SamplePolicy, S
 use aya::programs::{BtfTracePoint, PerfEvent};
 use aya::{Ebpf, EbpfLoader};
 use crate::kernel_btf::{Btf, VMLINUX_BTF};
-use pyebpf_common::{config_flags, maps, Config, MarkerChain, PyProcConfig};
+use pyebpf_common::{config_flags, maps, Config, MarkerChain, PyProcConfig, PyThreadEntry};
 
 use crate::reader::{RecordBatch, RingReader};
 
@@ -76,7 +76,7 @@ pub struct Sampler {
     lost: PerCpuArray<MapData, u64>,
     targets: HashMap<MapData, u32, u8>,
     py_procs: HashMap<MapData, u32, PyProcConfig>,
-    py_threads: HashMap<MapData, u32, u64>,
+    py_threads: HashMap<MapData, u32, PyThreadEntry>,
     py_markers: HashMap<MapData, u32, MarkerChain>,
     snapshot_procs: HashMap<MapData, u32, u8>,
 }
@@ -287,8 +287,8 @@ impl Sampler {
         let _ = self.py_procs.remove(&tgid);
     }
 
-    pub fn set_py_thread(&mut self, tid: u32, tstate: u64) -> Result<(), BpfError> {
-        self.py_threads.insert(tid, tstate, 0).map_err(map_error(maps::PY_THREADS))
+    pub fn set_py_thread(&mut self, tid: u32, thread: &PyThreadEntry) -> Result<(), BpfError> {
+        self.py_threads.insert(tid, thread, 0).map_err(map_error(maps::PY_THREADS))
     }
 
     pub fn remove_py_thread(&mut self, tid: u32) {

@@ -17,7 +17,7 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
-use pyebpf_common::{py_proc_flags, py_status, MarkerChain, PyFrameRecord, SampleRecord, MARKER_POSITIONS, MAX_PY_FRAMES};
+use pyebpf_common::{py_proc_flags, py_status, MarkerChain, PyFrameRecord, PyProcConfig, PyThreadEntry, SampleRecord, MARKER_POSITIONS, MAX_PY_FRAMES};
 
 use crate::bpf::Sampler;
 use crate::chain::{FrameLink, LinkKind, LinkReader};
@@ -94,6 +94,8 @@ impl Thread {
 
 struct PythonProcess {
     py: PyProcess<ProcessMemory>,
+    /// What the eBPF program was told about the process (`PY_PROCS`).
+    config: PyProcConfig,
     threads: HashMap<u32, Thread>,
     threads_read: Instant,
     /// Threads sampled while missing from a non-empty interpreter thread list: not Python threads,
@@ -193,6 +195,7 @@ impl PythonSampling {
         self.others.remove(&pid);
         stats.python_processes += 1;
         let process = PythonProcess {
+            config: py.bpf_config(),
             py,
             threads: HashMap::new(),
             threads_read: Instant::now(),
@@ -206,12 +209,12 @@ impl PythonSampling {
 
     fn register(&mut self, pid: u32, sampler: &mut Sampler) {
         let Some(process) = self.processes.get_mut(&pid) else { return };
-        let mut config = process.py.bpf_config();
+        let config = &mut process.config;
         config.max_frames = self.options.max_frames.min(MAX_PY_FRAMES as u32);
         if self.options.marker && !self.options.read_only {
             config.flags |= py_proc_flags::USE_MARKER;
         }
-        if sampler.set_py_process(pid, &config).is_err() {
+        if sampler.set_py_process(pid, config).is_err() {
             log::debug!("pid {pid}: PY_PROCS is full; sampled natively");
             self.processes.remove(&pid);
             self.others.insert(pid, Other { checked_at: Instant::now(), checks: RECHECKS, settled: true });
@@ -413,7 +416,10 @@ impl PythonProcess {
         // A chain deeper than the kernel walks could only be proven by reading all of it here.
         let too_deep = record.py.status & py_status::TOO_DEEP != 0;
         let Some(thread) = self.threads.get(&record.tid) else { return false };
-        if joined_near_leaf
+        // A sample in another thread state of the thread (a subinterpreter's) says nothing of
+        // the registered one, whose marker this would move.
+        if record.py.tstate != thread.tstate
+            || joined_near_leaf
             || too_deep
             || !self.py.marker_writable(thread.tstate)
             || !self.py.decoded_frames()
@@ -551,9 +557,18 @@ impl PythonProcess {
             }
             keep
         });
+        // Threads may switch interpreters between these reads: the eBPF program then looks up the
+        // thread state attached at each sample.
+        if self.py.has_subinterpreters() && self.config.flags & py_proc_flags::FIND_ATTACHED == 0 {
+            self.config.flags |= py_proc_flags::FIND_ATTACHED;
+            if sampler.set_py_process(self.py.pid(), &self.config).is_err() {
+                self.config.flags &= !py_proc_flags::FIND_ATTACHED;
+            }
+        }
         for thread in threads {
             let known = self.threads.get(&thread.tid).is_some_and(|t| t.tstate == thread.tstate);
-            if !known && sampler.set_py_thread(thread.tid, thread.tstate).is_ok() {
+            let entry = PyThreadEntry { tstate: thread.tstate, ns_tid: thread.ns_tid, _pad: 0 };
+            if !known && sampler.set_py_thread(thread.tid, &entry).is_ok() {
                 sampler.remove_marker_chain(thread.tid);
                 self.threads.insert(thread.tid, Thread { tstate: thread.tstate, chains: VecDeque::new(), established_at: None, establish_failures: 0 });
             }

@@ -460,6 +460,39 @@ fn a_thread_running_in_a_subinterpreter_is_sampled_there() {
     }
 }
 
+/// A thread that switches interpreters every 20 ms (`main_part` in the main interpreter, then
+/// `sub_part` in a subinterpreter, for equal times) switches far faster than pyebpf re-reads thread
+/// lists: each sample must be read in the thread state attached at the sample, which the eBPF
+/// program looks up. Read in the state chosen at the last thread-list read, half of the samples
+/// were parked at `Interpreter.exec` or had no Python frame.
+#[test]
+fn a_thread_switching_interpreters_is_sampled_where_it_runs_at_each_sample() {
+    for version in ["3.14", "3.15"] {
+        let (target, _dir) = start_ready(&debian_python(version), "subinterpreter_switching.py", &["20"]);
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("switching.folded");
+        let output = run_pyebpf(&["record", "-p", &target.pid().to_string(), "-F", "499", "-d", "4", "-o", out.to_str().unwrap()]);
+        assert!(output.status.success(), "{version}: {}", String::from_utf8_lossy(&output.stderr));
+        let text = std::fs::read_to_string(&out).unwrap();
+        let python = |frames: &[String], name: &str| frames.iter().any(|f| f.starts_with(&format!("{name} (")));
+        let (mut sub, mut main, mut elsewhere) = (0, 0, 0);
+        for (frames, count) in stacks_of(&text, target.pid()) {
+            match (python(&frames, "sub_part"), python(&frames, "main_part")) {
+                (true, false) => sub += count,
+                (false, true) => main += count,
+                _ => elsewhere += count,
+            }
+        }
+        let all = sub + main + elsewhere;
+        let context = format!("{version}: sub_part {sub}, main_part {main}, neither {elsewhere}");
+        assert!(all >= 400, "{context}: too few samples");
+        // Switching itself (`Interpreter.exec` setting up the call) takes a little of the time.
+        assert!(elsewhere * 20 <= all, "{context}: over 5% of the samples in neither function");
+        let sub_share = 100.0 * sub as f64 / (sub + main) as f64;
+        assert!((sub_share - 50.0).abs() <= 8.0, "{context}: sub_part has {sub_share:.1}% where it ran half of the time");
+    }
+}
+
 /// `code object cache hit rate: P% of N` from `--stats`: N.
 fn code_cache_lookups(stats: &str) -> u64 {
     let line = stats.lines().find(|line| line.starts_with("code object cache hit rate:")).unwrap_or_else(|| panic!("no code cache line:\n{stats}"));

@@ -135,6 +135,8 @@ pub struct PyProcess<M = ProcessMemory> {
     /// A code object of this process was malformed: its memory is corrupt or hostile, so nothing
     /// is ever written into it.
     malformed: bool,
+    /// A thread list read found more than one interpreter.
+    subinterpreters: bool,
 }
 
 impl PyProcess<ProcessMemory> {
@@ -170,11 +172,17 @@ impl<M: ReadMemory> PyProcess<M> {
             code_counters: CodeCacheCounters::default(),
             decoded: false,
             malformed: false,
+            subinterpreters: false,
         })
     }
 
     pub fn pid(&self) -> u32 {
         self.pid
+    }
+
+    /// Whether the process has had subinterpreters, as far as its thread lists showed.
+    pub fn has_subinterpreters(&self) -> bool {
+        self.subinterpreters
     }
 
     pub fn version(&self) -> PyVersion {
@@ -218,6 +226,13 @@ impl<M: ReadMemory> PyProcess<M> {
             frame_executable: narrow(o.frame_executable),
             frame_instr_ptr: narrow(o.frame_instr_ptr),
             executable_tag_mask: o.executable_tag_mask,
+            interpreters_head: self.runtime.wrapping_add(o.interpreters_head),
+            interp_next: narrow(o.interp_next),
+            interp_threads_head: narrow(o.interp_threads_head),
+            tstate_next: narrow(o.tstate_next),
+            tstate_native_thread_id: narrow(o.tstate_native_thread_id),
+            tstate_status: narrow(o.tstate_status),
+            status_attached: threads::STATUS_ACTIVE,
         }
     }
 

@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use super::memory::ReadExt;
 use super::{PyError, PyProcess};
 use pyebpf_common::NO_OFFSET;
 
@@ -56,6 +57,22 @@ fn threads_and_versions_of_each_interpreter() {
         assert_eq!(config.executable_tag_mask, tag_mask, "{version}");
         assert_eq!(config.tstate_last_profiled_frame != NO_OFFSET, minor == 15, "{version}");
         assert_eq!(config.tstate_last_profiled_seq != NO_OFFSET, minor == 15, "{version}");
+        // What the eBPF program reads to find a thread's attached state (with subinterpreters):
+        // the main interpreter's list, followed with the config's offsets, names every thread.
+        let mem = process.memory();
+        let interp = mem.read_u64(config.interpreters_head).unwrap();
+        assert_eq!(mem.read_u64(interp + config.interp_next as u64).unwrap(), 0, "{version}: one interpreter");
+        let mut listed = Vec::new();
+        let mut tstate = mem.read_u64(interp + config.interp_threads_head as u64).unwrap();
+        while tstate != 0 && listed.len() < 8 {
+            listed.push((mem.read_u64(tstate + config.tstate_native_thread_id as u64).unwrap() as u32, tstate));
+            tstate = mem.read_u64(tstate + config.tstate_next as u64).unwrap();
+        }
+        let mut expected: Vec<(u32, u64)> = threads.iter().map(|t| (t.ns_tid, t.tstate)).collect();
+        listed.sort();
+        expected.sort();
+        assert_eq!(listed, expected, "{version}");
+        assert!(!process.has_subinterpreters(), "{version}");
         let (reads, bytes) = (process.remote_counters().reads, process.remote_counters().bytes);
         assert!(reads > 0 && bytes > 0, "remote reads were not counted");
     }

@@ -16,13 +16,15 @@ const MAX_THREADS: usize = 4096;
 
 /// `_status.active` (the fifth bit field of `PyThreadState._status` in 3.13 to 3.15): the thread
 /// state is attached to its thread now. Running Python code needs an attached thread state.
-const STATUS_ACTIVE: u32 = 1 << 4;
+pub(super) const STATUS_ACTIVE: u32 = 1 << 4;
 
 /// A Python thread.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PyThread {
-    /// The kernel's thread id (`native_thread_id`).
+    /// The kernel's thread id, as the host names it.
     pub tid: u32,
+    /// Its id in its process's PID namespace (`native_thread_id`), as its thread states name it.
+    pub ns_tid: u32,
     /// Address of its `PyThreadState`.
     pub tstate: u64,
     /// Its innermost interpreter frame, 0 when it runs no Python code.
@@ -56,6 +58,8 @@ impl<M: ReadMemory> PyProcess<M> {
             }
             if interpreters == 1 {
                 self.refresh_code_generation(interp)?;
+            } else {
+                self.subinterpreters = true;
             }
             self.interpreter_threads(interp, &mut seen, &mut threads)?;
             interp = self.mem.read_u64(interp.wrapping_add(self.offsets.interp_next))?;
@@ -100,8 +104,10 @@ impl<M: ReadMemory> PyProcess<M> {
                 return Err(PyError::Malformed("thread list too long or looping".into()));
             }
             let tid = self.mem.read_u64(tstate.wrapping_add(o.tstate_native_thread_id))?;
+            let tid = u32::try_from(tid).map_err(|_| PyError::Malformed(format!("native thread id {tid}")))?;
             threads.push(PyThread {
-                tid: u32::try_from(tid).map_err(|_| PyError::Malformed(format!("native thread id {tid}")))?,
+                tid,
+                ns_tid: tid,
                 tstate,
                 current_frame: self.mem.read_u64(tstate.wrapping_add(o.tstate_current_frame))?,
                 holds_gil: gil_holder == Some(tstate),
@@ -158,7 +164,7 @@ mod tests {
     use super::*;
 
     fn state(tid: u32, tstate: u64, interpreter: i64, active: bool) -> PyThread {
-        PyThread { tid, tstate, current_frame: 1, holds_gil: false, interpreter, active }
+        PyThread { tid, ns_tid: tid, tstate, current_frame: 1, holds_gil: false, interpreter, active }
     }
 
     #[test]
