@@ -15,6 +15,7 @@
 //! marker and sequence against the chain's addresses (`PY_MARKERS`) and stops its walk there.
 
 use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use pyebpf_common::{py_proc_flags, py_status, MarkerChain, PyFrameRecord, PyProcConfig, PyThreadEntry, SampleRecord, MARKER_POSITIONS, MAX_PY_FRAMES};
@@ -68,8 +69,61 @@ struct EstablishedChain {
 /// A Python stack entry with its frame interned.
 pub type PyItem = PyStackItem<FrameId>;
 
-/// Frames resolved per process at most (then forgotten, and resolved again on demand).
+/// Frames resolved per process at most (then forgotten, and resolved again on demand), and over all
+/// processes together: a user can start any number of processes.
 const MAX_FRAME_IDS: usize = 100_000;
+const MAX_TOTAL_FRAME_IDS: usize = 1_000_000;
+static ALL_FRAME_IDS: AtomicUsize = AtomicUsize::new(0);
+
+/// The frame of each (code object, `co_version`, instruction) seen in one process: versions are
+/// never reused, so a hit is the same code object at the same place. `None`: a frame Python's own
+/// view leaves out. Bounded per process and, with every other process's, in total.
+struct FrameIds {
+    ids: hashbrown::HashMap<(u64, u32, u64), Option<FrameId>>,
+    max: usize,
+    /// Ids held by every process's `FrameIds`, and their bound.
+    total: &'static AtomicUsize,
+    max_total: usize,
+}
+
+impl FrameIds {
+    fn new() -> Self {
+        FrameIds { ids: hashbrown::HashMap::new(), max: MAX_FRAME_IDS, total: &ALL_FRAME_IDS, max_total: MAX_TOTAL_FRAME_IDS }
+    }
+
+    fn get(&self, key: &(u64, u32, u64)) -> Option<Option<FrameId>> {
+        self.ids.get(key).copied()
+    }
+
+    /// Keeps `id` under `key`. Past either bound this process forgets its ids first; while the
+    /// others hold the whole total it keeps none.
+    fn insert(&mut self, key: (u64, u32, u64), id: Option<FrameId>) {
+        if self.ids.len() >= self.max || self.total.load(Ordering::Relaxed) >= self.max_total {
+            self.clear();
+        }
+        if self.total.load(Ordering::Relaxed) >= self.max_total {
+            return;
+        }
+        if self.ids.insert(key, id).is_none() {
+            self.total.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    fn clear(&mut self) {
+        self.total.fetch_sub(self.ids.len(), Ordering::Relaxed);
+        self.ids.clear();
+    }
+
+    fn ids_mut(&mut self) -> impl Iterator<Item = &mut FrameId> {
+        self.ids.values_mut().flatten()
+    }
+}
+
+impl Drop for FrameIds {
+    fn drop(&mut self) {
+        self.clear();
+    }
+}
 
 /// Threads remembered per process as running no Python, at most (then forgotten all at once).
 const MAX_NOT_PYTHON_THREADS: usize = 4096;
@@ -104,10 +158,7 @@ struct PythonProcess {
     /// `co_version` of each code object decoded, by address: a different version at the same
     /// address is another code object.
     code_versions: HashMap<u64, u32>,
-    /// The frame of each (code object, `co_version`, instruction) seen: versions are never
-    /// reused, so a hit is the same code object at the same place. `None`: a frame Python's own
-    /// view leaves out.
-    frame_ids: hashbrown::HashMap<(u64, u32, u64), Option<FrameId>>,
+    frame_ids: FrameIds,
 }
 
 /// A process found not to be CPython 3.13+ (or unreadable), until it execs or exits.
@@ -201,7 +252,7 @@ impl PythonSampling {
             threads_read: Instant::now(),
             not_python: HashSet::new(),
             code_versions: HashMap::new(),
-            frame_ids: hashbrown::HashMap::new(),
+            frame_ids: FrameIds::new(),
         };
         self.processes.insert(pid, process);
         true
@@ -317,7 +368,7 @@ fn link_of(py: &PyProcess<ProcessMemory>, frame: &PyFrameRecord) -> FrameLink {
 
 impl PythonProcess {
     fn carry_frames(&mut self, carry: &mut FrameCarry<'_>) {
-        for id in self.frame_ids.values_mut().flatten() {
+        for id in self.frame_ids.ids_mut() {
             *id = carry.carry(*id);
         }
         let chains = self.threads.values_mut().flat_map(|thread| thread.chains.iter_mut());
@@ -355,13 +406,10 @@ impl PythonProcess {
             return Ok(None);
         }
         let key = (link.code, version, link.instr_ptr);
-        if let Some(&id) = self.frame_ids.get(&key) {
+        if let Some(id) = self.frame_ids.get(&key) {
             return Ok(id.map(PyStackItem::Frame));
         }
         let resolved = self.decode_link(link, version)?;
-        if self.frame_ids.len() >= MAX_FRAME_IDS {
-            self.frame_ids.clear();
-        }
         let id = resolved.map(|frame| frames.intern(Frame::Python(frame)));
         self.frame_ids.insert(key, id);
         Ok(id.map(PyStackItem::Frame))
@@ -574,5 +622,33 @@ impl PythonProcess {
             }
         }
         true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn frame_ids_stay_within_their_own_bound_and_the_total() {
+        static TOTAL: AtomicUsize = AtomicUsize::new(0);
+        let bounded = || FrameIds { ids: hashbrown::HashMap::new(), max: 3, total: &TOTAL, max_total: 5 };
+        let (mut first, mut second) = (bounded(), bounded());
+        for code in 0..4 {
+            first.insert((code, 1, 0), None);
+        }
+        // The fourth went past the process's bound: the first three were forgotten.
+        assert_eq!((first.ids.len(), TOTAL.load(Ordering::Relaxed)), (1, 1));
+        first.insert((1, 1, 0), None);
+        first.insert((2, 1, 0), None);
+        second.insert((7, 1, 0), None);
+        second.insert((8, 1, 0), None);
+        assert_eq!(TOTAL.load(Ordering::Relaxed), 5);
+        // At the total, the process inserting forgets its own; the other keeps what it has.
+        second.insert((9, 1, 0), None);
+        assert_eq!((first.ids.len(), second.ids.len(), TOTAL.load(Ordering::Relaxed)), (3, 1, 4));
+        assert_eq!(second.get(&(9, 1, 0)), Some(None));
+        drop(first);
+        assert_eq!(TOTAL.load(Ordering::Relaxed), 1);
     }
 }

@@ -7,7 +7,7 @@
 //!   with "…"): at most about 80 KiB decoded;
 //! - per process: at most 16,384 decoded code objects and 32 MiB (`code_cache::MAX_ENTRIES`,
 //!   `code_cache::MAX_BYTES`), evicted in CLOCK order past either;
-//! - in total: 32 MiB times the number of processes attached, which the caller bounds;
+//! - in total: 256 MiB of decoded code objects over all processes (`code_cache::MAX_TOTAL_BYTES`);
 //! - per walk: `MAX_DEPTH` frames (the innermost ones), 4,096 threads and 64 interpreters per
 //!   process (`threads`).
 //!
@@ -166,7 +166,7 @@ impl<M: ReadMemory> PyProcess<M> {
             mem,
             offsets,
             runtime,
-            codes: BoundedCache::new(code_cache::MAX_ENTRIES, code_cache::MAX_BYTES),
+            codes: BoundedCache::new(code_cache::MAX_ENTRIES, code_cache::MAX_BYTES, &code_cache::ALL_PROCESSES),
             code_types: HashSet::new(),
             code_generation: None,
             code_counters: CodeCacheCounters::default(),
