@@ -285,7 +285,10 @@ fn capture_python(ctx: &PerfEventContext, tgid: u32, tid: u32, py: &mut PyCaptur
     let config = *proc_config;
     let thread = *thread;
     py.tstate = thread.tstate;
-    if config.flags & py_proc_flags::FIND_ATTACHED != 0 {
+    // The registered state, still attached, needs no look-up (a thread mostly stays put).
+    if config.flags & py_proc_flags::FIND_ATTACHED != 0
+        && read_u32(thread.tstate + config.tstate_status as u64).is_none_or(|status| status & config.status_attached == 0)
+    {
         let attached = find_attached(&config, thread.ns_tid);
         if attached != 0 {
             py.tstate = attached;
