@@ -1,6 +1,7 @@
 //! pyebpf: a system-wide sampling profiler for Python on Linux.
 
 pub mod bpf;
+pub mod budget;
 pub mod chain;
 pub mod cli;
 pub mod cpython;

@@ -15,12 +15,12 @@
 //! marker and sequence against the chain's addresses (`PY_MARKERS`) and stops its walk there.
 
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use pyebpf_common::{py_proc_flags, py_status, MarkerChain, PyFrameRecord, PyProcConfig, PyThreadEntry, SampleRecord, MARKER_POSITIONS, MAX_PY_FRAMES};
 
 use crate::bpf::Sampler;
+use crate::budget::SharedBudget;
 use crate::chain::{FrameLink, LinkKind, LinkReader};
 use crate::cpython::memory::ProcessMemory;
 use crate::cpython::{PyError, PyProcess};
@@ -70,10 +70,9 @@ struct EstablishedChain {
 pub type PyItem = PyStackItem<FrameId>;
 
 /// Frames resolved per process at most (then forgotten, and resolved again on demand), and over all
-/// processes together: a user can start any number of processes.
+/// processes together.
 const MAX_FRAME_IDS: usize = 100_000;
-const MAX_TOTAL_FRAME_IDS: usize = 1_000_000;
-static ALL_FRAME_IDS: AtomicUsize = AtomicUsize::new(0);
+static ALL_FRAME_IDS: SharedBudget = SharedBudget::new(1_000_000);
 
 /// The frame of each (code object, `co_version`, instruction) seen in one process: versions are
 /// never reused, so a hit is the same code object at the same place. `None`: a frame Python's own
@@ -81,14 +80,13 @@ static ALL_FRAME_IDS: AtomicUsize = AtomicUsize::new(0);
 struct FrameIds {
     ids: hashbrown::HashMap<(u64, u32, u64), Option<FrameId>>,
     max: usize,
-    /// Ids held by every process's `FrameIds`, and their bound.
-    total: &'static AtomicUsize,
-    max_total: usize,
+    /// Ids held by every process's `FrameIds`.
+    total: &'static SharedBudget,
 }
 
 impl FrameIds {
     fn new() -> Self {
-        FrameIds { ids: hashbrown::HashMap::new(), max: MAX_FRAME_IDS, total: &ALL_FRAME_IDS, max_total: MAX_TOTAL_FRAME_IDS }
+        FrameIds { ids: hashbrown::HashMap::new(), max: MAX_FRAME_IDS, total: &ALL_FRAME_IDS }
     }
 
     fn get(&self, key: &(u64, u32, u64)) -> Option<Option<FrameId>> {
@@ -98,19 +96,19 @@ impl FrameIds {
     /// Keeps `id` under `key`. Past either bound this process forgets its ids first; while the
     /// others hold the whole total it keeps none.
     fn insert(&mut self, key: (u64, u32, u64), id: Option<FrameId>) {
-        if self.ids.len() >= self.max || self.total.load(Ordering::Relaxed) >= self.max_total {
+        if self.ids.len() >= self.max || !self.total.fits(1) {
             self.clear();
         }
-        if self.total.load(Ordering::Relaxed) >= self.max_total {
+        if !self.total.take(1) {
             return;
         }
-        if self.ids.insert(key, id).is_none() {
-            self.total.fetch_add(1, Ordering::Relaxed);
+        if self.ids.insert(key, id).is_some() {
+            self.total.release(1);
         }
     }
 
     fn clear(&mut self) {
-        self.total.fetch_sub(self.ids.len(), Ordering::Relaxed);
+        self.total.release(self.ids.len());
         self.ids.clear();
     }
 
@@ -631,24 +629,24 @@ mod tests {
 
     #[test]
     fn frame_ids_stay_within_their_own_bound_and_the_total() {
-        static TOTAL: AtomicUsize = AtomicUsize::new(0);
-        let bounded = || FrameIds { ids: hashbrown::HashMap::new(), max: 3, total: &TOTAL, max_total: 5 };
+        static TOTAL: SharedBudget = SharedBudget::new(5);
+        let bounded = || FrameIds { ids: hashbrown::HashMap::new(), max: 3, total: &TOTAL };
         let (mut first, mut second) = (bounded(), bounded());
         for code in 0..4 {
             first.insert((code, 1, 0), None);
         }
         // The fourth went past the process's bound: the first three were forgotten.
-        assert_eq!((first.ids.len(), TOTAL.load(Ordering::Relaxed)), (1, 1));
+        assert_eq!((first.ids.len(), TOTAL.used()), (1, 1));
         first.insert((1, 1, 0), None);
         first.insert((2, 1, 0), None);
         second.insert((7, 1, 0), None);
         second.insert((8, 1, 0), None);
-        assert_eq!(TOTAL.load(Ordering::Relaxed), 5);
+        assert_eq!(TOTAL.used(), 5);
         // At the total, the process inserting forgets its own; the other keeps what it has.
         second.insert((9, 1, 0), None);
-        assert_eq!((first.ids.len(), second.ids.len(), TOTAL.load(Ordering::Relaxed)), (3, 1, 4));
+        assert_eq!((first.ids.len(), second.ids.len(), TOTAL.used()), (3, 1, 4));
         assert_eq!(second.get(&(9, 1, 0)), Some(None));
         drop(first);
-        assert_eq!(TOTAL.load(Ordering::Relaxed), 1);
+        assert_eq!(TOTAL.used(), 1);
     }
 }

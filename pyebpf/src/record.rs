@@ -227,7 +227,7 @@ pub fn run(args: RecordArgs) -> Result<()> {
     let summary = match periods {
         // The run's summary adds up every period; each period's own line names its file.
         Some(WrittenPeriods { mut totals, first }) => {
-            report!("wrote {} samples of {} processes to {output} ({} lost)", profile.total_samples(), profile.processes(), stats.lost_samples);
+            report_period(&profile, &output, stats.lost_samples);
             totals.add(&profile);
             let files = match first {
                 Some(first) => format!("{} files, {first} to {output}", totals.profiles),
@@ -254,6 +254,11 @@ fn rotate(writer: &PeriodWriter, resolver: &mut SampleResolver, profile: &mut Pr
     *period_started = Instant::now();
     profile.start_unix_ns = unix_now_ns();
     writer.write(finished, lost);
+}
+
+/// The line of one `--rotate` period written to `name`, with the samples lost in the run so far.
+fn report_period(profile: &Profile, name: &str, lost: u64) {
+    report!("wrote {} samples of {} processes to {name} ({lost} lost)", profile.total_samples(), profile.processes());
 }
 
 /// Writes the periods of `--rotate` in order on a thread of its own, so that the sampling loop
@@ -283,7 +288,7 @@ impl PeriodWriter {
                     // A period that cannot be written is lost, but the next ones may still be.
                     match sink.write(&profile) {
                         Ok(name) => {
-                            report!("wrote {} samples of {} processes to {name} ({lost} lost)", profile.total_samples(), profile.processes());
+                            report_period(&profile, &name, lost);
                             written.totals.add(&profile);
                             written.first.get_or_insert(name);
                         }

@@ -154,12 +154,17 @@ fn kernel_btf_parser_survives_mutated_and_random_blobs() {
         .unwrap();
 }
 
+/// The bytes of a test interpreter's executable, `usr/bin/NAME` under `PYEBPF_PYTHONS`.
+fn test_python(name: &str) -> Vec<u8> {
+    let prefix = PathBuf::from(std::env::var("PYEBPF_PYTHONS").expect("PYEBPF_PYTHONS must name the test Pythons' prefix (cargo xtask test sets it)"));
+    std::fs::read(prefix.join("usr/bin").join(name)).unwrap()
+}
+
 /// Mutated copies of Debian's python3.14 executable (headers, section and program tables, and the
 /// rest): the lookup of `_PyRuntime` and `Py_Version` never panics.
 #[test]
 fn elf_runtime_lookup_survives_mutated_executables() {
-    let prefix = PathBuf::from(std::env::var("PYEBPF_PYTHONS").expect("PYEBPF_PYTHONS must name the test Pythons' prefix (cargo xtask test sets it)"));
-    let original = std::fs::read(prefix.join("usr/bin/python3.14")).unwrap();
+    let original = test_python("python3.14");
     let (address, version) = runtime_in_elf(original.as_slice(), 0x5555_5555_4000).expect("_PyRuntime in the unmutated executable");
     assert!(address > 0x5555_5555_4000 && version.is_some(), "{address:#x} {version:?}");
     // Where the section header table is: mutations there reach the section lookup.
@@ -183,24 +188,26 @@ fn elf_runtime_lookup_survives_mutated_executables() {
     eprintln!("ELF mutations: {} found a runtime, {} did not", outcomes[0].get(), outcomes[1].get());
 }
 
+/// Where the CFI fuzzers map an image.
+const IMAGE_START: u64 = 0x5555_5555_0000;
+
 /// Debian's python3.13 (built without frame pointers, so its samples are CFI-unwound) with its
 /// `.eh_frame` and `.eh_frame_hdr` mutated, unwinding stacks of random words and return addresses
 /// into its code. An unwind must end (the frame bound holds) and never panic.
 #[test]
 fn cfi_unwinding_survives_mutated_unwind_sections_and_random_stacks() {
     use object::{Object, ObjectSection};
-    let prefix = PathBuf::from(std::env::var("PYEBPF_PYTHONS").expect("PYEBPF_PYTHONS must name the test Pythons' prefix (cargo xtask test sets it)"));
-    let original = std::fs::read(prefix.join("usr/bin/python3.13")).unwrap();
+    let original = test_python("python3.13");
     let (text, unwind_sections) = {
         let elf = object::File::parse(original.as_slice()).unwrap();
         let range = |name: &str| {
             let (offset, size) = elf.section_by_name(name).unwrap().file_range().unwrap();
             offset as f64 / original.len() as f64..(offset + size) as f64 / original.len() as f64
         };
-        (elf.section_by_name(".text").unwrap().address()..elf.section_by_name(".text").unwrap().address() + elf.section_by_name(".text").unwrap().size(), [range(".eh_frame_hdr"), range(".eh_frame")])
+        let text = elf.section_by_name(".text").unwrap();
+        (text.address()..text.address() + text.size(), [range(".eh_frame_hdr"), range(".eh_frame")])
     };
-    const START: u64 = 0x5555_5555_0000;
-    let return_address = (text.start..text.end).prop_map(|at| START + at);
+    let return_address = (text.start..text.end).prop_map(|at| IMAGE_START + at);
     let word = prop_oneof![any::<u64>(), return_address.clone(), (0u64..4096).prop_map(|n| 0x7ffd_0000_0000 + n * 8)];
     let in_sections = prop_oneof![unwind_sections[0].clone(), unwind_sections[1].clone()];
     let writes = prop::collection::vec((in_sections, prop::collection::vec(any::<u8>(), 1..9)), 0..8);
@@ -214,7 +221,7 @@ fn cfi_unwinding_survives_mutated_unwind_sections_and_random_stacks() {
             let image = apply(&original, &mutation);
             let stack: Vec<u8> = words.iter().flat_map(|word| word.to_le_bytes()).collect();
             let snapshot = Snapshot { ip, sp: 0x7ffd_0000_0000, bp, stack: &stack };
-            if let Some(result) = unwind_in_image(&image, START, &snapshot) {
+            if let Some(result) = unwind_in_image(&image, IMAGE_START, &snapshot) {
                 prop_assert!(result.addrs.len() <= MAX_USER_FRAMES, "{} frames", result.addrs.len());
                 prop_assert!(result.frame_bases.len() <= result.addrs.len());
                 unwound.set(unwound.get() + 1);
@@ -233,23 +240,21 @@ fn cfi_unwinding_survives_mutated_unwind_sections_and_random_stacks() {
 #[test]
 fn an_eh_frame_hdr_pointing_past_its_fdes_stops_the_unwind() {
     use object::{Object, ObjectSection};
-    let prefix = PathBuf::from(std::env::var("PYEBPF_PYTHONS").expect("PYEBPF_PYTHONS must name the test Pythons' prefix (cargo xtask test sets it)"));
-    let mut image = std::fs::read(prefix.join("usr/bin/python3.13")).unwrap();
+    let mut image = test_python("python3.13");
     let (hdr, text) = {
         let elf = object::File::parse(image.as_slice()).unwrap();
         let (hdr, _) = elf.section_by_name(".eh_frame_hdr").unwrap().file_range().unwrap();
         (hdr as usize, elf.section_by_name(".text").unwrap().address())
     };
-    const START: u64 = 0x5555_5555_0000;
-    let ip = START + text + 0x100;
+    let ip = IMAGE_START + text + 0x100;
     // A stack of return addresses into the code: the intact image unwinds through some of them.
-    let stack: Vec<u8> = (0..64).flat_map(|_| (START + text + 0x200).to_le_bytes()).collect();
+    let stack: Vec<u8> = (0..64).flat_map(|_| (IMAGE_START + text + 0x200).to_le_bytes()).collect();
     let snapshot = Snapshot { ip, sp: 0x7ffd_0000_0000, bp: 0, stack: &stack };
-    let intact = unwind_in_image(&image, START, &snapshot).unwrap();
+    let intact = unwind_in_image(&image, IMAGE_START, &snapshot).unwrap();
     assert!(intact.addrs.len() > 1, "the intact image does not unwind: {intact:?}");
     // eh_frame_ptr (after version and three encodings), pc-relative sdata4: far past every FDE.
     assert_eq!(image[hdr], 1, "an .eh_frame_hdr of version 1");
     image[hdr + 4..hdr + 8].copy_from_slice(&0x7fff_0000i32.to_le_bytes());
-    let unwound = unwind_in_image(&image, START, &snapshot).expect("the image still parses");
+    let unwound = unwind_in_image(&image, IMAGE_START, &snapshot).expect("the image still parses");
     assert_eq!(unwound.addrs, vec![ip], "{unwound:?}");
 }

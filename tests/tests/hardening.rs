@@ -427,6 +427,11 @@ fn a_fifo_in_place_of_a_mapped_file_blocks_nothing() {
     assert!(total(&stacks_of(&std::fs::read_to_string(&out).unwrap(), target.pid())) > 0, "no samples of the target");
 }
 
+/// Whether a collapsed stack holds a Python frame of function `name` (`NAME (FILE:LINE)`).
+fn has_python_frame(frames: &[String], name: &str) -> bool {
+    frames.iter().any(|f| f.starts_with(&format!("{name} (")))
+}
+
 /// A thread has a thread state in each interpreter it entered; its samples must be read in the
 /// one it runs in (it used to be whichever was listed last: the main interpreter's, parked at
 /// `Interpreter.exec`, so `sub_spin` never showed).
@@ -441,16 +446,15 @@ fn a_thread_running_in_a_subinterpreter_is_sampled_there() {
         let text = std::fs::read_to_string(&out).unwrap();
         let stacks = stacks_of(&text, target.pid());
         let main_thread = format!("thread {}", target.pid());
-        let python = |frames: &[String], name: &str| frames.iter().any(|f| f.starts_with(&format!("{name} (")));
         let (mut in_sub, mut parked, mut other_thread) = (0, 0, 0);
         for (frames, count) in &stacks {
             if frames.contains(&main_thread) {
-                if python(frames, "sub_spin") {
+                if has_python_frame(frames, "sub_spin") {
                     in_sub += count;
-                } else if python(frames, "Interpreter.exec") {
+                } else if has_python_frame(frames, "Interpreter.exec") {
                     parked += count;
                 }
-            } else if python(frames, "main_spin") {
+            } else if has_python_frame(frames, "main_spin") {
                 other_thread += count;
             }
         }
@@ -474,10 +478,9 @@ fn a_thread_switching_interpreters_is_sampled_where_it_runs_at_each_sample() {
         let output = run_pyebpf(&["record", "-p", &target.pid().to_string(), "-F", "499", "-d", "4", "-o", out.to_str().unwrap()]);
         assert!(output.status.success(), "{version}: {}", String::from_utf8_lossy(&output.stderr));
         let text = std::fs::read_to_string(&out).unwrap();
-        let python = |frames: &[String], name: &str| frames.iter().any(|f| f.starts_with(&format!("{name} (")));
         let (mut sub, mut main, mut elsewhere) = (0, 0, 0);
         for (frames, count) in stacks_of(&text, target.pid()) {
-            match (python(&frames, "sub_part"), python(&frames, "main_part")) {
+            match (has_python_frame(&frames, "sub_part"), has_python_frame(&frames, "main_part")) {
                 (true, false) => sub += count,
                 (false, true) => main += count,
                 _ => elsewhere += count,

@@ -6,7 +6,8 @@
 //! process that has nothing left to evict while the others hold the whole total keeps nothing.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicUsize, Ordering};
+
+use crate::budget::SharedBudget;
 
 /// Most code objects kept per process.
 pub const MAX_ENTRIES: usize = 16_384;
@@ -18,39 +19,8 @@ pub const MAX_TOTAL_BYTES: usize = 256 << 20;
 /// Bytes an entry costs beyond its value's own: the map slot, the queue slot and the `Arc` header.
 pub const ENTRY_OVERHEAD: usize = 96;
 
-/// Bytes held by several caches together, within a bound.
-pub struct SharedBudget {
-    used: AtomicUsize,
-    max: usize,
-}
-
 /// The budget of every process's code-object cache.
 pub static ALL_PROCESSES: SharedBudget = SharedBudget::new(MAX_TOTAL_BYTES);
-
-impl SharedBudget {
-    pub const fn new(max: usize) -> Self {
-        SharedBudget { used: AtomicUsize::new(0), max }
-    }
-
-    fn fits(&self, cost: usize) -> bool {
-        self.used.load(Ordering::Relaxed).saturating_add(cost) <= self.max
-    }
-
-    /// Takes `cost` bytes if they fit.
-    fn take(&self, cost: usize) -> bool {
-        self.used.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |used| used.checked_add(cost).filter(|&total| total <= self.max)).is_ok()
-    }
-
-    fn release(&self, cost: usize) {
-        self.used.fetch_sub(cost, Ordering::Relaxed);
-    }
-
-    /// Bytes held by all caches on this budget.
-    #[cfg(test)]
-    fn used(&self) -> usize {
-        self.used.load(Ordering::Relaxed)
-    }
-}
 
 struct Entry<V> {
     value: V,
