@@ -24,8 +24,5 @@ fn embed_ebpf_object() {
 fn compile_profile_proto() {
     println!("cargo:rerun-if-changed=proto/profile.proto");
     let protoc = protoc_bin_vendored::protoc_bin_path().expect("vendored protoc for this host");
-    prost_build::Config::new()
-        .protoc_executable(protoc)
-        .compile_protos(&["proto/profile.proto"], &["proto"])
-        .expect("compile proto/profile.proto");
+    prost_build::Config::new().protoc_executable(protoc).compile_protos(&["proto/profile.proto"], &["proto"]).expect("compile proto/profile.proto");
 }

@@ -144,13 +144,7 @@ pub fn compile_c(dir: &Path, name: &str, source: &str, flags: &[&str]) -> PathBu
     let file = dir.join(format!("{name}.c"));
     std::fs::write(&file, source).unwrap();
     let binary = dir.join(name);
-    let status = Command::new("gcc")
-        .args(flags)
-        .arg("-o")
-        .arg(&binary)
-        .arg(&file)
-        .status()
-        .expect("gcc must be installed (cargo xtask test installs it)");
+    let status = Command::new("gcc").args(flags).arg("-o").arg(&binary).arg(&file).status().expect("gcc must be installed (cargo xtask test installs it)");
     assert!(status.success(), "gcc failed on {}", file.display());
     binary
 }

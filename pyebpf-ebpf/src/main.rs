@@ -9,8 +9,8 @@ use core::mem::size_of;
 
 use aya_ebpf::{
     helpers::{
-        bpf_get_current_comm, bpf_get_current_pid_tgid, bpf_get_current_task_btf, bpf_get_smp_processor_id,
-        bpf_get_stack, bpf_ktime_get_ns, bpf_probe_read_kernel, bpf_probe_read_user, bpf_task_pt_regs, generated,
+        bpf_get_current_comm, bpf_get_current_pid_tgid, bpf_get_current_task_btf, bpf_get_smp_processor_id, bpf_get_stack, bpf_ktime_get_ns,
+        bpf_probe_read_kernel, bpf_probe_read_user, bpf_task_pt_regs, generated,
     },
     macros::{btf_tracepoint, map, perf_event},
     maps::{Array, HashMap, PerCpuArray, RingBuf},
@@ -21,12 +21,10 @@ use aya_ebpf::{
 // RUST_LOG enables debug), and with it off the verifier removes them.
 use aya_log_ebpf::debug;
 use pyebpf_common::{
-    config_flags, py_proc_flags, py_status, record_kind, user_status, Config, MarkerChain, ProcessEvent, PyCapture,
-    PyFrameRecord, PyProcConfig, PyThreadEntry, SampleRecord, MARKER_POSITIONS, MAX_ATTACHED_STEPS, MAX_KERNEL_FRAMES,
-    MAX_PY_FRAMES, MAX_SNAPSHOT_PROCS,
-    MAX_USER_FRAMES, NO_OFFSET, PY_FRAME_WINDOW, STACK_CHUNK, STACK_SNAPSHOT_MAX,
+    config_flags, py_proc_flags, py_status, record_kind, user_status, Config, MarkerChain, ProcessEvent, PyCapture, PyFrameRecord, PyProcConfig, PyThreadEntry,
+    SampleRecord, MARKER_POSITIONS, MAX_ATTACHED_STEPS, MAX_KERNEL_FRAMES, MAX_PY_FRAMES, MAX_SNAPSHOT_PROCS, MAX_USER_FRAMES, NO_OFFSET, PY_FRAME_WINDOW,
+    STACK_CHUNK, STACK_SNAPSHOT_MAX,
 };
-
 
 /// Userspace sets the real size at load time (`--ring-buffer-kb`).
 #[map(name = "SAMPLES")]
@@ -97,18 +95,12 @@ pub fn sample(ctx: PerfEventContext) -> u32 {
         let (ip, sp, bp) = user_regs(&ctx);
         (*record).user_sp = sp;
         (*record).user_bp = bp;
-        let (user_len, bases_len, fp_complete) =
-            walk_user_stack(ip, sp, bp, &mut (*record).user_stack, &mut (*record).user_frame_bases);
+        let (user_len, bases_len, fp_complete) = walk_user_stack(ip, sp, bp, &mut (*record).user_stack, &mut (*record).user_frame_bases);
         (*record).user_len = user_len;
         (*record).frame_bases_len = bases_len;
         let mut status = if fp_complete { user_status::FP_COMPLETE } else { 0 };
         (*record).kernel_len = if config.flags & config_flags::KERNEL_STACK != 0 {
-            stack_len(bpf_get_stack(
-                ctx.as_ptr(),
-                (*record).kernel_stack.as_mut_ptr() as *mut c_void,
-                (MAX_KERNEL_FRAMES * size_of::<u64>()) as u32,
-                0,
-            ))
+            stack_len(bpf_get_stack(ctx.as_ptr(), (*record).kernel_stack.as_mut_ptr() as *mut c_void, (MAX_KERNEL_FRAMES * size_of::<u64>()) as u32, 0))
         } else {
             0
         };
@@ -205,13 +197,7 @@ fn user_regs(ctx: &PerfEventContext) -> (u64, u64, u64) {
     let cs = unsafe { *(regs.add(PT_REGS_CS) as *const u64) };
     if cs & 3 == 3 {
         // SAFETY: as above.
-        return unsafe {
-            (
-                *(regs.add(PT_REGS_IP) as *const u64),
-                *(regs.add(PT_REGS_SP) as *const u64),
-                *(regs.add(PT_REGS_BP) as *const u64),
-            )
-        };
+        return unsafe { (*(regs.add(PT_REGS_IP) as *const u64), *(regs.add(PT_REGS_SP) as *const u64), *(regs.add(PT_REGS_BP) as *const u64)) };
     }
     // SAFETY: the current task is valid during the program; its saved user registers are read
     // with a checked kernel read.
@@ -342,9 +328,7 @@ unsafe extern "C" fn attached_step(_index: u64, context: *mut c_void) -> i64 {
         if interp == 0 {
             return 1;
         }
-        let (Some(head), Some(next)) =
-            (read_u64(interp + config.interp_threads_head as u64), read_u64(interp + config.interp_next as u64))
-        else {
+        let (Some(head), Some(next)) = (read_u64(interp + config.interp_threads_head as u64), read_u64(interp + config.interp_next as u64)) else {
             return 1;
         };
         search.tstate = head;
@@ -370,16 +354,12 @@ unsafe extern "C" fn attached_step(_index: u64, context: *mut c_void) -> i64 {
 /// The frame at which the walk may stop: the current marker, when it sits where the thread's
 /// established chain says `k` pops of the marker frame put it (the sequence number moved by `k`).
 fn marker_stop(tid: u32, config: &PyProcConfig, py: &mut PyCapture) -> u64 {
-    if config.flags & py_proc_flags::USE_MARKER == 0
-        || config.tstate_last_profiled_frame == NO_OFFSET
-        || config.tstate_last_profiled_seq == NO_OFFSET
-    {
+    if config.flags & py_proc_flags::USE_MARKER == 0 || config.tstate_last_profiled_frame == NO_OFFSET || config.tstate_last_profiled_seq == NO_OFFSET {
         return 0;
     }
-    let (Some(marker), Some(seq)) = (
-        read_u64(py.tstate + config.tstate_last_profiled_frame as u64),
-        read_u64(py.tstate + config.tstate_last_profiled_seq as u64),
-    ) else {
+    let (Some(marker), Some(seq)) =
+        (read_u64(py.tstate + config.tstate_last_profiled_frame as u64), read_u64(py.tstate + config.tstate_last_profiled_seq as u64))
+    else {
         return 0;
     };
     py.last_profiled_frame = marker;

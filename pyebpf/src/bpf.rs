@@ -1,11 +1,10 @@
 //! Loading the embedded eBPF sampler, attaching it to every CPU, and reading its samples.
 
-
+use crate::kernel_btf::{Btf, VMLINUX_BTF};
 use aya::maps::{Array, HashMap, MapData, PerCpuArray, RingBuf};
 use aya::programs::perf_event::{PerfEventConfig, PerfEventScope, SamplePolicy, SoftwareEvent};
 use aya::programs::{BtfTracePoint, PerfEvent};
 use aya::{Ebpf, EbpfLoader};
-use crate::kernel_btf::{Btf, VMLINUX_BTF};
 use pyebpf_common::{config_flags, maps, Config, MarkerChain, PyProcConfig, PyThreadEntry};
 
 use crate::reader::{RecordBatch, RingReader};
@@ -91,11 +90,7 @@ pub fn check_privileges() -> Result<(), BpfError> {
     // CAP_BPF loads the programs and maps, CAP_PERFMON opens the CPU clock events of every
     // process and attaches tracing programs, CAP_SYS_PTRACE reads other users' processes.
     const NEEDED: [(u32, &str); 3] = [(39, "CAP_BPF"), (38, "CAP_PERFMON"), (19, "CAP_SYS_PTRACE")];
-    let effective = procfs::process::Process::myself()
-        .and_then(|me| me.status())
-        .ok()
-        .map(|status| status.capeff)
-        .unwrap_or(0);
+    let effective = procfs::process::Process::myself().and_then(|me| me.status()).ok().map(|status| status.capeff).unwrap_or(0);
     let missing: Vec<&str> = NEEDED.iter().filter(|(bit, _)| effective & (1 << bit) == 0).map(|(_, name)| *name).collect();
     if missing.is_empty() {
         Ok(())
@@ -162,8 +157,7 @@ impl Sampler {
         config_map.set(0, config, 0).map_err(map_error(maps::CONFIG))?;
 
         if options.follow_forks {
-            let program: &mut BtfTracePoint =
-                ebpf.program_mut("follow_fork").expect("follow_fork is in the object").try_into().map_err(BpfError::Program)?;
+            let program: &mut BtfTracePoint = ebpf.program_mut("follow_fork").expect("follow_fork is in the object").try_into().map_err(BpfError::Program)?;
             program.load("sched_process_fork", &aya_btf).map_err(BpfError::Program)?;
             program.attach().map_err(BpfError::Program)?;
         }
@@ -179,18 +173,15 @@ impl Sampler {
         let program: &mut PerfEvent = ebpf.program_mut("sample").expect("sample is in the object").try_into().map_err(BpfError::Program)?;
         program.load().map_err(BpfError::Program)?;
 
-        let kernel_log = if log_level == 0 {
-            None
-        } else {
-            aya_log::EbpfLogger::init(&mut ebpf).map_err(|err| log::debug!("eBPF diagnostics unavailable: {err}")).ok()
-        };
+        let kernel_log =
+            if log_level == 0 { None } else { aya_log::EbpfLogger::init(&mut ebpf).map_err(|err| log::debug!("eBPF diagnostics unavailable: {err}")).ok() };
         let samples = RingBuf::try_from(ebpf.take_map(maps::SAMPLES).expect("SAMPLES is in the object")).map_err(map_error(maps::SAMPLES))?;
         let lost = PerCpuArray::try_from(ebpf.take_map(maps::LOST).expect("LOST is in the object")).map_err(map_error(maps::LOST))?;
         let py_procs = HashMap::try_from(ebpf.take_map(maps::PY_PROCS).expect("PY_PROCS is in the object")).map_err(map_error(maps::PY_PROCS))?;
         let py_threads = HashMap::try_from(ebpf.take_map(maps::PY_THREADS).expect("PY_THREADS is in the object")).map_err(map_error(maps::PY_THREADS))?;
         let py_markers = HashMap::try_from(ebpf.take_map(maps::PY_MARKERS).expect("PY_MARKERS is in the object")).map_err(map_error(maps::PY_MARKERS))?;
-        let snapshot_procs = HashMap::try_from(ebpf.take_map(maps::SNAPSHOT_PROCS).expect("SNAPSHOT_PROCS is in the object"))
-            .map_err(map_error(maps::SNAPSHOT_PROCS))?;
+        let snapshot_procs =
+            HashMap::try_from(ebpf.take_map(maps::SNAPSHOT_PROCS).expect("SNAPSHOT_PROCS is in the object")).map_err(map_error(maps::SNAPSHOT_PROCS))?;
         Ok(Sampler {
             ebpf,
             frequency_hz: options.frequency_hz,

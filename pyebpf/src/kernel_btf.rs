@@ -98,10 +98,7 @@ impl Btf {
     pub fn member_offset(&self, structure: &str, member: &str) -> Result<u32, BtfError> {
         let named = |kind| self.headers.iter().position(|t| t.kind() == kind && self.name(t.name_off) == Some(structure));
         let id = named(KIND_STRUCT).ok_or_else(|| BtfError::NoStruct(structure.to_string()))?;
-        let bits = self.find_member_bits(id, member, 0).ok_or_else(|| BtfError::NoMember {
-            structure: structure.to_string(),
-            member: member.to_string(),
-        })?;
+        let bits = self.find_member_bits(id, member, 0).ok_or_else(|| BtfError::NoMember { structure: structure.to_string(), member: member.to_string() })?;
         if bits % 8 != 0 {
             return Err(BtfError::Bitfield { structure: structure.to_string(), member: member.to_string() });
         }

@@ -19,7 +19,9 @@ use crate::stack::NativeFrame;
 pub enum PyStackItem<F> {
     Frame(F),
     /// An entry frame at this address: the end of the segment run by one interpreter activation.
-    SegmentEnd { entry_frame: u64 },
+    SegmentEnd {
+        entry_frame: u64,
+    },
 }
 
 /// What the merge needs to know of one user stack entry (its frames: one, or several inlined).
@@ -162,9 +164,7 @@ impl Merger {
         }
         // No entry frame could be placed (no frame pointers): fall back to names, in order.
         let levels = native.levels;
-        let mut interpreter_levels = (0..trusted)
-            .filter(|&i| levels[i].runs_python())
-            .filter(|&i| i == 0 || !levels[i - 1].runs_python());
+        let mut interpreter_levels = (0..trusted).filter(|&i| levels[i].runs_python()).filter(|&i| i == 0 || !levels[i - 1].runs_python());
         for placed in &mut self.placed {
             *placed = interpreter_levels.next();
         }
@@ -189,7 +189,10 @@ pub fn is_start_code(frame: &NativeFrame) -> bool {
 /// A frame of the C library (glibc's `libc.so.6`, or musl's `libc.so`).
 pub fn in_libc(frame: &NativeFrame) -> bool {
     frame.module.as_ref().is_some_and(|module| {
-        std::path::Path::new(&*module.path).file_name().and_then(|name| name.to_str()).is_some_and(|name| name.starts_with("libc.so") || name.starts_with("libc-"))
+        std::path::Path::new(&*module.path)
+            .file_name()
+            .and_then(|name| name.to_str())
+            .is_some_and(|name| name.starts_with("libc.so") || name.starts_with("libc-"))
     })
 }
 
@@ -292,25 +295,22 @@ mod tests {
         // The entry frame lies in level 2's stack range, whatever that function is called.
         let n = stack(vec![native("sha256_block"), native("_sha256_update"), native("python3+0x2333c8"), native("PyEval_EvalCode"), native("main")]);
         let p = [py("hash_caller"), py("<module>"), end(1250)];
-        assert_eq!(
-            names(&merge_stacks(&n, &p)),
-            ["sha256_block", "_sha256_update", "py:hash_caller", "py:<module>", "PyEval_EvalCode", "main"]
-        );
+        assert_eq!(names(&merge_stacks(&n, &p)), ["sha256_block", "_sha256_update", "py:hash_caller", "py:<module>", "PyEval_EvalCode", "main"]);
     }
 
     #[test]
     fn python_called_back_from_c_sits_under_that_c_frame() {
         let n = stack(vec![native("handler"), native("eval"), native("sorted_with_key"), native("eval"), native("main")]);
         let p = [py("key"), end(1150), py("sorter"), py("<module>"), end(1350)];
-        assert_eq!(
-            names(&merge_stacks(&n, &p)),
-            ["handler", "py:key", "sorted_with_key", "py:sorter", "py:<module>", "main"]
-        );
+        assert_eq!(names(&merge_stacks(&n, &p)), ["handler", "py:key", "sorted_with_key", "py:sorter", "py:<module>", "main"]);
     }
 
     #[test]
     fn without_frame_bases_interpreter_frames_are_found_by_name() {
-        let n = Owned { levels: vec![native("_PyEval_EvalFrameDefault"), native("cfunc"), native("_PyEval_EvalFrameDefault"), native("main")], ..Default::default() };
+        let n = Owned {
+            levels: vec![native("_PyEval_EvalFrameDefault"), native("cfunc"), native("_PyEval_EvalFrameDefault"), native("main")],
+            ..Default::default()
+        };
         let p = [py("inner"), end(1), py("outer"), end(2)];
         assert_eq!(names(&merge_stacks(&n, &p)), ["py:inner", "cfunc", "py:outer", "main"]);
     }

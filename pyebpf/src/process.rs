@@ -129,9 +129,7 @@ impl ProcessNames {
         self.names
             .entry(pid)
             .or_insert_with(|| {
-                std::fs::read_to_string(format!("/proc/{pid}/comm"))
-                    .map(|comm| comm.trim_end().into())
-                    .unwrap_or_else(|_| comm_to_string(fallback).into())
+                std::fs::read_to_string(format!("/proc/{pid}/comm")).map(|comm| comm.trim_end().into()).unwrap_or_else(|_| comm_to_string(fallback).into())
             })
             .clone()
     }

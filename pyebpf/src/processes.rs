@@ -27,11 +27,8 @@ pub struct ProcessTable {
 impl ProcessTable {
     /// The labels of `pid`, read when it is first sampled.
     pub fn sampled(&mut self, pid: u32) -> Arc<ProcessLabels> {
-        let entry = self.entries.entry(pid).or_insert_with(|| Entry {
-            start_time: start_time(pid),
-            labels: Arc::new(read_labels(pid)),
-            last_sample: Instant::now(),
-        });
+        let entry =
+            self.entries.entry(pid).or_insert_with(|| Entry { start_time: start_time(pid), labels: Arc::new(read_labels(pid)), last_sample: Instant::now() });
         entry.last_sample = Instant::now();
         entry.labels.clone()
     }
@@ -57,11 +54,8 @@ fn start_time(pid: u32) -> Option<u64> {
 /// The PID inside the process's own PID namespace (when not the host's) and its cgroup.
 pub fn read_labels(pid: u32) -> ProcessLabels {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    let ns_pid = status
-        .lines()
-        .find_map(|line| line.strip_prefix("NSpid:"))
-        .and_then(|ids| ids.split_whitespace().last()?.parse().ok())
-        .filter(|&inner| inner != pid);
+    let ns_pid =
+        status.lines().find_map(|line| line.strip_prefix("NSpid:")).and_then(|ids| ids.split_whitespace().last()?.parse().ok()).filter(|&inner| inner != pid);
     let cgroup = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok().and_then(|text| cgroup_path(&text)).map(Arc::from);
     ProcessLabels { ns_pid, cgroup }
 }
@@ -69,8 +63,7 @@ pub fn read_labels(pid: u32) -> ProcessLabels {
 /// The cgroup v2 path (`0::/PATH`); on a host that keeps its containers in v1 hierarchies only
 /// (hybrid mode), the first v1 path that is not the root. None in the root cgroup.
 fn cgroup_path(text: &str) -> Option<String> {
-    let paths: Vec<(&str, &str)> =
-        text.lines().filter_map(|line| line.split_once(':').and_then(|(id, rest)| Some((id, rest.split_once(':')?.1)))).collect();
+    let paths: Vec<(&str, &str)> = text.lines().filter_map(|line| line.split_once(':').and_then(|(id, rest)| Some((id, rest.split_once(':')?.1)))).collect();
     let not_root = |path: &&str| *path != "/" && !path.is_empty();
     let v2 = paths.iter().find(|(id, _)| *id == "0").map(|(_, path)| *path).filter(not_root);
     v2.or_else(|| paths.iter().map(|(_, path)| *path).find(not_root)).map(str::to_string)

@@ -62,9 +62,6 @@ mod tests {
     #[test]
     fn status_names_elapsed_samples_processes_and_lost() {
         let stats = Stats { samples: 1234, python_processes: 3, ..Stats::default() };
-        assert_eq!(
-            status(Duration::from_millis(2500), &stats, 7),
-            "recording 2.5 s: 1234 samples, 3 Python processes, 7 lost (Ctrl-C stops and writes)"
-        );
+        assert_eq!(status(Duration::from_millis(2500), &stats, 7), "recording 2.5 s: 1234 samples, 3 Python processes, 7 lost (Ctrl-C stops and writes)");
     }
 }

@@ -320,7 +320,14 @@ impl PythonSampling {
 
     /// The Python stack of a sample into `items` (innermost first), if it is one of a Python
     /// thread; `Some(true)` when the chain was cut at the first frame that could not be proven.
-    pub fn python_stack(&mut self, record: &SampleRecord, sampler: &mut Sampler, stats: &mut Stats, frames: &mut FrameTable, items: &mut Vec<PyItem>) -> Option<bool> {
+    pub fn python_stack(
+        &mut self,
+        record: &SampleRecord,
+        sampler: &mut Sampler,
+        stats: &mut Stats,
+        frames: &mut FrameTable,
+        items: &mut Vec<PyItem>,
+    ) -> Option<bool> {
         items.clear();
         let process = self.processes.get_mut(&record.tgid)?;
         let py = &record.py;
@@ -517,8 +524,7 @@ impl PythonProcess {
         // The previous chain's marker, if it sits where its frames' returns put it: its tail is proven.
         let anchor = self.threads.get(&tid).and_then(|t| t.chains.front()).and_then(|chain| {
             let position = usize::try_from(before.seq.wrapping_sub(chain.seq_base)).ok()?;
-            (chain.addrs.get(position) == Some(&before.marker))
-                .then(|| (chain.addrs[position + 1..].to_vec(), chain.items[position + 1..].to_vec()))
+            (chain.addrs.get(position) == Some(&before.marker)).then(|| (chain.addrs[position + 1..].to_vec(), chain.items[position + 1..].to_vec()))
         });
         let anchor_addr = anchor.as_ref().map(|_| before.marker);
         // Read once before writing: a thread whose frames cannot be read (damaged or hostile

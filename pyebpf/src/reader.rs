@@ -90,13 +90,7 @@ impl RingReader {
         let (sender, batches) = tokio::sync::mpsc::channel(MAX_QUEUED_BATCHES);
         let (recycle, recycled) = mpsc::channel();
         let shared = Arc::new(Shared::default());
-        let reader = Reader {
-            ring: OwnedRing(ring),
-            sender,
-            recycled,
-            shared: shared.clone(),
-            max_queued: MAX_QUEUED_BYTES.max(4 * ring_bytes),
-        };
+        let reader = Reader { ring: OwnedRing(ring), sender, recycled, shared: shared.clone(), max_queued: MAX_QUEUED_BYTES.max(4 * ring_bytes) };
         let thread = std::thread::Builder::new().name("pyebpf-reader".into()).spawn(move || reader.run())?;
         Ok(RingReader { batches, recycle, shared, thread: Some(thread) })
     }

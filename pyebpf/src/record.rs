@@ -16,11 +16,11 @@ use crate::cli::{GroupBy, RecordArgs, UnwindMode};
 use crate::filter::SampleFilter;
 use crate::merge::{python_frames, Merged, Merger, NativeStack};
 use crate::native_ids::{IdLevel, NativeIds};
-use crate::python_sampling::{PyItem, PythonSampling, SamplingOptions};
 use crate::output::{self, ProfileSink, Rendering};
 use crate::process::{self, Launched, ProcessNames, Watched};
 use crate::processes::ProcessTable;
 use crate::progress::Progress;
+use crate::python_sampling::{PyItem, PythonSampling, SamplingOptions};
 use crate::reader::{Record, RecordBatch};
 use crate::report;
 use crate::stack::{FrameCarry, FrameId, Profile, SampleStack};
@@ -149,14 +149,7 @@ impl SampleResolver {
                 }
             }
         }
-        let sample = SampleStack {
-            pid: record.tgid,
-            tid: record.tid,
-            comm: &comm,
-            frames,
-            truncated: truncated.unwrap_or(false),
-            labels: Some(&labels),
-        };
+        let sample = SampleStack { pid: record.tgid, tid: record.tid, comm: &comm, frames, truncated: truncated.unwrap_or(false), labels: Some(&labels) };
         profile.add_sample(sample, 1);
         true
     }
@@ -217,7 +210,9 @@ impl SampleResolver {
 pub fn run(args: RecordArgs) -> Result<()> {
     let output_name = output::display_name(&args.output);
     let rendering = Rendering { threads: args.threads, title: command_line() };
-    let sink = Arc::new(ProfileSink::new(&args.output, args.format, args.rotate.is_some(), rendering, args.function).with_context(|| format!("cannot write {output_name}"))?);
+    let sink = Arc::new(
+        ProfileSink::new(&args.output, args.format, args.rotate.is_some(), rendering, args.function).with_context(|| format!("cannot write {output_name}"))?,
+    );
     check_privileges()?;
     let watched = Watched::open(&args.pid)?;
     process::raise_open_file_limit();
@@ -400,8 +395,7 @@ async fn record(args: &RecordArgs, watched: &Watched, sink: &Arc<ProfileSink>) -
     resolver.finish(&mut stats);
     stats.lost_samples = sampler.lost_samples();
     (stats.reader_dropped_batches, stats.reader_dropped_samples) = sampler.reader_drops();
-    (stats.program_run_time_ns, stats.program_runs) =
-        sampler.program_run_time().map_or((0, 0), |(time, runs)| (time.as_nanos() as u64, runs));
+    (stats.program_run_time_ns, stats.program_runs) = sampler.program_run_time().map_or((0, 0), |(time, runs)| (time.as_nanos() as u64, runs));
     stats.own_cpu_ns = own_cpu_ns();
     profile.duration_ns = started.elapsed().as_nanos() as i64;
     Ok((profile, stats, periods))

@@ -212,14 +212,7 @@ impl Hash for StoredStack {
 
 impl StoredStack {
     fn as_sample(&self) -> SampleStack<'_> {
-        SampleStack {
-            pid: self.pid,
-            tid: self.tid,
-            comm: &self.comm,
-            frames: &self.frames,
-            truncated: self.truncated,
-            labels: self.labels.as_ref(),
-        }
+        SampleStack { pid: self.pid, tid: self.tid, comm: &self.comm, frames: &self.frames, truncated: self.truncated, labels: self.labels.as_ref() }
     }
 }
 
@@ -310,14 +303,7 @@ impl Profile {
     /// Adds an owned stack, interning its frames.
     pub fn add(&mut self, key: StackKey, count: u64) {
         let frames: Vec<FrameId> = key.frames.into_iter().map(|frame| self.frames.intern(frame)).collect();
-        let sample = SampleStack {
-            pid: key.pid,
-            tid: key.tid,
-            comm: &key.comm,
-            frames: &frames,
-            truncated: key.truncated,
-            labels: key.labels.as_ref(),
-        };
+        let sample = SampleStack { pid: key.pid, tid: key.tid, comm: &key.comm, frames: &frames, truncated: key.truncated, labels: key.labels.as_ref() };
         self.add_sample(sample, count);
     }
 

@@ -79,17 +79,8 @@ impl fmt::Display for Stats {
         let py = self.python_samples;
         writeln!(f, "samples:                    {}", self.samples)?;
         writeln!(f, "lost samples:               {}", self.lost_samples)?;
-        writeln!(
-            f,
-            "  by the reader:            {} ({} batches: the consumer was behind)",
-            self.reader_dropped_samples, self.reader_dropped_batches
-        )?;
-        writeln!(
-            f,
-            "pyebpf CPU time:            {:.1} ms ({:.1} us per sample)",
-            self.own_cpu_ns as f64 / 1e6,
-            per(self.own_cpu_ns, self.samples) / 1e3
-        )?;
+        writeln!(f, "  by the reader:            {} ({} batches: the consumer was behind)", self.reader_dropped_samples, self.reader_dropped_batches)?;
+        writeln!(f, "pyebpf CPU time:            {:.1} ms ({:.1} us per sample)", self.own_cpu_ns as f64 / 1e6, per(self.own_cpu_ns, self.samples) / 1e3)?;
         writeln!(
             f,
             "eBPF program time:          {:.1} ms ({:.2} us per recorded sample, {:.2} us per run)",

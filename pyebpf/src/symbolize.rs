@@ -248,8 +248,7 @@ impl Symbolizer {
     /// was never seen), unless they were read very recently.
     fn refresh_maps_if_unmapped(&mut self, pid: u32, addrs: &[u64]) {
         let maps = self.processes.entry(pid).or_default();
-        let all_mapped =
-            maps.read_at.is_some() && addrs.iter().all(|&addr| !could_be_code(addr) || maps.find(addr).is_some());
+        let all_mapped = maps.read_at.is_some() && addrs.iter().all(|&addr| !could_be_code(addr) || maps.find(addr).is_some());
         let now = Instant::now();
         if all_mapped || !maps.may_refresh(now) {
             return;
@@ -301,11 +300,7 @@ impl Symbolizer {
                 Backing::File { id, path_in_process } => {
                     let offset = mapping.file_offset(addr);
                     if !self.by_file_offset.contains_key(&(*id, offset)) {
-                        by_file
-                            .entry(*id)
-                            .or_insert_with(|| FileBatch::new(pid, mapping, path_in_process))
-                            .offsets
-                            .push(offset);
+                        by_file.entry(*id).or_insert_with(|| FileBatch::new(pid, mapping, path_in_process)).offsets.push(offset);
                     }
                 }
                 Backing::Process => {
@@ -431,11 +426,7 @@ fn outer_function(sym: &Sym<'_>) -> Function {
 }
 
 fn function(name: &str, code_info: Option<&CodeInfo<'_>>) -> Function {
-    Function {
-        name: name.into(),
-        file: code_info.map(|info| info.to_path().to_string_lossy().into()),
-        line: code_info.and_then(|info| info.line),
-    }
+    Function { name: name.into(), file: code_info.map(|info| info.to_path().to_string_lossy().into()), line: code_info.and_then(|info| info.line) }
 }
 
 /// The executable mappings of a process.
@@ -553,10 +544,13 @@ int main() {
         let source_path = dir.join(format!("{name}.{ext}"));
         std::fs::write(&source_path, source).unwrap();
         let exe = dir.join(name);
-        let status =
-            Command::new(compiler).args(flags).arg("-o").arg(&exe).arg(&source_path).status().unwrap_or_else(|err| {
-                panic!("this test compiles a program with {compiler}, which failed to run: {err}")
-            });
+        let status = Command::new(compiler)
+            .args(flags)
+            .arg("-o")
+            .arg(&exe)
+            .arg(&source_path)
+            .status()
+            .unwrap_or_else(|err| panic!("this test compiles a program with {compiler}, which failed to run: {err}"));
         assert!(status.success(), "{compiler} failed on {}", source_path.display());
         exe
     }
@@ -570,10 +564,8 @@ int main() {
         let data = std::fs::read(exe).unwrap();
         let file = object::File::parse(&*data).unwrap();
         let symbol = file.symbols().find(|symbol| symbol.name() == Ok(function)).expect("symbol in the ELF");
-        let segment = file
-            .segments()
-            .find(|segment| (segment.address()..segment.address() + segment.size()).contains(&symbol.address()))
-            .expect("segment of the symbol");
+        let segment =
+            file.segments().find(|segment| (segment.address()..segment.address() + segment.size()).contains(&symbol.address())).expect("segment of the symbol");
         symbol.address() - segment.address() + segment.file_range().0
     }
 
@@ -694,19 +686,10 @@ int main() {
     #[test]
     fn libraries_loaded_later_are_found() {
         let dir = tempfile::tempdir().unwrap();
-        let library = compile(
-            "gcc",
-            "int plugin_fn(int x) { return x * 3; }\n",
-            "libplugin.so",
-            &["-shared", "-fPIC", "-g"],
-            dir.path(),
-        );
+        let library = compile("gcc", "int plugin_fn(int x) { return x * 3; }\n", "libplugin.so", &["-shared", "-fPIC", "-g"], dir.path());
         let mut symbolizer = Symbolizer::new();
         let pid = std::process::id();
-        assert_eq!(
-            names(&symbolizer.user_frames(pid, &[marker as fn() -> u64 as usize as u64])).last(),
-            Some(&"pyebpf::symbolize::tests::marker")
-        );
+        assert_eq!(names(&symbolizer.user_frames(pid, &[marker as fn() -> u64 as usize as u64])).last(), Some(&"pyebpf::symbolize::tests::marker"));
 
         let address = load_library(&library, c"plugin_fn").0;
         assert_ne!(address, 0);

@@ -363,10 +363,7 @@ mod tests {
         // and one page later in memory, and the page holding its start also holds the end of the
         // read-only segment before it.
         let cfi = FileCfi {
-            segments: vec![
-                Segment { file_offset: 0, file_size: 0x19f4b0, svma: 0 },
-                Segment { file_offset: 0x19f4b0, file_size: 0x351670, svma: 0x1a04b0 },
-            ],
+            segments: vec![Segment { file_offset: 0, file_size: 0x19f4b0, svma: 0 }, Segment { file_offset: 0x19f4b0, file_size: 0x351670, svma: 0x1a04b0 }],
             ..Default::default()
         };
         assert_eq!(cfi.base_avma(0x5600_0000_0000 + 0x1a0000, 0x19f000), Some(0x5600_0000_0000));

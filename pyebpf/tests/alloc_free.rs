@@ -160,11 +160,7 @@ fn replay(marker: bool, keep: impl Fn(&SampleRecord) -> bool) -> (u64, usize, Pr
 }
 
 fn python_frames(profile: &Profile) -> usize {
-    profile
-        .stacks()
-        .map(|(stack, _)| stack.frames.iter().filter(|f| matches!(f, pyebpf::stack::Frame::Python(_))).count())
-        .max()
-        .unwrap_or(0)
+    profile.stacks().map(|(stack, _)| stack.frames.iter().filter(|f| matches!(f, pyebpf::stack::Frame::Python(_))).count()).max().unwrap_or(0)
 }
 
 #[test]

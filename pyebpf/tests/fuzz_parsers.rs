@@ -14,9 +14,9 @@ use std::path::PathBuf;
 
 use proptest::prelude::*;
 use proptest::test_runner::{Config as ProptestConfig, TestRunner};
-use pyebpf::reader::{Record, RecordBatch};
 use pyebpf::cpython::runtime::runtime_in_elf;
 use pyebpf::kernel_btf::Btf;
+use pyebpf::reader::{Record, RecordBatch};
 use pyebpf::unwind::{unwind_in_image, Snapshot};
 use pyebpf_common::{record_kind, ProcessEvent, SampleRecord, MAX_USER_FRAMES};
 
@@ -80,11 +80,12 @@ fn ring_buffer_records_never_panic_and_decode_consistently() {
     });
     let shaped = (0..pyebpf_common::MAX_PY_FRAMES + 2, prop_oneof![Just(None), any::<u32>().prop_map(Some)])
         .prop_map(|(frames, claimed)| sample_bytes(frames, claimed.unwrap_or(frames as u32)));
-    let event = (prop_oneof![Just(record_kind::EXEC), Just(record_kind::EXIT)], prop::collection::vec(any::<u8>(), size_of::<ProcessEvent>()))
-        .prop_map(|(kind, mut bytes)| {
+    let event = (prop_oneof![Just(record_kind::EXEC), Just(record_kind::EXIT)], prop::collection::vec(any::<u8>(), size_of::<ProcessEvent>())).prop_map(
+        |(kind, mut bytes)| {
             bytes[..4].copy_from_slice(&kind.to_ne_bytes());
             bytes
-        });
+        },
+    );
     let decoded: [Cell<u64>; 3] = Default::default();
     runner(cases() / 4)
         .run(&prop_oneof![arbitrary, shaped, event], |bytes| {

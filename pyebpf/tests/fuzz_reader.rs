@@ -115,8 +115,7 @@ fn mutation() -> impl Strategy<Value = Mutation> {
         (any::<usize>(), prop_oneof![any::<u64>(), Just(0u64), Just(u64::MAX), 0u64..4096, Just(1u64 << 40)])
             .prop_map(|(at, value)| Mutation::Word { at, value }),
         (any::<usize>(), any::<usize>()).prop_map(|(at, to)| Mutation::Alias { at, to }),
-        (0usize..128, prop_oneof![any::<u64>(), Just(u64::MAX), 0u64..65536, Just(16u64 << 20)])
-            .prop_map(|(field, value)| Mutation::Table { field, value }),
+        (0usize..128, prop_oneof![any::<u64>(), Just(u64::MAX), 0u64..65536, Just(16u64 << 20)]).prop_map(|(field, value)| Mutation::Table { field, value }),
     ]
 }
 

@@ -67,7 +67,12 @@ fn check_shared_linetable_target(python: &Path) {
     assert_eq!(dump.code, Some(0), "dump failed: {}", dump.stderr);
     assert!(dump.max_rss < MAX_RSS, "dump reached {:.1} MiB", mib(dump.max_rss));
     let dumped: Value = serde_json::from_str(&dump.stdout).unwrap();
-    let main = dumped["threads"].as_array().unwrap().iter().find(|t| t["tid"].as_u64().map(|tid| tid.to_string()) == Some(pid.clone())).expect("the main thread is dumped");
+    let main = dumped["threads"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["tid"].as_u64().map(|tid| tid.to_string()) == Some(pid.clone()))
+        .expect("the main thread is dumped");
     let names: Vec<&str> = main["frames"].as_array().unwrap().iter().map(|f| f["qualname"].as_str().unwrap()).collect();
     for name in ["f0", "f1500", &format!("f{}", CHAIN - 1)] {
         assert!(names.contains(&name), "the chain's {name} is missing from the dump");
@@ -78,7 +83,13 @@ fn check_shared_linetable_target(python: &Path) {
     let out = dir.path().join("profile.folded");
     let out_arg = out.to_str().unwrap();
     let record = run_measured(&["record", "-p", &pid, "-d", "5", "-F", "499", "--stats", "-o", out_arg]);
-    eprintln!("record of the shared-line-table target under {}: max RSS {:.1} MiB (floor {:.1} MiB)\n{}", python.display(), mib(record.max_rss), mib(floor), record.stderr);
+    eprintln!(
+        "record of the shared-line-table target under {}: max RSS {:.1} MiB (floor {:.1} MiB)\n{}",
+        python.display(),
+        mib(record.max_rss),
+        mib(floor),
+        record.stderr
+    );
     assert_eq!(record.code, Some(0), "record failed: {}", record.stderr);
     assert!(record.max_rss < MAX_RSS, "record reached {:.1} MiB", mib(record.max_rss));
     assert!(record.stderr.contains("code objects cached:"), "--stats does not show the code cache: {}", record.stderr);

@@ -44,7 +44,8 @@ fn check_python_share(mode: &[&str], python: u32) {
     let (collapsed, stderr) = record_collapsed(&[mode, &["-F", "499", "-d", "3"]].concat());
     let stacks = stacks_of(&collapsed, python);
     let all = total(&stacks);
-    let with_python = stacks.iter().filter(|(frames, _)| frames.iter().any(|f| f.starts_with("a_leaf (") || f.starts_with("b_leaf ("))).map(|(_, n)| n).sum::<u64>();
+    let with_python =
+        stacks.iter().filter(|(frames, _)| frames.iter().any(|f| f.starts_with("a_leaf (") || f.starts_with("b_leaf ("))).map(|(_, n)| n).sum::<u64>();
     assert!(all >= 200, "{mode:?}: only {all} samples of the contained Python: {stderr}");
     assert!(with_python * 100 >= all * 95, "{mode:?}: {with_python} of {all} samples have Python frames");
 }

@@ -46,10 +46,7 @@ fn churn_run(mode: &str, seconds: u32) {
         assert!(line.ends_with("= 8") && remote.contains("iov_len=8}"), "{mode}: not one 8-byte write: {line}");
         addresses.insert(addr);
         if line.contains(&format!("process_vm_writev({pid},")) {
-            assert!(
-                (main_tstate..main_tstate + 4096).contains(&addr),
-                "{mode}: write at {addr:#x}, outside the main thread state at {main_tstate:#x}: {line}"
-            );
+            assert!((main_tstate..main_tstate + 4096).contains(&addr), "{mode}: write at {addr:#x}, outside the main thread state at {main_tstate:#x}: {line}");
             writes += 1;
         }
     }

@@ -38,7 +38,15 @@ fn check_dump_matches_the_interpreter(python: &Path) {
     let deepest = threads.iter().map(|t| t["frames"].as_array().unwrap().len()).max().unwrap();
     assert!(deepest > 500, "the 500-deep thread is missing ({deepest} frames at most)");
     let text = String::from_utf8_lossy(&dump(child.0.id(), false).stdout).into_owned();
-    for expected in ["in Outer.method.<locals>.inner", "in größe_straße", "in 関数_名前", "in 𠀀𠀁", "in <lambda>", "File \"<exec-built>\", line 2, in built_by_exec", "in Constructed.__init__"] {
+    for expected in [
+        "in Outer.method.<locals>.inner",
+        "in größe_straße",
+        "in 関数_名前",
+        "in 𠀀𠀁",
+        "in <lambda>",
+        "File \"<exec-built>\", line 2, in built_by_exec",
+        "in Constructed.__init__",
+    ] {
         assert!(text.contains(expected), "traceback output lacks `{expected}`:\n{text}");
     }
     assert!(!text.contains("File \"__init__\""), "the interpreter's __init__ trampoline is shown:\n{text}");

@@ -10,13 +10,7 @@ use pyebpf_tests::{debian_python, pyebpf, stacks_of, total, Killed};
 
 /// A Python process spinning in `fault_spin` under Debian's `python{version}`.
 fn spinner(version: &str) -> Killed {
-    Killed(
-        Command::new(debian_python(version))
-            .args(["-c", "def fault_spin():\n    while True: pass\nfault_spin()"])
-            .stdin(Stdio::null())
-            .spawn()
-            .unwrap(),
-    )
+    Killed(Command::new(debian_python(version)).args(["-c", "def fault_spin():\n    while True: pass\nfault_spin()"]).stdin(Stdio::null()).spawn().unwrap())
 }
 
 fn files_in(dir: &Path) -> Vec<String> {
@@ -117,9 +111,10 @@ struct Random(u64);
 
 impl Random {
     fn new() -> Random {
-        let seed = std::env::var("PYEBPF_FAULT_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
-            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64 | 1
-        });
+        let seed = std::env::var("PYEBPF_FAULT_SEED")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64 | 1);
         eprintln!("PYEBPF_FAULT_SEED={seed}");
         Random(seed)
     }
@@ -205,14 +200,8 @@ fn still_loaded(kind: &str, id: u32) -> bool {
 fn sigkill_leaves_no_bpf_object_loaded() {
     let _busy = spinner("3.14");
     let dir = tempfile::tempdir().unwrap();
-    let mut child = Killed(
-        Command::new(pyebpf())
-            .args(["record", "-a", "-F", "999", "-o"])
-            .arg(dir.path().join("p.pb.gz"))
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
+    let mut child =
+        Killed(Command::new(pyebpf()).args(["record", "-a", "-F", "999", "-o"]).arg(dir.path().join("p.pb.gz")).stderr(Stdio::null()).spawn().unwrap());
     let pid = child.pid();
     // Sampling has started once the perf-event links exist (one per CPU).
     let started = Instant::now();
@@ -308,11 +297,8 @@ fn a_target_with_500_threads_is_sampled() {
     let tasks = std::fs::read_dir(format!("/proc/{}/task", target.pid())).unwrap().count();
     assert_eq!(tasks, 501, "the target should have 501 threads");
     let out = dir.path().join("p.folded");
-    let output = Command::new(pyebpf())
-        .args(["record", "-F", "999", "-d", "4", "--threads", "-p", &target.pid().to_string(), "-o"])
-        .arg(&out)
-        .output()
-        .unwrap();
+    let output =
+        Command::new(pyebpf()).args(["record", "-F", "999", "-d", "4", "--threads", "-p", &target.pid().to_string(), "-o"]).arg(&out).output().unwrap();
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(output.status.success(), "{stderr}");
     // The summary is its `pyebpf: wrote` line and indented detail: any other line is a complaint.

@@ -10,11 +10,7 @@ use pyebpf_tests::{assert_one_line_error, debian_python, pyebpf, run_pyebpf, sta
 
 /// A Python process spinning in `spin` forever, under Debian's 3.14.
 fn python_spinner() -> Killed {
-    let child = Command::new(debian_python("3.14"))
-        .args(["-c", "def spin():\n    while True: pass\nspin()"])
-        .stdin(Stdio::null())
-        .spawn()
-        .unwrap();
+    let child = Command::new(debian_python("3.14")).args(["-c", "def spin():\n    while True: pass\nspin()"]).stdin(Stdio::null()).spawn().unwrap();
     std::thread::sleep(Duration::from_millis(300));
     Killed(child)
 }
@@ -179,11 +175,7 @@ fn rotate_writes_a_complete_profile_every_period() {
     let spinner = python_spinner();
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("p.folded");
-    let output = Command::new(pyebpf())
-        .args(["record", "-a", "-F", "199", "--rotate", "1", "-d", "3.5", "-o"])
-        .arg(&out)
-        .output()
-        .unwrap();
+    let output = Command::new(pyebpf()).args(["record", "-a", "-F", "199", "--rotate", "1", "-d", "3.5", "-o"]).arg(&out).output().unwrap();
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(output.status.success(), "{stderr}");
     assert!(!out.exists(), "--rotate wrote the unrotated name too");
@@ -269,7 +261,11 @@ fn fake_python(dir: &Path) -> PathBuf {
         .unwrap();
     assert!(status.success());
     let source = dir.join("fake.c");
-    std::fs::write(&source, "extern char _PyRuntime[];\nvolatile unsigned long sink;\nint main(void) { for (;;) sink += (unsigned long)_PyRuntime[sink & 7]; }\n").unwrap();
+    std::fs::write(
+        &source,
+        "extern char _PyRuntime[];\nvolatile unsigned long sink;\nint main(void) { for (;;) sink += (unsigned long)_PyRuntime[sink & 7]; }\n",
+    )
+    .unwrap();
     let fake_dir = dir.join("fake");
     std::fs::create_dir(&fake_dir).unwrap();
     let binary = fake_dir.join("python3.15");
@@ -286,9 +282,7 @@ fn fake_python(dir: &Path) -> PathBuf {
 
 /// Target PIDs of the `process_vm_writev` calls in an `strace -f -o` log.
 fn written_pids(log: &str) -> Vec<u32> {
-    log.lines()
-        .filter_map(|line| line.split_once("process_vm_writev(")?.1.split(',').next()?.trim().parse().ok())
-        .collect()
+    log.lines().filter_map(|line| line.split_once("process_vm_writev(")?.1.split(',').next()?.trim().parse().ok()).collect()
 }
 
 #[test]

@@ -12,23 +12,15 @@ const FREQUENCY: u64 = 199;
 /// A Python program spinning in `function` for `seconds`.
 fn spinner(dir: &Path, name: &str, function: &str, seconds: f64) -> std::path::PathBuf {
     let path = dir.join(format!("{name}.py"));
-    let source = format!(
-        "import time\ndef {function}():\n    end = time.monotonic() + {seconds}\n    while time.monotonic() < end:\n        pass\n{function}()\n"
-    );
+    let source =
+        format!("import time\ndef {function}():\n    end = time.monotonic() + {seconds}\n    while time.monotonic() < end:\n        pass\n{function}()\n");
     std::fs::write(&path, source).unwrap();
     path
 }
 
 /// Starts `pyebpf record -o FILE ARGS` (tracefs unmounted) and waits until it samples.
 fn start_recording(out: &Path, args: &[&str]) -> Killed {
-    let child = pyebpf_tests::pyebpf_without_tracefs()
-        .arg("record")
-        .arg("-o")
-        .arg(out)
-        .args(args)
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let child = pyebpf_tests::pyebpf_without_tracefs().arg("record").arg("-o").arg(out).args(args).stderr(Stdio::piped()).spawn().unwrap();
     // Loading and attaching takes well under this; the processes under test start after.
     std::thread::sleep(Duration::from_millis(1500));
     Killed(child)
@@ -87,10 +79,18 @@ fn exec_into_python(version: &str) {
         .map(|l| l.rsplit_once(' ').unwrap().1.parse::<u64>().unwrap())
         .sum();
     // Samples that ran Python code under any name: a stale comm shows up here.
-    let spin_samples: u64 = stacks.iter().filter(|(frames, _)| has_frame(frames, "exec_app_spin") || frames.iter().any(|f| f.contains("PyEval") || f.contains("_PyEval"))).map(|(_, n)| n).sum();
+    let spin_samples: u64 = stacks
+        .iter()
+        .filter(|(frames, _)| has_frame(frames, "exec_app_spin") || frames.iter().any(|f| f.contains("PyEval") || f.contains("_PyEval")))
+        .map(|(_, n)| n)
+        .sum();
     let post_exec = with_python.max(spin_samples);
     let expected = 2 * FREQUENCY;
-    assert!(post_exec * 10 >= expected * 7, "{version}: only {post_exec} post-exec samples (expected about {expected}); all of {pid}: {}\n{stderr}", total(&stacks));
+    assert!(
+        post_exec * 10 >= expected * 7,
+        "{version}: only {post_exec} post-exec samples (expected about {expected}); all of {pid}: {}\n{stderr}",
+        total(&stacks)
+    );
     assert!(
         python_frames_under_new_comm * 100 >= post_exec * 90,
         "{version}: {python_frames_under_new_comm} of {post_exec} post-exec samples have comm python{version} and Python frames:\n{}",
@@ -166,7 +166,8 @@ fn both_children_of_a_command_have_python_frames() {
     let shell = format!("{p} {a} & {p} {b}; wait", p = python.display(), a = a.display(), b = b.display());
     let (collapsed, stderr) = record_collapsed_without_tracefs(&["-F", "199", "--", "sh", "-c", &shell]);
     for function in ["child_a_spin", "child_b_spin"] {
-        let samples: u64 = collapsed.lines().filter(|l| l.contains(&format!("{function} ("))).map(|l| l.rsplit_once(' ').unwrap().1.parse::<u64>().unwrap()).sum();
+        let samples: u64 =
+            collapsed.lines().filter(|l| l.contains(&format!("{function} ("))).map(|l| l.rsplit_once(' ').unwrap().1.parse::<u64>().unwrap()).sum();
         // Two spinners share the CPUs with whatever else runs: each gets well over 40 of its ~199.
         assert!(samples >= 40, "{function}: {samples} samples with Python frames\n{collapsed}\n{stderr}");
     }
@@ -187,8 +188,7 @@ fn a_python_mapping_libpython_late_is_attached() {
         assert!(child.wait().unwrap().success());
     }
     let (collapsed, stderr) = finish_recording(recording, &out);
-    let missing: Vec<usize> = (0..10)
-        .filter(|&i| !stacks_of(&collapsed, pids[i]).iter().any(|(frames, _)| has_frame(frames, &format!("late_libpython_{i}"))))
-        .collect();
+    let missing: Vec<usize> =
+        (0..10).filter(|&i| !stacks_of(&collapsed, pids[i]).iter().any(|(frames, _)| has_frame(frames, &format!("late_libpython_{i}")))).collect();
     assert!(missing.is_empty(), "processes without their function: {missing:?}\n{stderr}");
 }

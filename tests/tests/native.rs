@@ -7,8 +7,8 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use pyebpf_tests::{
-    assert_one_line_error, compile_c, count_where, pyebpf, pyebpf_without_tracefs, record_collapsed, record_collapsed_without_tracefs, run_pyebpf, stacks_of,
-    total, wait_for_file, without_tracefs, Killed, debian_python,
+    assert_one_line_error, compile_c, count_where, debian_python, pyebpf, pyebpf_without_tracefs, record_collapsed, record_collapsed_without_tracefs,
+    run_pyebpf, stacks_of, total, wait_for_file, without_tracefs, Killed,
 };
 
 /// Spins in leaf_fn under main → outer_fn → middle_fn (for argv[1] seconds, default forever);
@@ -145,10 +145,7 @@ fn pid_mode_records_only_that_process() {
     let cpu_before = cpu_seconds(wanted.pid());
     let (collapsed, _) = record_collapsed(&["-p", &wanted.pid().to_string(), "-d", "2"]);
     let cpu = cpu_seconds(wanted.pid()) - cpu_before;
-    assert!(
-        total(&stacks_of(&collapsed, wanted.pid())) > 100,
-        "too few samples for 2 s at 99 Hz; the process ran {cpu:.2} s on a CPU meanwhile:\n{collapsed}"
-    );
+    assert!(total(&stacks_of(&collapsed, wanted.pid())) > 100, "too few samples for 2 s at 99 Hz; the process ran {cpu:.2} s on a CPU meanwhile:\n{collapsed}");
     assert_eq!(total(&stacks_of(&collapsed, other.pid())), 0);
     assert!(collapsed.lines().all(|l| l.starts_with(&format!("spin ({})", wanted.pid()))), "{collapsed}");
 }
@@ -281,10 +278,7 @@ fn samples_of_comm(collapsed: &str, comm: &str) -> u64 {
 #[test]
 fn sigterm_goes_to_the_command_and_pyebpf_writes_after_it_exits() {
     let dir = tempfile::tempdir().unwrap();
-    let script = format!(
-        "trap 'echo term > {0}/got; exit 0' TERM; echo $$ > {0}/pid; mv {0}/pid {0}/ready; while :; do :; done",
-        dir.path().display()
-    );
+    let script = format!("trap 'echo term > {0}/got; exit 0' TERM; echo $$ > {0}/pid; mv {0}/pid {0}/ready; while :; do :; done", dir.path().display());
     let collapsed = command_gets_the_signal(libc::SIGTERM, &["sh", "-c", &script], dir.path());
     let shell_samples = samples_of_comm(&collapsed, "sh");
     assert!(shell_samples >= 5, "{shell_samples} samples of the spinning shell in ~1 s at 99 Hz:\n{collapsed}");

@@ -218,12 +218,8 @@ fn stale_temporaries_of_a_killed_run_are_removed_by_the_next_run() {
 fn a_killed_recording_leaves_nothing_behind() {
     let dir = tempfile::tempdir().unwrap();
     fs::write(dir.path().join("profile.pb.gz"), "the previous profile").unwrap();
-    let mut recorder = Command::new(pyebpf())
-        .args(["record", "-a", "-d", "5", "-o"])
-        .arg(dir.path().join("profile.pb.gz"))
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut recorder =
+        Command::new(pyebpf()).args(["record", "-a", "-d", "5", "-o"]).arg(dir.path().join("profile.pb.gz")).stderr(Stdio::null()).spawn().unwrap();
     std::thread::sleep(Duration::from_secs(1));
     recorder.kill().unwrap();
     assert_eq!(recorder.wait().unwrap().signal(), Some(libc::SIGKILL));
@@ -251,7 +247,8 @@ fn the_temporary_has_no_name_while_it_is_written() {
         .expect("strace must be installed (cargo xtask test installs it)");
     assert!(status.success());
     let trace = fs::read_to_string(trace).unwrap();
-    let writer = trace.lines().find(|line| line.contains("O_TMPFILE")).and_then(|line| line.split(' ').next()).unwrap_or_else(|| panic!("no O_TMPFILE open:\n{trace}"));
+    let writer =
+        trace.lines().find(|line| line.contains("O_TMPFILE")).and_then(|line| line.split(' ').next()).unwrap_or_else(|| panic!("no O_TMPFILE open:\n{trace}"));
     // The writing thread's calls, in order (strace -f prefixes each line with the thread id).
     let calls: Vec<&str> = trace.lines().filter_map(|line| line.strip_prefix(writer)?.strip_prefix(' ')).map(str::trim_start).collect();
     let opened = calls.iter().position(|call| call.contains("O_TMPFILE")).unwrap();

@@ -15,12 +15,8 @@ const HZ: u64 = 99;
 
 /// `pyebpf record -p PID -d SECONDS -F 99 -o OUT EXTRA...`, which must succeed; returns stderr.
 fn record_pid(pid: u32, seconds: &str, out: &Path, extra: &[&str]) -> String {
-    let output = Command::new(pyebpf())
-        .args(["record", "-p", &pid.to_string(), "-d", seconds, "-F", &HZ.to_string(), "-o"])
-        .arg(out)
-        .args(extra)
-        .output()
-        .unwrap();
+    let output =
+        Command::new(pyebpf()).args(["record", "-p", &pid.to_string(), "-d", seconds, "-F", &HZ.to_string(), "-o"]).arg(out).args(extra).output().unwrap();
     let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
     assert!(output.status.success(), "pyebpf record failed: {stderr}");
     stderr
@@ -209,11 +205,8 @@ fn threads_get_their_own_speedscope_profiles_and_collapsed_frames() {
     record_pid(python.pid(), "2", &path, &["--threads"]);
     let file: serde_json::Value = serde_json::from_slice(&fs::read(&path).unwrap()).unwrap();
     let profiles = file["profiles"].as_array().unwrap();
-    let spinning: Vec<&str> = profiles
-        .iter()
-        .filter(|p| p["endValue"].as_u64().unwrap() >= 50 * (1_000_000_000 / HZ))
-        .map(|p| p["name"].as_str().unwrap())
-        .collect();
+    let spinning: Vec<&str> =
+        profiles.iter().filter(|p| p["endValue"].as_u64().unwrap() >= 50 * (1_000_000_000 / HZ)).map(|p| p["name"].as_str().unwrap()).collect();
     assert_eq!(spinning.len(), 2, "the two spinning threads were not kept apart: {profiles:?}");
     let process = format!("python3.14 ({}) thread ", python.pid());
     assert!(spinning.iter().all(|name| name.starts_with(&process)), "{spinning:?}");
@@ -236,7 +229,10 @@ fn function_mode_merges_lines() {
     record_pid(python.pid(), "2", &by_function, &["--function"]);
     let python_frames = |path: &Path| -> Vec<String> {
         let text = fs::read_to_string(path).unwrap();
-        text.lines().flat_map(|line| line.rsplit_once(' ').unwrap().0.split(';').skip(1).map(str::to_string).collect::<Vec<_>>()).filter(|f| f.contains(".py")).collect()
+        text.lines()
+            .flat_map(|line| line.rsplit_once(' ').unwrap().0.split(';').skip(1).map(str::to_string).collect::<Vec<_>>())
+            .filter(|f| f.contains(".py"))
+            .collect()
     };
     let lines = python_frames(&by_line);
     assert!(lines.iter().any(|f| f.contains(".py:")), "the default keeps lines: {lines:?}");
@@ -250,11 +246,7 @@ fn summary_names_the_hottest_function_with_its_share() {
     let (python, _ready) = start_ready(&debian_python("3.14"), "own_time.py", &[]);
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("p.pb.gz");
-    let output = Command::new(pyebpf())
-        .args(["record", "-p", &python.pid().to_string(), "-d", "8", "-F", "499", "-o"])
-        .arg(&out)
-        .output()
-        .unwrap();
+    let output = Command::new(pyebpf()).args(["record", "-p", &python.pid().to_string(), "-d", "8", "-F", "499", "-o"]).arg(&out).output().unwrap();
     let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
     assert!(output.status.success(), "{stderr}");
     samples_written(&stderr);
@@ -323,7 +315,8 @@ fn under_sudo_the_output_belongs_to_the_invoking_user() {
     }
     // Without sudo's variables the file is root's, as before.
     let out = dir.path().join("root.folded");
-    let output = Command::new(pyebpf()).args(["record", "-a", "-d", "1", "-F", "49", "-o"]).arg(&out).env_remove("SUDO_UID").env_remove("SUDO_GID").output().unwrap();
+    let output =
+        Command::new(pyebpf()).args(["record", "-a", "-d", "1", "-F", "49", "-o"]).arg(&out).env_remove("SUDO_UID").env_remove("SUDO_GID").output().unwrap();
     assert!(output.status.success());
     assert_eq!(fs::metadata(&out).unwrap().uid(), 0);
 }

@@ -229,10 +229,8 @@ fn one_recording_covers_every_version() {
 /// every write system call it makes during a host-wide recording is traced.
 #[test]
 fn writes_only_the_marker_of_3_15_processes() {
-    let workloads: HashMap<&str, Workload> = interpreters()
-        .into_iter()
-        .map(|(label, path)| (label, Workload::start(&path, "sampling_idle_threads.py", &[])))
-        .collect();
+    let workloads: HashMap<&str, Workload> =
+        interpreters().into_iter().map(|(label, path)| (label, Workload::start(&path, "sampling_idle_threads.py", &[]))).collect();
     let dir = tempfile::tempdir().unwrap();
     let trace = dir.path().join("trace");
     let status = Command::new("strace")

@@ -183,11 +183,8 @@ fn check_rotated_periods(version: &str) {
     let (child, _dir) = start_ready(&debian_python(version), "alternating.py", &["2"]);
     let dir = tempfile::tempdir().unwrap();
     let pid = child.pid().to_string();
-    let output = Command::new(pyebpf())
-        .args(["record", "-p", &pid, "-F", "499", "-d", "5.5", "--rotate", "1", "-o"])
-        .arg(dir.path().join("p.folded"))
-        .output()
-        .unwrap();
+    let output =
+        Command::new(pyebpf()).args(["record", "-p", &pid, "-F", "499", "-d", "5.5", "--rotate", "1", "-o"]).arg(dir.path().join("p.folded")).output().unwrap();
     assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
     let mut periods: Vec<PathBuf> = std::fs::read_dir(dir.path()).unwrap().map(|entry| entry.unwrap().path()).collect();
     periods.sort();

@@ -26,12 +26,8 @@ impl Tmux {
     }
 
     fn run(&self, args: &[&str]) -> String {
-        let output = Command::new("tmux")
-            .arg("-S")
-            .arg(&self.socket)
-            .args(args)
-            .output()
-            .expect("tmux must be installed (Debian's tmux; cargo xtask test installs it)");
+        let output =
+            Command::new("tmux").arg("-S").arg(&self.socket).args(args).output().expect("tmux must be installed (Debian's tmux; cargo xtask test installs it)");
         assert!(output.status.success(), "tmux {args:?} failed: {}", String::from_utf8_lossy(&output.stderr));
         String::from_utf8_lossy(&output.stdout).into_owned()
     }
@@ -93,9 +89,8 @@ fn wait_for_hot_function(tmux: &Tmux, started: Instant, hot: &str) -> String {
 
 /// After the view ended: the exit status, the ordinary screen, and a terminal out of raw mode.
 fn assert_restored(tmux: &Tmux, modes: &Path, expected_exit: &str) {
-    let (screen, _) = tmux
-        .wait_for(Duration::from_secs(10), |screen| screen.contains("TOP-EXIT="))
-        .unwrap_or_else(|| panic!("pyebpf did not exit: {}", tmux.screen()));
+    let (screen, _) =
+        tmux.wait_for(Duration::from_secs(10), |screen| screen.contains("TOP-EXIT=")).unwrap_or_else(|| panic!("pyebpf did not exit: {}", tmux.screen()));
     assert!(screen.contains(&format!("TOP-EXIT={expected_exit}")), "{screen}");
     assert!(!tmux.alternate_on(), "the alternate screen is still on");
     assert!(!screen.contains("OWN%"), "the view is still on the screen: {screen}");
@@ -180,9 +175,8 @@ fn top_in_a_too_small_terminal_is_a_one_line_error() {
     let dir = tempfile::tempdir().unwrap();
     let modes = dir.path().join("modes");
     let tmux = Tmux::start(&top_script("", &modes), 50, 8);
-    let (screen, _) = tmux
-        .wait_for(Duration::from_secs(10), |screen| screen.contains("TOP-EXIT="))
-        .unwrap_or_else(|| panic!("pyebpf did not exit: {}", tmux.screen()));
+    let (screen, _) =
+        tmux.wait_for(Duration::from_secs(10), |screen| screen.contains("TOP-EXIT=")).unwrap_or_else(|| panic!("pyebpf did not exit: {}", tmux.screen()));
     assert!(screen.contains("TOP-EXIT=1"), "{screen}");
     assert!(screen.contains("pyebpf: the terminal is 50x8; pyebpf top needs at least 60x10"), "{screen}");
     assert!(!tmux.alternate_on());

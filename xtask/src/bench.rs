@@ -70,13 +70,7 @@ struct Bench {
 }
 
 pub fn bench(root: &Path, pyebpf: PathBuf, pythons: &Path) -> Result<()> {
-    let bench = Bench {
-        root: root.to_path_buf(),
-        pyebpf,
-        py_spy: ensure_py_spy(root)?,
-        pythons: pythons.to_path_buf(),
-        out: root.join("target/bench"),
-    };
+    let bench = Bench { root: root.to_path_buf(), pyebpf, py_spy: ensure_py_spy(root)?, pythons: pythons.to_path_buf(), out: root.join("target/bench") };
     std::fs::create_dir_all(&bench.out)?;
     crate::toolchain::ensure_apt_packages(&[("perf", "linux-perf")])?;
     bench.check_competitors()?;
@@ -148,15 +142,7 @@ impl Bench {
         self.attach_measured(profiler, pid, hz, seconds, extra, None)
     }
 
-    fn attach_measured(
-        &self,
-        profiler: Profiler,
-        pid: u32,
-        hz: u32,
-        seconds: u32,
-        extra: &[&str],
-        window: Option<(Duration, Duration)>,
-    ) -> Result<Measured> {
+    fn attach_measured(&self, profiler: Profiler, pid: u32, hz: u32, seconds: u32, extra: &[&str], window: Option<(Duration, Duration)>) -> Result<Measured> {
         let out = self.out.join(format!("{}.txt", profiler.name()));
         let _ = std::fs::remove_file(&out);
         let (pid, hz, seconds) = (pid.to_string(), hz.to_string(), seconds.to_string());
@@ -208,7 +194,8 @@ impl Bench {
                             "samples": long.samples, "cpu_s": long.cpu_s, "max_rss_mb": long.max_rss_mb,
                         });
                         if profiler == Profiler::Pyebpf {
-                            row["ebpf_us_per_sample"] = json!(stat_line(&long.stderr, "eBPF program time:").and_then(|l| measure::figure_before(&l, "us per recorded sample")));
+                            row["ebpf_us_per_sample"] =
+                                json!(stat_line(&long.stderr, "eBPF program time:").and_then(|l| measure::figure_before(&l, "us per recorded sample")));
                         }
                         eprintln!("  {version} depth {depth} {hz} Hz {}: {steady_us:.1} us/sample, start-up {startup_ms:.0} ms", profiler.name());
                         rows.push(row);
@@ -236,7 +223,9 @@ impl Bench {
             None,
         )?;
         let report = run_measured(
-            Command::new("perf").args(["report", "--no-children", "--sort", "comm,dso,sym", "--stdio", "-g", "none", "--percent-limit", "1.5", "-i"]).arg(&data),
+            Command::new("perf")
+                .args(["report", "--no-children", "--sort", "comm,dso,sym", "--stdio", "-g", "none", "--percent-limit", "1.5", "-i"])
+                .arg(&data),
             None,
         )?;
         let lines: Vec<&str> = report.stdout.lines().filter(|l| !l.starts_with('#') && !l.trim().is_empty()).take(25).collect();

@@ -98,13 +98,7 @@ fn test(root: &Path, filter: &[String]) -> Result<()> {
     let object = toolchain::ebpf_object_path(root);
     let cargo_test = |args: &[&str]| -> Result<()> {
         let mut cargo = Command::new(env!("CARGO"));
-        cargo
-            .current_dir(root)
-            .arg("test")
-            .args(args)
-            .env("PYEBPF_EBPF_OBJECT", &object)
-            .env("PYEBPF_BIN", &binary)
-            .env("PYEBPF_PYTHONS", &pythons);
+        cargo.current_dir(root).arg("test").args(args).env("PYEBPF_EBPF_OBJECT", &object).env("PYEBPF_BIN", &binary).env("PYEBPF_PYTHONS", &pythons);
         run(&mut cargo)
     };
     // Unit and fuzz tests may share the CPUs; end-to-end tests measure sample counts, one at a time.

@@ -14,8 +14,21 @@ const VERSIONS: [&str; 3] = ["3.13", "3.14", "3.15"];
 const SUITE: &str = "sid";
 /// Shared libraries the interpreters need from the same suite.
 const LIBRARIES: &[&str] = &[
-    "libc6", "libexpat1", "libzstd1", "zlib1g", "libgcc-s1", "libffi8", "libssl3t64", "libbz2-1.0", "liblzma5",
-    "libmpdec4", "libsqlite3-0", "libuuid1", "libreadline8t64", "libtinfo6", "libncursesw6",
+    "libc6",
+    "libexpat1",
+    "libzstd1",
+    "zlib1g",
+    "libgcc-s1",
+    "libffi8",
+    "libssl3t64",
+    "libbz2-1.0",
+    "liblzma5",
+    "libmpdec4",
+    "libsqlite3-0",
+    "libuuid1",
+    "libreadline8t64",
+    "libtinfo6",
+    "libncursesw6",
 ];
 
 fn prefix() -> Result<PathBuf> {
@@ -47,10 +60,7 @@ pub fn ensure_installed() -> Result<PathBuf> {
     }
     std::fs::create_dir_all(&prefix)?;
     let sources = work.join("sources.list");
-    std::fs::write(
-        &sources,
-        format!("deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] http://deb.debian.org/debian {SUITE} main\n"),
-    )?;
+    std::fs::write(&sources, format!("deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] http://deb.debian.org/debian {SUITE} main\n"))?;
     let apt = |args: &[&str]| {
         let mut command = Command::new("apt-get");
         command

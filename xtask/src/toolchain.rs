@@ -19,11 +19,7 @@ fn output(command: &mut Command) -> Result<String> {
 }
 
 fn rustc_field(verbose_version: &str, key: &str) -> Result<String> {
-    verbose_version
-        .lines()
-        .find_map(|line| line.strip_prefix(key))
-        .map(|value| value.trim().to_string())
-        .with_context(|| format!("`rustc -vV` has no `{key}`"))
+    verbose_version.lines().find_map(|line| line.strip_prefix(key)).map(|value| value.trim().to_string()).with_context(|| format!("`rustc -vV` has no `{key}`"))
 }
 
 /// Makes sure rust-src and a matching bpf-linker are installed; returns bpf-linker's bin folder.

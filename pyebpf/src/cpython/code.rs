@@ -8,8 +8,8 @@
 use std::collections::HashSet;
 use std::sync::Arc;
 
-pub use super::linetable::Location;
 use super::linetable::location_for_index;
+pub use super::linetable::Location;
 use super::memory::{field_u32, field_u64, ReadExt, ReadMemory};
 use super::offsets::DebugOffsets;
 use super::strings::{read_str, ReadString};

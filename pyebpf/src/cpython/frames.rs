@@ -72,12 +72,8 @@ impl<M: ReadMemory> PyProcess<M> {
             return Ok(None);
         }
         let location = info.location_for(link.instr_ptr).unwrap_or_default();
-        let frame = PythonFrame {
-            qualname: info.qualname.clone(),
-            filename: info.filename.clone(),
-            first_line: info.first_line,
-            line: location.line.unwrap_or(0),
-        };
+        let frame =
+            PythonFrame { qualname: info.qualname.clone(), filename: info.filename.clone(), first_line: info.first_line, line: location.line.unwrap_or(0) };
         Ok(Some(ResolvedFrame { frame, location }))
     }
 

@@ -59,11 +59,7 @@ impl<M: ReadMemory> PyProcess<M> {
         if &cookie[..8] != COOKIE || u64::from_le_bytes(cookie[8..].try_into().unwrap()) != o.version.0 {
             return Err(PyError::WriteRefused("the debug offsets changed: the process exec'd".into()));
         }
-        Ok(MarkerState {
-            current_frame: u64::from_le_bytes(fields[0]),
-            marker: u64::from_le_bytes(fields[1]),
-            seq: u64::from_le_bytes(fields[2]),
-        })
+        Ok(MarkerState { current_frame: u64::from_le_bytes(fields[0]), marker: u64::from_le_bytes(fields[1]), seq: u64::from_le_bytes(fields[2]) })
     }
 }
 

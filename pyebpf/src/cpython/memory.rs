@@ -102,20 +102,13 @@ impl ReadMemory for ProcessMemory {
     fn read_many(&self, requests: &mut [(u64, &mut [u8])]) -> usize {
         let mut filled = 0;
         for chunk in requests.chunks_mut(IOV_MAX) {
-            let local: Vec<libc::iovec> = chunk
-                .iter_mut()
-                .map(|(_, buf)| libc::iovec { iov_base: buf.as_mut_ptr() as *mut libc::c_void, iov_len: buf.len() })
-                .collect();
-            let remote: Vec<libc::iovec> = chunk
-                .iter()
-                .map(|(addr, buf)| libc::iovec { iov_base: *addr as *mut libc::c_void, iov_len: buf.len() })
-                .collect();
+            let local: Vec<libc::iovec> =
+                chunk.iter_mut().map(|(_, buf)| libc::iovec { iov_base: buf.as_mut_ptr() as *mut libc::c_void, iov_len: buf.len() }).collect();
+            let remote: Vec<libc::iovec> = chunk.iter().map(|(addr, buf)| libc::iovec { iov_base: *addr as *mut libc::c_void, iov_len: buf.len() }).collect();
             let wanted: usize = chunk.iter().map(|(_, buf)| buf.len()).sum();
             self.count(wanted);
             // SAFETY: each local iovec covers its buffer; the kernel checks the remote ranges.
-            let read = unsafe {
-                libc::process_vm_readv(self.pid as libc::pid_t, local.as_ptr(), local.len() as u64, remote.as_ptr(), remote.len() as u64, 0)
-            };
+            let read = unsafe { libc::process_vm_readv(self.pid as libc::pid_t, local.as_ptr(), local.len() as u64, remote.as_ptr(), remote.len() as u64, 0) };
             let mut left = read.max(0) as usize;
             for (_, buf) in chunk.iter() {
                 if left < buf.len() {

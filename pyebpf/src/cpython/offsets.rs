@@ -74,43 +74,148 @@ struct Layout {
 }
 
 const LAYOUT_3_13: Layout = Layout {
-    free_threaded: 2, runtime_size: 3, interpreters_head: 5,
-    interp_size: 6, interp_id: 7, interp_next: 8, interp_threads_head: 9, interp_ceval_gil: 14, interp_gil: 15, gil_locked: 17, gil_holder: 18,
+    free_threaded: 2,
+    runtime_size: 3,
+    interpreters_head: 5,
+    interp_size: 6,
+    interp_id: 7,
+    interp_next: 8,
+    interp_threads_head: 9,
+    interp_ceval_gil: 14,
+    interp_gil: 15,
+    gil_locked: 17,
+    gil_holder: 18,
     code_object_generation: None,
-    tstate_size: 19, tstate_next: 21, tstate_current_frame: 23, tstate_last_profiled_frame: None,
-    tstate_last_profiled_seq: None, tstate_native_thread_id: 25, tstate_status: 27,
-    frame_size: 28, frame_previous: 29, frame_executable: 30, frame_instr_ptr: 31, frame_owner: 33,
-    code_size: 34, code_filename: 35, code_qualname: 37, code_linetable: 38, code_firstlineno: 39, code_adaptive: 43,
-    object_size: 44, object_type: 45, type_size: 46, type_name: 47, bytes_size: 64, bytes_ob_size: 65, bytes_data: 66,
-    unicode_size: 67, unicode_state: 68, unicode_length: 69, unicode_ascii_size: 70, unicode_compact_size: None,
-    entry_owner_min: 3, executable_tag_mask: 0, code_version: 92,
+    tstate_size: 19,
+    tstate_next: 21,
+    tstate_current_frame: 23,
+    tstate_last_profiled_frame: None,
+    tstate_last_profiled_seq: None,
+    tstate_native_thread_id: 25,
+    tstate_status: 27,
+    frame_size: 28,
+    frame_previous: 29,
+    frame_executable: 30,
+    frame_instr_ptr: 31,
+    frame_owner: 33,
+    code_size: 34,
+    code_filename: 35,
+    code_qualname: 37,
+    code_linetable: 38,
+    code_firstlineno: 39,
+    code_adaptive: 43,
+    object_size: 44,
+    object_type: 45,
+    type_size: 46,
+    type_name: 47,
+    bytes_size: 64,
+    bytes_ob_size: 65,
+    bytes_data: 66,
+    unicode_size: 67,
+    unicode_state: 68,
+    unicode_length: 69,
+    unicode_ascii_size: 70,
+    unicode_compact_size: None,
+    entry_owner_min: 3,
+    executable_tag_mask: 0,
+    code_version: 92,
 };
 
 const LAYOUT_3_14: Layout = Layout {
-    free_threaded: 2, runtime_size: 3, interpreters_head: 5,
-    interp_size: 6, interp_id: 7, interp_next: 8, interp_threads_head: 9, interp_ceval_gil: 15, interp_gil: 16, gil_locked: 18, gil_holder: 19,
+    free_threaded: 2,
+    runtime_size: 3,
+    interpreters_head: 5,
+    interp_size: 6,
+    interp_id: 7,
+    interp_next: 8,
+    interp_threads_head: 9,
+    interp_ceval_gil: 15,
+    interp_gil: 16,
+    gil_locked: 18,
+    gil_holder: 19,
     code_object_generation: Some(20),
-    tstate_size: 22, tstate_next: 24, tstate_current_frame: 26, tstate_last_profiled_frame: None,
-    tstate_last_profiled_seq: None, tstate_native_thread_id: 28, tstate_status: 30,
-    frame_size: 31, frame_previous: 32, frame_executable: 33, frame_instr_ptr: 34, frame_owner: 36,
-    code_size: 39, code_filename: 40, code_qualname: 42, code_linetable: 43, code_firstlineno: 44, code_adaptive: 48,
-    object_size: 50, object_type: 51, type_size: 52, type_name: 53, bytes_size: 74, bytes_ob_size: 75, bytes_data: 76,
-    unicode_size: 77, unicode_state: 78, unicode_length: 79, unicode_ascii_size: 80, unicode_compact_size: None,
-    entry_owner_min: 3, executable_tag_mask: 3, code_version: 92,
+    tstate_size: 22,
+    tstate_next: 24,
+    tstate_current_frame: 26,
+    tstate_last_profiled_frame: None,
+    tstate_last_profiled_seq: None,
+    tstate_native_thread_id: 28,
+    tstate_status: 30,
+    frame_size: 31,
+    frame_previous: 32,
+    frame_executable: 33,
+    frame_instr_ptr: 34,
+    frame_owner: 36,
+    code_size: 39,
+    code_filename: 40,
+    code_qualname: 42,
+    code_linetable: 43,
+    code_firstlineno: 44,
+    code_adaptive: 48,
+    object_size: 50,
+    object_type: 51,
+    type_size: 52,
+    type_name: 53,
+    bytes_size: 74,
+    bytes_ob_size: 75,
+    bytes_data: 76,
+    unicode_size: 77,
+    unicode_state: 78,
+    unicode_length: 79,
+    unicode_ascii_size: 80,
+    unicode_compact_size: None,
+    entry_owner_min: 3,
+    executable_tag_mask: 3,
+    code_version: 92,
 };
 
 /// 3.15.0b4 and later (b4 inserted `last_profiled_frame_seq`).
 const LAYOUT_3_15: Layout = Layout {
-    free_threaded: 2, runtime_size: 3, interpreters_head: 5,
-    interp_size: 6, interp_id: 7, interp_next: 8, interp_threads_head: 9, interp_ceval_gil: 15, interp_gil: 16, gil_locked: 18, gil_holder: 19,
+    free_threaded: 2,
+    runtime_size: 3,
+    interpreters_head: 5,
+    interp_size: 6,
+    interp_id: 7,
+    interp_next: 8,
+    interp_threads_head: 9,
+    interp_ceval_gil: 15,
+    interp_gil: 16,
+    gil_locked: 18,
+    gil_holder: 19,
     code_object_generation: Some(20),
-    tstate_size: 22, tstate_next: 24, tstate_current_frame: 26, tstate_last_profiled_frame: Some(28),
-    tstate_last_profiled_seq: Some(29), tstate_native_thread_id: 31, tstate_status: 33,
-    frame_size: 39, frame_previous: 40, frame_executable: 41, frame_instr_ptr: 42, frame_owner: 44,
-    code_size: 47, code_filename: 48, code_qualname: 50, code_linetable: 51, code_firstlineno: 52, code_adaptive: 56,
-    object_size: 58, object_type: 59, type_size: 60, type_name: 61, bytes_size: 86, bytes_ob_size: 87, bytes_data: 88,
-    unicode_size: 89, unicode_state: 90, unicode_length: 91, unicode_ascii_size: 92, unicode_compact_size: Some(93),
-    entry_owner_min: 3, executable_tag_mask: 3, code_version: 92,
+    tstate_size: 22,
+    tstate_next: 24,
+    tstate_current_frame: 26,
+    tstate_last_profiled_frame: Some(28),
+    tstate_last_profiled_seq: Some(29),
+    tstate_native_thread_id: 31,
+    tstate_status: 33,
+    frame_size: 39,
+    frame_previous: 40,
+    frame_executable: 41,
+    frame_instr_ptr: 42,
+    frame_owner: 44,
+    code_size: 47,
+    code_filename: 48,
+    code_qualname: 50,
+    code_linetable: 51,
+    code_firstlineno: 52,
+    code_adaptive: 56,
+    object_size: 58,
+    object_type: 59,
+    type_size: 60,
+    type_name: 61,
+    bytes_size: 86,
+    bytes_ob_size: 87,
+    bytes_data: 88,
+    unicode_size: 89,
+    unicode_state: 90,
+    unicode_length: 91,
+    unicode_ascii_size: 92,
+    unicode_compact_size: Some(93),
+    entry_owner_min: 3,
+    executable_tag_mask: 3,
+    code_version: 92,
 };
 
 /// A CPython version as `PY_VERSION_HEX` encodes it.
@@ -159,9 +264,7 @@ fn layout_for(version: PyVersion) -> Option<&'static Layout> {
     match (version.major(), version.minor()) {
         (3, 13) if release_candidate_or_later => Some(&LAYOUT_3_13),
         (3, 14) if release_candidate_or_later => Some(&LAYOUT_3_14),
-        (3, 15) if version.micro() > 0 || release_candidate_or_later || (version.level() == 0xb && version.serial() >= 4) => {
-            Some(&LAYOUT_3_15)
-        }
+        (3, 15) if version.micro() > 0 || release_candidate_or_later || (version.level() == 0xb && version.serial() >= 4) => Some(&LAYOUT_3_15),
         _ => None,
     }
 }
@@ -246,12 +349,14 @@ pub fn read_debug_offsets(mem: &impl ReadMemory, runtime: u64) -> Result<DebugOf
     };
     let l = layout;
     let runtime_fields = sized(l.runtime_size, MAX_STATE_SIZE, &[l.interpreters_head])?;
-    let interp = sized(l.interp_size, MAX_STATE_SIZE, &[l.interp_next, l.interp_threads_head, l.interp_ceval_gil, l.interp_gil, l.gil_locked, l.gil_holder, l.interp_id])?;
+    let interp = sized(
+        l.interp_size,
+        MAX_STATE_SIZE,
+        &[l.interp_next, l.interp_threads_head, l.interp_ceval_gil, l.interp_gil, l.gil_locked, l.gil_holder, l.interp_id],
+    )?;
     // The GIL may be another interpreter's (shared with the main one): its fields are read through
     // the `ceval.gil` pointer, relative to the start of the GIL structure.
-    let within_gil = |field: u64| {
-        field.checked_sub(interp[3]).ok_or_else(|| PyError::BadOffsets(format!("GIL field {field} before the GIL at {}", interp[3])))
-    };
+    let within_gil = |field: u64| field.checked_sub(interp[3]).ok_or_else(|| PyError::BadOffsets(format!("GIL field {field} before the GIL at {}", interp[3])));
     let tstate = sized(l.tstate_size, MAX_OBJECT_SIZE, &[l.tstate_next, l.tstate_current_frame, l.tstate_native_thread_id, l.tstate_status])?;
     let marker = match (l.tstate_last_profiled_frame, l.tstate_last_profiled_seq) {
         (Some(frame), Some(seq)) => Some(sized(l.tstate_size, MAX_OBJECT_SIZE, &[frame, seq])?),
@@ -327,7 +432,17 @@ mod tests {
         fields[0] = u64::from_le_bytes(*b"xdebugpy");
         fields[1] = version;
         fields[layout.free_threaded] = 0;
-        for size in [layout.runtime_size, layout.interp_size, layout.tstate_size, layout.frame_size, layout.code_size, layout.bytes_size, layout.unicode_size, layout.object_size, layout.type_size] {
+        for size in [
+            layout.runtime_size,
+            layout.interp_size,
+            layout.tstate_size,
+            layout.frame_size,
+            layout.code_size,
+            layout.bytes_size,
+            layout.unicode_size,
+            layout.object_size,
+            layout.type_size,
+        ] {
             fields[size] = 256;
         }
         fields[layout.interp_gil] = 64;
@@ -366,7 +481,9 @@ mod tests {
     #[test]
     fn refuses_implausible_offsets_and_sizes() {
         let l = &LAYOUT_3_14;
-        for (field, value) in [(l.frame_previous, 256), (l.code_qualname, u64::MAX), (l.frame_size, 0), (l.code_size, 1 << 20), (l.type_name, 4096), (l.gil_locked, 8)] {
+        for (field, value) in
+            [(l.frame_previous, 256), (l.code_qualname, u64::MAX), (l.frame_size, 0), (l.code_size, 1 << 20), (l.type_name, 4096), (l.gil_locked, 8)]
+        {
             let mut fields = table(l, 0x030e00f0);
             fields[field] = value;
             assert!(matches!(read(&fields), Err(PyError::BadOffsets(_))), "field {field} = {value} accepted");

@@ -16,9 +16,7 @@ const MAX_ELF_SIZE: u64 = 512 << 20;
 
 /// Whether a mapped file looks like a CPython interpreter or its shared library.
 fn is_python_file(path: &Path) -> bool {
-    path.file_name().and_then(|n| n.to_str()).is_some_and(|name| {
-        name.starts_with("libpython3") || (name.starts_with("python3") && !name.ends_with(".py"))
-    })
+    path.file_name().and_then(|n| n.to_str()).is_some_and(|name| name.starts_with("libpython3") || (name.starts_with("python3") && !name.ends_with(".py")))
 }
 
 /// Whether `pid` is gone: no /proc entry, or exiting or exited and not yet reaped (its /proc entry
@@ -102,15 +100,9 @@ fn runtime_in_file(pid: u32, path: &Path, mapped_at: u64) -> std::io::Result<Opt
 /// [`runtime_in_file`] on the file's bytes, however they are read (public for fuzzing).
 pub fn runtime_in_elf<'data, R: ReadRef<'data>>(data: R, mapped_at: u64) -> Option<(u64, Option<PyVersion>)> {
     let elf = object::File::parse(data).ok()?;
-    let runtime = elf
-        .section_by_name(".PyRuntime")
-        .map(|section| section.address())
-        .or_else(|| {
-            elf.dynamic_symbols()
-                .chain(elf.symbols())
-                .find(|symbol| symbol.name() == Ok("_PyRuntime") && symbol.is_definition())
-                .map(|symbol| symbol.address())
-        });
+    let runtime = elf.section_by_name(".PyRuntime").map(|section| section.address()).or_else(|| {
+        elf.dynamic_symbols().chain(elf.symbols()).find(|symbol| symbol.name() == Ok("_PyRuntime") && symbol.is_definition()).map(|symbol| symbol.address())
+    });
     // The first loadable segment (file offset 0) is mapped at `mapped_at`.
     let first_vaddr = elf.segments().map(|segment| segment.address()).min().unwrap_or(0) & !0xfff;
     let bias = mapped_at.wrapping_sub(first_vaddr);

@@ -21,7 +21,8 @@ impl Drop for Target {
 
 /// Starts Debian's `python3.X` with two threads waiting, and attaches once it is ready.
 fn attach(version: &str) -> (Target, PyProcess) {
-    let code = "import sys, threading\nhold = threading.Event()\nthreading.Thread(target=hold.wait, daemon=True).start()\nopen(sys.argv[1], 'w').close()\nhold.wait()";
+    let code =
+        "import sys, threading\nhold = threading.Event()\nthreading.Thread(target=hold.wait, daemon=True).start()\nopen(sys.argv[1], 'w').close()\nhold.wait()";
     attach_running(version, code)
 }
 
@@ -214,7 +215,11 @@ fn a_thread_in_a_subinterpreter_is_read_in_the_state_it_runs_in() {
         assert_eq!(innermost(&mut process, main.current_frame).as_deref(), Some("sub_spin"), "{version}");
         let parked = main_states.iter().find(|t| t.interpreter == 0).unwrap();
         assert!(!parked.active, "{version}: {parked:?}");
-        assert_eq!(innermost(&mut process, parked.current_frame).as_deref(), Some(if version == "3.13" { "<lambda>" } else { "Interpreter.exec" }), "{version}");
+        assert_eq!(
+            innermost(&mut process, parked.current_frame).as_deref(),
+            Some(if version == "3.13" { "<lambda>" } else { "Interpreter.exec" }),
+            "{version}"
+        );
         let waiting = threads.iter().find(|t| t.tid != main_tid).unwrap();
         assert_eq!((waiting.interpreter, innermost(&mut process, waiting.current_frame).as_deref()), (0, Some("Condition.wait")), "{version}");
     }

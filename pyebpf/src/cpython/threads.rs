@@ -171,13 +171,7 @@ mod tests {
     fn each_thread_keeps_the_state_it_runs_in() {
         // Newest interpreter first, as CPython lists them: thread 1 runs in interpreter 2 (which it
         // entered from interpreter 0), thread 3 in interpreter 0, thread 4 is detached in both.
-        let states = vec![
-            state(1, 0x10, 2, true),
-            state(4, 0x40, 2, false),
-            state(1, 0x11, 0, false),
-            state(3, 0x30, 0, true),
-            state(4, 0x41, 0, false),
-        ];
+        let states = vec![state(1, 0x10, 2, true), state(4, 0x40, 2, false), state(1, 0x11, 0, false), state(3, 0x30, 0, true), state(4, 0x41, 0, false)];
         let tstates: Vec<(u32, u64)> = current_states(states).iter().map(|t| (t.tid, t.tstate)).collect();
         assert_eq!(tstates, [(1, 0x10), (4, 0x40), (3, 0x30)]);
         // The active state wins wherever it is listed.

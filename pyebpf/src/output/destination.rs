@@ -20,9 +20,9 @@
 use std::ffi::{CString, OsStr};
 use std::fs::{self, File, OpenOptions, Permissions};
 use std::io::{self, BufWriter, IsTerminal, Write};
+use std::os::fd::AsRawFd;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt, PermissionsExt};
-use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -107,12 +107,7 @@ impl Destination {
     }
 
     /// Writes what `encode` produces here; `path` is the name the user gave, for messages.
-    pub fn write(
-        &self,
-        path: &Path,
-        format: OutputFormat,
-        encode: impl FnOnce(&mut dyn Write) -> io::Result<()>,
-    ) -> Result<(), OutputError> {
+    pub fn write(&self, path: &Path, format: OutputFormat, encode: impl FnOnce(&mut dyn Write) -> io::Result<()>) -> Result<(), OutputError> {
         match self {
             Destination::Stdout => {
                 let stdout = io::stdout();
@@ -122,8 +117,7 @@ impl Destination {
             Destination::InPlace(target) => {
                 // No O_CREAT, no O_TRUNC: the node exists and stays as it is; O_NOCTTY so a terminal
                 // named here does not become pyebpf's controlling terminal.
-                let file =
-                    OpenOptions::new().write(true).custom_flags(libc::O_NOCTTY).open(target).map_err(OutputError::io(target))?;
+                let file = OpenOptions::new().write(true).custom_flags(libc::O_NOCTTY).open(target).map_err(OutputError::io(target))?;
                 refuse_binary_on_terminal(&file, format, path)?;
                 fill(&file, encode).map_err(OutputError::io(target))
             }
@@ -280,9 +274,7 @@ fn refuse_binary_on_terminal(out: &impl IsTerminal, format: OutputFormat, path: 
 /// again on the open file): majors 4 and 5 are the virtual consoles, serial lines and `/dev/tty`,
 /// 136 to 143 the pseudo-terminals (Linux's `devices.txt`).
 fn is_terminal_device(path: &Path) -> bool {
-    fs::metadata(path).is_ok_and(|meta| {
-        meta.file_type().is_char_device() && matches!(libc::major(meta.rdev()), 4 | 5 | 136..=143)
-    })
+    fs::metadata(path).is_ok_and(|meta| meta.file_type().is_char_device() && matches!(libc::major(meta.rdev()), 4 | 5 | 136..=143))
 }
 
 /// Whether this process may `mode` (`W_OK`, ...) `path`, as `open` would decide (effective ids), without opening it.

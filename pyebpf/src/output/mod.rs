@@ -207,9 +207,7 @@ pub(crate) fn native_name(frame: &NativeFrame) -> Cow<'_, str> {
     }
     match &frame.module {
         Some(module) => {
-            let file_name = Path::new(&*module.path)
-                .file_name()
-                .map_or_else(|| module.path.to_string(), |name| name.to_string_lossy().into_owned());
+            let file_name = Path::new(&*module.path).file_name().map_or_else(|| module.path.to_string(), |name| name.to_string_lossy().into_owned());
             let offset = frame.addr.wrapping_sub(module.start).wrapping_add(module.file_offset);
             Cow::Owned(format!("{file_name}+{offset:#x}"))
         }
@@ -290,15 +288,7 @@ pub(crate) mod test_profile {
         ];
         profile.add(key(100, 100, "app", python_stack.clone()), 7);
         profile.add(key(100, 101, "app", python_stack), 3);
-        profile.add(
-            key(
-                200,
-                200,
-                "busy;loop",
-                vec![native(&exe, 0x40_2000, Some("leaf_fn")), native(&exe, 0x40_1000, Some("main"))],
-            ),
-            5,
-        );
+        profile.add(key(200, 200, "busy;loop", vec![native(&exe, 0x40_2000, Some("leaf_fn")), native(&exe, 0x40_1000, Some("main"))]), 5);
         profile
     }
 }

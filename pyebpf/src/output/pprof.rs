@@ -125,11 +125,7 @@ impl Builder {
     fn sample(&mut self, key: &Stack<'_>, count: u64, period: i64) -> proto::Sample {
         let location_id = key.frames.iter().map(|frame| self.location(frame)).collect();
         let count = to_i64(count);
-        let mut label = vec![
-            self.number_label("pid", key.pid.into()),
-            self.number_label("tid", key.tid.into()),
-            self.string_label("comm", key.comm),
-        ];
+        let mut label = vec![self.number_label("pid", key.pid.into()), self.number_label("tid", key.tid.into()), self.string_label("comm", key.comm)];
         if let Some(labels) = key.labels {
             if let Some(ns_pid) = labels.ns_pid {
                 label.push(self.number_label("ns_pid", ns_pid.into()));
@@ -177,21 +173,11 @@ impl Builder {
     fn native_location(&mut self, frame: &NativeFrame) -> LocationKey {
         let mapping_id = frame.module.as_ref().map_or(0, |module| self.mapping(MappingKey::Module(module.clone())));
         let filename = frame.file.as_deref().unwrap_or("");
-        LocationKey {
-            mapping_id,
-            address: frame.addr,
-            function_id: self.function(&native_name(frame), filename, 0),
-            line: frame.line.map_or(0, i64::from),
-        }
+        LocationKey { mapping_id, address: frame.addr, function_id: self.function(&native_name(frame), filename, 0), line: frame.line.map_or(0, i64::from) }
     }
 
     fn kernel_location(&mut self, frame: &KernelFrame) -> LocationKey {
-        LocationKey {
-            mapping_id: self.mapping(MappingKey::Kernel),
-            address: frame.addr,
-            function_id: self.function(&kernel_name(frame), "", 0),
-            line: 0,
-        }
+        LocationKey { mapping_id: self.mapping(MappingKey::Kernel), address: frame.addr, function_id: self.function(&kernel_name(frame), "", 0), line: 0 }
     }
 
     fn python_location(&mut self, frame: &PythonFrame) -> LocationKey {
@@ -209,13 +195,7 @@ impl Builder {
             return id;
         }
         let id = self.functions.len() as u64 + 1;
-        self.functions.push(proto::Function {
-            id,
-            name: key.name,
-            system_name: key.name,
-            filename: key.filename,
-            start_line,
-        });
+        self.functions.push(proto::Function { id, name: key.name, system_name: key.name, filename: key.filename, start_line });
         self.function_ids.insert(key, id);
         id
     }

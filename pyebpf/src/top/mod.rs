@@ -184,7 +184,16 @@ mod tests {
     use super::*;
 
     fn view() -> View {
-        View { sort: SortBy::Own, frames: FrameView::Merged, paused: false, shown: Snapshot::default(), windows: 0, lost: 0, frequency_hz: 99, targets: String::new() }
+        View {
+            sort: SortBy::Own,
+            frames: FrameView::Merged,
+            paused: false,
+            shown: Snapshot::default(),
+            windows: 0,
+            lost: 0,
+            frequency_hz: 99,
+            targets: String::new(),
+        }
     }
 
     fn press(view: &mut View, code: KeyCode, modifiers: KeyModifiers) -> Action {

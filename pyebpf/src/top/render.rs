@@ -67,13 +67,20 @@ fn draw_table(frame: &mut Frame, area: Rect, view: &View) {
     let header = TableRow::new(HEADERS.iter().enumerate().map(|(i, title)| {
         let sorted = (i == 0 && view.sort == SortBy::Own) || (i == 1 && view.sort == SortBy::Total);
         let cell = Cell::from(*title);
-        if sorted { cell.underlined() } else { cell }
+        if sorted {
+            cell.underlined()
+        } else {
+            cell
+        }
     }))
     .bold();
     let seconds_per_sample = 1.0 / view.frequency_hz.max(1) as f64;
-    let rows = view.shown.rows(view.frames).iter().take(area.height.saturating_sub(1) as usize).map(|row| {
-        table_row(row, view.shown.samples, seconds_per_sample, location_width)
-    });
+    let rows = view
+        .shown
+        .rows(view.frames)
+        .iter()
+        .take(area.height.saturating_sub(1) as usize)
+        .map(|row| table_row(row, view.shown.samples, seconds_per_sample, location_width));
     frame.render_widget(Table::new(rows, widths).header(header).column_spacing(1), area);
 }
 

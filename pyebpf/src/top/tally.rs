@@ -61,7 +61,10 @@ impl Function {
         let (name, location, python) = match frame {
             Frame::Python(python) => (python.qualname.clone(), format!("{}:{}", python.filename, python.first_line).into(), true),
             Frame::Native(native) => {
-                let module = native.module.as_ref().map(|module| Path::new(&*module.path).file_name().map_or(module.path.to_string(), |name| name.to_string_lossy().into_owned()));
+                let module = native
+                    .module
+                    .as_ref()
+                    .map(|module| Path::new(&*module.path).file_name().map_or(module.path.to_string(), |name| name.to_string_lossy().into_owned()));
                 (native.symbol.clone().unwrap_or_else(unknown), module.unwrap_or_default().into(), false)
             }
             Frame::Kernel(kernel) => (kernel.symbol.clone().unwrap_or_else(unknown), "[kernel]".into(), false),

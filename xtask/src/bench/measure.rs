@@ -37,12 +37,7 @@ impl Measured {
 /// `window` (from, to) after the start, also the CPU it used between those moments.
 pub fn run_measured(command: &mut Command, window: Option<(Duration, Duration)>) -> Result<Measured> {
     let started = Instant::now();
-    let mut child = command
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .with_context(|| format!("start {command:?}"))?;
+    let mut child = command.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().with_context(|| format!("start {command:?}"))?;
     let drain = |mut pipe: Box<dyn Read + Send>| {
         std::thread::spawn(move || {
             let mut text = Vec::new();
@@ -86,9 +81,8 @@ pub fn run_measured(command: &mut Command, window: Option<(Duration, Duration)>)
 /// The time all threads of `pid` have run, in ns (schedstat: exact, unlike clock ticks).
 fn threads_cpu_ns(pid: u32) -> Option<u64> {
     let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).ok()?;
-    let run_ns = |task: std::fs::DirEntry| -> Option<u64> {
-        std::fs::read_to_string(task.path().join("schedstat")).ok()?.split_whitespace().next()?.parse().ok()
-    };
+    let run_ns =
+        |task: std::fs::DirEntry| -> Option<u64> { std::fs::read_to_string(task.path().join("schedstat")).ok()?.split_whitespace().next()?.parse().ok() };
     Some(tasks.flatten().filter_map(run_ns).sum())
 }
 

@@ -206,11 +206,7 @@ fn targets_table(results: &Value) -> String {
     // steady-rate estimate cannot tell apart; 10 against 1 is not starved.
     let startup_at = |n: u32| find(&results["scale"], |r| r["processes"] == n && r["hz"] == 99).and_then(|r| r["startup_cpu_ms"].as_f64());
     let per_process = ratio(startup_at(10).zip(startup_at(1)).map(|(a, b)| a - b), Some(9.0)).filter(|p| *p >= 0.0);
-    line(
-        "start-up < 50 ms per attached process (`record -a`, 10 processes vs 1, 99 Hz)",
-        format!("{} ms", f(per_process)),
-        per_process.map(|p| p < 50.0),
-    );
+    line("start-up < 50 ms per attached process (`record -a`, 10 processes vs 1, 99 Hz)", format!("{} ms", f(per_process)), per_process.map(|p| p < 50.0));
     let lost = fifty.and_then(|r| r["lost"].as_f64());
     line("50 processes at 999 Hz: 0 lost", f(lost), lost.map(|l| l == 0.0));
     let share = fifty.and_then(|r| r["share_of_one_core"].as_f64()).map(|s| s * 100.0);
@@ -218,11 +214,7 @@ fn targets_table(results: &Value) -> String {
     let rss = fifty.and_then(|r| r["max_rss_mb"].as_f64());
     line("50 processes at 999 Hz: max RSS under 100 MB", format!("{} MB", f(rss)), rss.map(|r| r < 100.0));
     let ours_split = split("pyebpf");
-    line(
-        "split error no worse than the best competitor",
-        format!("{} pp vs {best_other:.2} pp", f(ours_split)),
-        ours_split.map(|o| o <= best_other + 0.5),
-    );
+    line("split error no worse than the best competitor", format!("{} pp vs {best_other:.2} pp", f(ours_split)), ours_split.map(|o| o <= best_other + 0.5));
     md
 }
 
