@@ -23,6 +23,7 @@ pub struct Cli {
 #[derive(Subcommand, Debug)]
 pub enum Command {
     /// Sample CPU stacks and write a profile (pprof or collapsed)
+    #[command(long_about = RECORD_ABOUT)]
     Record(RecordArgs),
     /// Print the Python stack of every thread of a running CPython 3.13+ process
     Dump(DumpArgs),
@@ -40,7 +41,15 @@ const TOP_ABOUT: &str = "Live view of the hottest functions on the host, refresh
     the process (COMM PID).\n\n\
     Keys: o sort by own time, t sort by total time, p switch between Python frames only and merged \
     native + Python frames, space pause the display (sampling goes on), q, Esc or Ctrl-C quit.\n\n\
-    Needs a terminal of at least 60x10 on standard output.";
+    Needs a terminal of at least 60x10 on standard output.\n\n\
+    SIGINT, SIGTERM and SIGHUP quit, as for `record`.";
+
+const RECORD_ABOUT: &str = "Sample CPU stacks and write a profile (pprof or collapsed).\n\n\
+    Stop signals, from pyebpf's start to its exit: SIGINT (Ctrl-C) and SIGTERM stop the recording and \
+    write the profile, also when the parent left them ignored (a script's background job can be \
+    stopped with `kill -INT`). SIGHUP does the same, unless the parent left it ignored: under \
+    `nohup` the recording outlives the terminal. With COMMAND, the first stop signal is passed to \
+    COMMAND and pyebpf writes once it exits; a second one stops pyebpf at once (it still writes).";
 
 /// Which processes' samples are kept, for `record` and `top`.
 #[derive(Args, Debug)]
@@ -68,7 +77,7 @@ pub enum OutputFormat {
     Collapsed,
     /// An interactive flame graph (SVG) to open in a browser
     Svg,
-    /// speedscope's JSON file format, for https://www.speedscope.app or `npx speedscope`
+    /// speedscope's JSON file format, for `https://www.speedscope.app` or `npx speedscope`
     Speedscope,
 }
 
@@ -115,9 +124,9 @@ pub struct RecordArgs {
     #[arg(short = 'o', long = "output", value_name = "PATH", default_value = "profile.pb.gz")]
     pub output: PathBuf,
 
-    /// Output format [default: from the output's extension: .pb.gz/.pprof -> pprof,
+    /// Output format (default: from the output's extension: .pb.gz/.pprof -> pprof,
     /// .folded/.txt/.collapsed -> collapsed, .svg -> svg, .speedscope.json -> speedscope; a name
-    /// without an extension (`-`, a device) -> pprof; any other extension is an error]
+    /// without an extension (`-`, a device) -> pprof; any other extension is an error)
     #[arg(long = "format", value_enum)]
     pub format: Option<OutputFormat>,
 
@@ -167,8 +176,8 @@ pub struct RecordArgs {
 
     /// Python frames walked at most per sample; deeper stacks keep their innermost frames and
     /// are marked truncated
-    #[arg(long = "max-python-frames", value_name = "N", default_value_t = 512, allow_negative_numbers = true,
-          value_parser = clap::value_parser!(u32).range(1..=512))]
+    #[arg(long = "max-python-frames", value_name = "N", default_value_t = DEFAULT_MAX_PYTHON_FRAMES, allow_negative_numbers = true,
+          value_parser = clap::value_parser!(u32).range(1..=pyebpf_common::MAX_PY_FRAMES as i64))]
     pub max_python_frames: u32,
 
     /// Print statistics at the end: samples, lost samples, Python frames read and cached, remote reads
@@ -176,7 +185,7 @@ pub struct RecordArgs {
     pub stats: bool,
 
     /// Size of the kernel-to-user sample ring buffer, in KiB (a power of two, at least 4)
-    #[arg(long = "ring-buffer-kb", value_name = "KIB", default_value_t = 4096, value_parser = parse_ring_buffer_kb, allow_negative_numbers = true)]
+    #[arg(long = "ring-buffer-kb", value_name = "KIB", default_value_t = DEFAULT_RING_BUFFER_KB, value_parser = parse_ring_buffer_kb, allow_negative_numbers = true)]
     pub ring_buffer_kb: u32,
 
     /// With -p: also profile the children the given processes start after pyebpf attached
@@ -188,11 +197,18 @@ pub struct RecordArgs {
     #[arg(long = "group-by", value_enum, default_value = "process")]
     pub group_by: GroupBy,
 
-    /// Launch COMMAND and profile it and its children until it exits; SIGINT/SIGTERM are passed
-    /// to it first (a second one stops pyebpf while it runs)
+    /// Launch COMMAND and profile it and its children until it exits; the first stop signal
+    /// (SIGINT, SIGTERM, SIGHUP) is passed to it (a second one stops pyebpf while it runs).
+    /// COMMAND starts with the signal dispositions pyebpf's parent left
     #[arg(last = true, value_name = "COMMAND")]
     pub command: Vec<String>,
 }
+
+/// `--max-python-frames` unless given (and what `top` walks).
+pub const DEFAULT_MAX_PYTHON_FRAMES: u32 = pyebpf_common::MAX_PY_FRAMES as u32;
+
+/// `--ring-buffer-kb` unless given (and `top`'s).
+pub const DEFAULT_RING_BUFFER_KB: u32 = 4096;
 
 /// The longest `--duration` and `--rotate`: a year.
 const MAX_SECONDS: u64 = 365 * 24 * 3600;

@@ -19,6 +19,7 @@ pub mod record;
 pub mod report;
 pub mod stack;
 pub mod stats;
+pub mod stop_signals;
 pub mod summary;
 pub mod symbolize;
 pub mod target_file;

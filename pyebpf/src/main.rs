@@ -4,6 +4,11 @@ use pyebpf::cli::{Cli, Command};
 use pyebpf::report;
 
 fn main() {
+    // Before anything else, so a stop signal has the same effect at every moment of the run.
+    if let Err(err) = pyebpf::stop_signals::install() {
+        report!("cannot install the stop-signal handlers: {err}");
+        std::process::exit(1);
+    }
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         // A bad value is one line, like every other error; clap's usage help stays for the rest.
@@ -15,7 +20,11 @@ fn main() {
     };
     let result: anyhow::Result<()> = match cli.command {
         Command::Record(args) => pyebpf::record::run(args),
-        Command::Dump(args) => pyebpf::cpython::dump::run(args),
+        Command::Dump(args) => {
+            // dump writes as it goes: a stop signal ends it at once.
+            pyebpf::stop_signals::exit_at_once();
+            pyebpf::cpython::dump::run(args)
+        }
         Command::Top(args) => pyebpf::top::run(args),
     };
     if let Err(err) = result {

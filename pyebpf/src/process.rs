@@ -63,7 +63,7 @@ pub fn all_pids() -> Vec<u32> {
     procfs::process::all_processes().map_or_else(|_| Vec::new(), |all| all.filter_map(|p| p.ok().map(|p| p.pid as u32)).collect())
 }
 
-/// The launched `COMMAND`: the first SIGINT or SIGTERM pyebpf gets is passed on to it, as perf and
+/// The launched `COMMAND`: the first stop signal pyebpf gets is passed on to it, as perf and
 /// py-spy do, and the recording goes on until it exits.
 pub struct Launched {
     child: Child,
@@ -79,6 +79,7 @@ impl Launched {
         let spawn_error = |cause| TargetError::Spawn { command: command.join(" "), cause };
         let mut launched = Command::new(program);
         launched.args(args);
+        crate::stop_signals::as_inherited(&mut launched);
         if stdout_to_stderr {
             launched.stdout(Stdio::from(std::io::stderr().as_fd().try_clone_to_owned().map_err(spawn_error)?));
         }

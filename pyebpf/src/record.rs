@@ -9,7 +9,6 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use anyhow::{Context, Result};
 use hashbrown::HashSet;
 use pyebpf_common::{user_status, ProcessEvent, SampleRecord};
-use tokio::signal::unix::{signal, SignalKind};
 
 use crate::bpf::{check_privileges, Sampler, SamplerOptions};
 use crate::cli::{GroupBy, RecordArgs, UnwindMode};
@@ -25,6 +24,7 @@ use crate::reader::{Record, RecordBatch};
 use crate::report;
 use crate::stack::{FrameCarry, FrameId, Profile, SampleStack};
 use crate::stats::Stats;
+use crate::stop_signals::StopSignals;
 use crate::summary::{RunTotals, Summary};
 use crate::symbolize::Symbolizer;
 use crate::unwind::{Snapshot, StackUnwinder, Unwound};
@@ -319,12 +319,8 @@ fn unix_now_ns() -> i64 {
 /// Records until the end of the run; returns its last (or only) profile, and with `--rotate` what
 /// the periods written before it add up to.
 async fn record(args: &RecordArgs, watched: &Watched, sink: &Arc<ProfileSink>) -> Result<(Profile, Stats, Option<WrittenPeriods>)> {
-    // Installed before the command starts, so a signal never finds pyebpf without its handlers,
-    // and the command starts with these signals at their defaults (exec resets handled signals).
-    let mut interrupt = signal(SignalKind::interrupt()).context("install the SIGINT handler")?;
-    let mut terminate = signal(SignalKind::terminate()).context("install the SIGTERM handler")?;
-    // A closed terminal or session (SIGHUP) ends the recording like Ctrl-C: the profile is written.
-    let mut hangup = signal(SignalKind::hangup()).context("install the SIGHUP handler")?;
+    // Stop signals that came while pyebpf loaded are read here too (see `stop_signals`).
+    let mut stops = StopSignals::new().context("read stop signals")?;
     let options = SamplingOptions { marker: !args.no_cache, read_only: args.read_only, max_frames: args.max_python_frames };
     let mut resolver = SampleResolver::new(options, args.no_native, args.filter.sample_filter(), args.unwind);
     let mut stats = Stats::default();
@@ -369,9 +365,7 @@ async fn record(args: &RecordArgs, watched: &Watched, sink: &Arc<ProfileSink>) -
                 read?;
                 add_samples(&mut batch, &mut resolver, &mut sampler, &mut profile, &mut stats);
             }
-            _ = interrupt.recv() => if !pass_to_command(&mut command, libc::SIGINT) { break },
-            _ = terminate.recv() => if !pass_to_command(&mut command, libc::SIGTERM) { break },
-            _ = hangup.recv() => break,
+            signal = stops.next() => if !pass_to_command(&mut command, signal) { break },
             _ = next_period(&mut rotation) => if let Some(writer) = &writer {
                 rotate(writer, &mut resolver, &mut profile, &mut started, sampler.lost_samples());
             },

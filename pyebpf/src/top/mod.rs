@@ -9,15 +9,15 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use ratatui::crossterm::event::{Event, KeyCode, KeyEvent, KeyEventKind, KeyModifiers};
-use tokio::signal::unix::{signal, SignalKind};
 
 use crate::bpf::{check_privileges, SamplerOptions};
-use crate::cli::{TopArgs, UnwindMode};
+use crate::cli::{TopArgs, UnwindMode, DEFAULT_MAX_PYTHON_FRAMES, DEFAULT_RING_BUFFER_KB};
 use crate::process::{self, Watched};
 use crate::python_sampling::SamplingOptions;
 use crate::reader::RecordBatch;
 use crate::record::{add_samples, SampleResolver, TICK};
 use crate::stats::Stats;
+use crate::stop_signals::StopSignals;
 use tally::{FrameView, Snapshot, SortBy, Tally};
 use terminal::Screen;
 
@@ -93,10 +93,8 @@ pub fn run(args: TopArgs) -> Result<()> {
 }
 
 async fn top(args: &TopArgs) -> Result<()> {
-    let mut interrupt = signal(SignalKind::interrupt()).context("install the SIGINT handler")?;
-    let mut terminate = signal(SignalKind::terminate()).context("install the SIGTERM handler")?;
-    let mut hangup = signal(SignalKind::hangup()).context("install the SIGHUP handler")?;
-    let options = SamplingOptions { marker: true, read_only: args.read_only, max_frames: 512 };
+    let mut stops = StopSignals::new().context("read stop signals")?;
+    let options = SamplingOptions { marker: true, read_only: args.read_only, max_frames: DEFAULT_MAX_PYTHON_FRAMES };
     let mut resolver = SampleResolver::new(options, false, args.filter.sample_filter(), UnwindMode::Auto);
     let mut stats = Stats::default();
     let targets = (!args.pid.is_empty()).then(|| args.pid.clone());
@@ -105,7 +103,7 @@ async fn top(args: &TopArgs) -> Result<()> {
         kernel_stacks: false,
         targets,
         follow_forks: false,
-        ring_buffer_kb: 4096,
+        ring_buffer_kb: DEFAULT_RING_BUFFER_KB,
         program_stats: false,
         snapshot_all: false,
     };
@@ -153,9 +151,7 @@ async fn top(args: &TopArgs) -> Result<()> {
                 Some(Err(err)) => return Err(err).context("cannot read the keyboard"),
                 None => Action::Quit,
             },
-            _ = interrupt.recv() => Action::Quit,
-            _ = terminate.recv() => Action::Quit,
-            _ = hangup.recv() => Action::Quit,
+            _ = stops.next() => Action::Quit,
         };
         match action {
             Action::Quit => return Ok(()),
