@@ -1,27 +1,137 @@
 //! Helpers shared by the end-to-end tests in `tests/tests/`: they run the real `pyebpf` binary
 //! (`PYEBPF_BIN`) against real processes; `cargo xtask test` sets the environment.
 
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+/// The value of `name`, one of the variables `cargo xtask test` sets; without it (a plain `cargo
+/// test`), one line says so and the test binary exits, rather than a panic per test.
+pub fn xtask_env(name: &str) -> String {
+    std::env::var(name).unwrap_or_else(|_| needs_xtask(&format!("{name} is not set")))
+}
+
+/// Says in one line that these tests need what `cargo xtask test` provides (`missing` is what is
+/// not there) and ends the test binary with status 2.
+pub fn needs_xtask(missing: &str) -> ! {
+    eprintln!("{missing}: these tests run under `cargo xtask test`, which builds pyebpf, installs what they need and sets it up");
+    std::process::exit(2);
+}
+
+/// The test interpreters' prefix (`PYEBPF_PYTHONS`).
+pub fn test_pythons() -> PathBuf {
+    PathBuf::from(xtask_env("PYEBPF_PYTHONS"))
+}
+
 pub fn pyebpf() -> PathBuf {
-    let bin = PathBuf::from(std::env::var("PYEBPF_BIN").expect("PYEBPF_BIN must name the pyebpf binary (cargo xtask test sets it)"));
+    let bin = PathBuf::from(xtask_env("PYEBPF_BIN"));
     assert!(bin.exists(), "PYEBPF_BIN {} does not exist", bin.display());
     bin
 }
 
+/// The signals a test may send, and those a shell or `nohup` may have left ignored or blocked.
+const STOP_SIGNALS: [libc::c_int; 4] = [libc::SIGINT, libc::SIGTERM, libc::SIGHUP, libc::SIGQUIT];
+
+/// Has `command` start with SIGINT, SIGTERM, SIGHUP and SIGQUIT at their defaults and unblocked,
+/// whatever the test suite inherited (`nohup`, a script's background job): what a test sends then
+/// has the effect it has on a plain start. Tests of other dispositions set them after this.
+pub fn with_default_signals(command: &mut Command) -> &mut Command {
+    // SAFETY: between fork and exec the closure calls only signal and sigprocmask functions,
+    // which are async-signal-safe, on a set of its own.
+    unsafe {
+        command.pre_exec(|| {
+            let mut set = std::mem::zeroed::<libc::sigset_t>();
+            libc::sigemptyset(&mut set);
+            for signal in STOP_SIGNALS {
+                if libc::signal(signal, libc::SIG_DFL) == libc::SIG_ERR {
+                    return Err(std::io::Error::last_os_error());
+                }
+                libc::sigaddset(&mut set, signal);
+            }
+            if libc::pthread_sigmask(libc::SIG_UNBLOCK, &set, std::ptr::null_mut()) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        })
+    }
+}
+
+/// `pyebpf`, to be started with its stop signals at their defaults ([`with_default_signals`]).
+pub fn pyebpf_command() -> Command {
+    let mut command = Command::new(pyebpf());
+    with_default_signals(&mut command);
+    command
+}
+
+/// A signal sent to a child: what it was and when, for the report if the child does not stop.
+pub struct Sent {
+    pub name: &'static str,
+    pub signal: libc::c_int,
+    /// Milliseconds after the child's start.
+    pub after_ms: u64,
+    /// The child's `SigIgn`, `SigBlk` and `SigCgt` lines just after it was started (what it
+    /// inherited, unless it had already set its own).
+    pub at_start: String,
+}
+
+/// The `Sig*` lines of `/proc/PID/status`.
+pub fn signal_masks(pid: u32) -> String {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status.lines().filter(|l| ["SigIgn:", "SigBlk:", "SigCgt:"].iter().any(|k| l.starts_with(k))).collect::<Vec<_>>().join(" ")
+}
+
+/// Each thread of `pid` as `TID COMM (WCHAN)`: where a stuck process waits.
+pub fn threads_and_wchans(pid: u32) -> String {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return "(gone)".into() };
+    let read = |tid: &str, file: &str| std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/{file}")).unwrap_or_default().trim().to_string();
+    tasks
+        .filter_map(|t| t.ok())
+        .map(|t| {
+            let tid = t.file_name().to_string_lossy().into_owned();
+            format!("{tid} {} ({})", read(&tid, "comm"), read(&tid, "wchan"))
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// Waits up to `limit` for `child` to exit after `sent`; returns its output. If it does not, it
+/// says why it might not have (the signal, the moment, its masks at the start and now, each
+/// thread's name and wait channel), kills it, and panics.
+pub fn wait_after_signal(child: Child, sent: &Sent, limit: Duration) -> Output {
+    let pid = child.id();
+    let started = Instant::now();
+    let waiter = std::thread::spawn(move || child.wait_with_output().unwrap());
+    while !waiter.is_finished() {
+        if started.elapsed() > limit {
+            let report = format!(
+                "pyebpf {pid} still ran {limit:?} after {} sent {} ms after its start; at its start: {}; now: {}; threads: {}",
+                sent.name,
+                sent.after_ms,
+                sent.at_start,
+                signal_masks(pid),
+                threads_and_wchans(pid)
+            );
+            // SAFETY: kill takes a pid and a signal; the child is not reaped yet.
+            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+            let _ = waiter.join();
+            panic!("{report}");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    waiter.join().unwrap()
+}
+
 /// Debian's test interpreter `python3.X`, installed by `cargo xtask test`.
 pub fn debian_python(version: &str) -> PathBuf {
-    let prefix = PathBuf::from(std::env::var("PYEBPF_PYTHONS").expect("PYEBPF_PYTHONS must name the test Pythons' prefix (cargo xtask test sets it)"));
-    let path = prefix.join(format!("usr/bin/python{version}"));
+    let path = test_pythons().join(format!("usr/bin/python{version}"));
     assert!(path.exists(), "test interpreter missing: {}", path.display());
     path
 }
 
 /// pyenv's interpreter of this exact version (`3.13.0`).
 pub fn pyenv_python(version: &str) -> PathBuf {
-    let root = std::env::var("PYENV_ROOT").map(PathBuf::from).unwrap_or_else(|_| PathBuf::from(std::env::var("HOME").unwrap()).join(".pyenv"));
+    let root = std::env::var("PYENV_ROOT").map(PathBuf::from).unwrap_or_else(|_| PathBuf::from(xtask_env("HOME")).join(".pyenv"));
     let minor = version.rsplit_once('.').map_or(version, |(minor, _)| minor);
     let path = root.join(format!("versions/{version}/bin/python{minor}"));
     assert!(path.exists(), "pyenv's Python {version} is missing at {}", path.display());
@@ -67,7 +177,7 @@ pub fn start_ready(program: &Path, script_name: &str, args: &[&str]) -> (Killed,
 
 /// Runs `pyebpf ARGS`.
 pub fn run_pyebpf(args: &[&str]) -> Output {
-    Command::new(pyebpf()).args(args).output().unwrap()
+    pyebpf_command().args(args).output().unwrap()
 }
 
 /// Unmounts tracefs (and debugfs, which mounts it again on access) in the caller's fresh mount
@@ -92,12 +202,13 @@ pub fn pyebpf_without_tracefs() -> Command {
 pub fn without_tracefs(program: &std::ffi::OsStr) -> Command {
     let mut command = Command::new("unshare");
     command.args(["--mount", "--propagation", "private", "sh", "-c", WITHOUT_TRACEFS, "sh"]).arg(program);
+    with_default_signals(&mut command);
     command
 }
 
 /// Runs `pyebpf record -o DIR/profile.folded ARGS` and returns (collapsed text, stderr).
 pub fn record_collapsed(args: &[&str]) -> (String, String) {
-    record_collapsed_by(Command::new(pyebpf()), args)
+    record_collapsed_by(pyebpf_command(), args)
 }
 
 /// [`record_collapsed`] with tracefs unmounted ([`pyebpf_without_tracefs`]).

@@ -37,10 +37,12 @@ unsafe impl GlobalAlloc for Counting {
         if COUNTING.with(std::cell::Cell::get) {
             ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
         }
+        // SAFETY: the caller's layout is passed on unchanged.
         unsafe { System.alloc(layout) }
     }
 
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: `ptr` came from System with this layout (every allocation goes there).
         unsafe { System.dealloc(ptr, layout) }
     }
 
@@ -48,6 +50,7 @@ unsafe impl GlobalAlloc for Counting {
         if COUNTING.with(std::cell::Cell::get) {
             ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
         }
+        // SAFETY: as for dealloc; the new size is the caller's.
         unsafe { System.realloc(ptr, layout, new_size) }
     }
 }
@@ -66,8 +69,7 @@ fn allocations_of(f: impl FnOnce()) -> u64 {
 }
 
 fn python315() -> PathBuf {
-    let prefix = std::env::var_os("PYEBPF_PYTHONS").expect("PYEBPF_PYTHONS (the test interpreters' prefix; `cargo xtask test` sets it)");
-    let python = PathBuf::from(prefix).join("usr/bin/python3.15");
+    let python = pyebpf_tests::test_pythons().join("usr/bin/python3.15");
     assert!(python.exists(), "{} is missing: run `cargo xtask test` to install the test interpreters", python.display());
     python
 }

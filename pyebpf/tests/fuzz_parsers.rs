@@ -10,7 +10,6 @@
 
 use std::cell::Cell;
 use std::mem::size_of;
-use std::path::PathBuf;
 
 use proptest::prelude::*;
 use proptest::test_runner::{Config as ProptestConfig, TestRunner};
@@ -157,8 +156,7 @@ fn kernel_btf_parser_survives_mutated_and_random_blobs() {
 
 /// The bytes of a test interpreter's executable, `usr/bin/NAME` under `PYEBPF_PYTHONS`.
 fn test_python(name: &str) -> Vec<u8> {
-    let prefix = PathBuf::from(std::env::var("PYEBPF_PYTHONS").expect("PYEBPF_PYTHONS must name the test Pythons' prefix (cargo xtask test sets it)"));
-    std::fs::read(prefix.join("usr/bin").join(name)).unwrap()
+    std::fs::read(pyebpf_tests::test_pythons().join("usr/bin").join(name)).unwrap()
 }
 
 /// Mutated copies of Debian's python3.14 executable (headers, section and program tables, and the

@@ -67,7 +67,7 @@ impl Drop for Target {
 /// Records a real process of Debian's `python{version}` holding several threads, deep stacks and
 /// non-ASCII names.
 fn recorded_image(version: &str) -> (MemoryImage, u32, u64) {
-    let prefix = PathBuf::from(std::env::var("PYEBPF_PYTHONS").expect("PYEBPF_PYTHONS must name the test Pythons' prefix (cargo xtask test sets it)"));
+    let prefix = pyebpf_tests::test_pythons();
     let dir = tempfile::tempdir().unwrap();
     let view = dir.path().join("view.json");
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/scripts/dump_state.py");

@@ -5,9 +5,8 @@
 
 use std::fs::File;
 use std::path::Path;
-use std::process::Command;
 
-use pyebpf_tests::{debian_python, pyebpf, stacks_of, start_ready, total};
+use pyebpf_tests::{debian_python, pyebpf_command, stacks_of, start_ready, total};
 use serde_json::Value;
 
 /// The memory bound the README documents for one target, with room for the binary itself.
@@ -28,7 +27,7 @@ fn run_measured(args: &[&str]) -> Measured {
     let (out_path, err_path) = (dir.path().join("stdout"), dir.path().join("stderr"));
     // Reaped below with wait4, which Child::wait cannot do (it needs the rusage).
     #[allow(clippy::zombie_processes)]
-    let child = Command::new(pyebpf()).args(args).stdout(File::create(&out_path).unwrap()).stderr(File::create(&err_path).unwrap()).spawn().unwrap();
+    let child = pyebpf_command().args(args).stdout(File::create(&out_path).unwrap()).stderr(File::create(&err_path).unwrap()).spawn().unwrap();
     let pid = child.id() as libc::pid_t;
     let mut status = 0;
     // SAFETY: an all-zero rusage is valid; wait4 fills it.

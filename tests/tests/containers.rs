@@ -10,7 +10,7 @@ use pyebpf_tests::{record_collapsed, script, stacks_of, total, Killed};
 /// Starts `alternating.py` under Debian's python3.14 bind-mounted at a path that exists only in a
 /// new mount namespace, in a new PID namespace; returns the child and the host PID of the Python.
 fn start_contained(dir: &std::path::Path) -> (Killed, u32) {
-    let prefix = std::env::var("PYEBPF_PYTHONS").expect("PYEBPF_PYTHONS names the test Pythons' prefix (cargo xtask test sets it)");
+    let prefix = pyebpf_tests::test_pythons().display().to_string();
     let inside = "/run/pyebpf-test-container-python";
     let ready = dir.join("ready");
     let shell = format!(

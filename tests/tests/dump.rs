@@ -4,11 +4,11 @@ use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
-use pyebpf_tests::{assert_one_line_error, debian_python, pyebpf, pyenv_python, script, start_ready, wait_for_file, Killed};
+use pyebpf_tests::{assert_one_line_error, debian_python, pyebpf_command, pyenv_python, script, start_ready, wait_for_file, Killed};
 use serde_json::Value;
 
 fn dump(pid: u32, json: bool) -> Output {
-    let mut command = Command::new(pyebpf());
+    let mut command = pyebpf_command();
     command.args(["dump", "-p", &pid.to_string()]);
     if json {
         command.arg("--json");

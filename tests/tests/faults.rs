@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use pyebpf_tests::{debian_python, pyebpf, stacks_of, total, Killed};
+use pyebpf_tests::{debian_python, pyebpf, pyebpf_command, signal_masks, stacks_of, total, wait_after_signal, Killed, Sent};
 
 /// A Python process spinning in `fault_spin` under Debian's `python{version}`.
 fn spinner(version: &str) -> Killed {
@@ -142,7 +142,7 @@ fn a_stop_signal_at_any_moment_leaves_a_whole_profile_or_none() {
         for (i, delay_ms) in delays.into_iter().enumerate() {
             let dir = tempfile::tempdir().unwrap();
             let out = dir.path().join(if i % 2 == 0 { "profile.pb.gz" } else { "profile.folded" });
-            let child = Command::new(pyebpf())
+            let child = pyebpf_command()
                 .args(["record", "-a", "-F", "999", "-o"])
                 .arg(&out)
                 .stdin(Stdio::null())
@@ -150,25 +150,30 @@ fn a_stop_signal_at_any_moment_leaves_a_whole_profile_or_none() {
                 .stderr(Stdio::piped())
                 .spawn()
                 .unwrap();
-            std::thread::sleep(Duration::from_millis(delay_ms));
+            let spawned = Instant::now();
+            let at_start = signal_masks(child.id());
+            std::thread::sleep(Duration::from_millis(delay_ms).saturating_sub(spawned.elapsed()));
+            let after_ms = spawned.elapsed().as_millis() as u64;
             // SAFETY: kill takes a pid and a signal; the child is not reaped yet.
             unsafe { libc::kill(child.id() as i32, signal) };
-            let output = wait_output(child);
+            let output = wait_after_signal(child, &Sent { name: signal_name, signal, after_ms, at_start }, Duration::from_secs(10));
             let stderr = String::from_utf8_lossy(&output.stderr);
-            let context = format!("{signal_name} after {delay_ms} ms ({}): {stderr}", out.display());
+            let context = format!("{signal_name} after {after_ms} ms ({}): {stderr}", out.display());
             assert!(!stderr.contains("panicked"), "{context}");
             let files = files_in(dir.path());
-            if files.is_empty() {
-                // Killed by the signal's default action before pyebpf installed its handlers.
+            let outcome = if files.is_empty() {
+                // Killed by the signal's default action before pyebpf's first instruction.
                 assert_eq!(output.status.signal(), Some(signal), "no profile, yet not killed by the signal: {:?} {context}", output.status);
-                outcomes.push(format!("{signal_name}@{delay_ms}ms: none"));
+                "none"
             } else {
                 let name = out.file_name().unwrap().to_string_lossy().into_owned();
                 assert_eq!(files, [name], "{context}");
                 assert!(output.status.success(), "a profile, yet pyebpf failed: {:?} {context}", output.status);
                 assert_complete(&out);
-                outcomes.push(format!("{signal_name}@{delay_ms}ms: whole"));
-            }
+                "whole"
+            };
+            eprintln!("{signal_name} at {after_ms} ms: {outcome}");
+            outcomes.push(format!("{signal_name}@{after_ms}ms: {outcome}"));
         }
     }
     eprintln!("{}", outcomes.join(", "));
@@ -200,8 +205,7 @@ fn still_loaded(kind: &str, id: u32) -> bool {
 fn sigkill_leaves_no_bpf_object_loaded() {
     let _busy = spinner("3.14");
     let dir = tempfile::tempdir().unwrap();
-    let mut child =
-        Killed(Command::new(pyebpf()).args(["record", "-a", "-F", "999", "-o"]).arg(dir.path().join("p.pb.gz")).stderr(Stdio::null()).spawn().unwrap());
+    let mut child = Killed(pyebpf_command().args(["record", "-a", "-F", "999", "-o"]).arg(dir.path().join("p.pb.gz")).stderr(Stdio::null()).spawn().unwrap());
     let pid = child.pid();
     // Sampling has started once the perf-event links exist (one per CPU).
     let started = Instant::now();
@@ -253,7 +257,7 @@ fn two_instances_at_once_both_profile_correctly() {
     let children: Vec<_> = outs
         .iter()
         .map(|out| {
-            Command::new(pyebpf())
+            pyebpf_command()
                 .args(["record", "-F", "499", "-d", "3", "-p", &targets[0].pid().to_string(), "-p", &targets[1].pid().to_string(), "-o"])
                 .arg(out)
                 .stderr(Stdio::piped())
@@ -297,8 +301,7 @@ fn a_target_with_500_threads_is_sampled() {
     let tasks = std::fs::read_dir(format!("/proc/{}/task", target.pid())).unwrap().count();
     assert_eq!(tasks, 501, "the target should have 501 threads");
     let out = dir.path().join("p.folded");
-    let output =
-        Command::new(pyebpf()).args(["record", "-F", "999", "-d", "4", "--threads", "-p", &target.pid().to_string(), "-o"]).arg(&out).output().unwrap();
+    let output = pyebpf_command().args(["record", "-F", "999", "-d", "4", "--threads", "-p", &target.pid().to_string(), "-o"]).arg(&out).output().unwrap();
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(output.status.success(), "{stderr}");
     // The summary is its `pyebpf: wrote` line and indented detail: any other line is a complaint.

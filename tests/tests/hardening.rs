@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use pyebpf_tests::{assert_one_line_error, debian_python, pyebpf, run_pyebpf, stacks_of, start_ready, total, Killed};
+use pyebpf_tests::{assert_one_line_error, debian_python, pyebpf, pyebpf_command, run_pyebpf, stacks_of, start_ready, total, Killed};
 
 /// A Python process spinning in `spin` forever, under Debian's 3.14.
 fn python_spinner() -> Killed {
@@ -158,7 +158,7 @@ fn sighup_still_writes_the_profile() {
     let spinner = python_spinner();
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("hup.folded");
-    let mut recorder = Command::new(pyebpf()).args(["record", "-a", "-o"]).arg(&out).stderr(Stdio::piped()).spawn().unwrap();
+    let mut recorder = pyebpf_command().args(["record", "-a", "-o"]).arg(&out).stderr(Stdio::piped()).spawn().unwrap();
     std::thread::sleep(Duration::from_millis(1500));
     // SAFETY: signalling our own child.
     assert_eq!(unsafe { libc::kill(recorder.id() as i32, libc::SIGHUP) }, 0);
@@ -175,7 +175,7 @@ fn rotate_writes_a_complete_profile_every_period() {
     let spinner = python_spinner();
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("p.folded");
-    let output = Command::new(pyebpf()).args(["record", "-a", "-F", "199", "--rotate", "1", "-d", "3.5", "-o"]).arg(&out).output().unwrap();
+    let output = pyebpf_command().args(["record", "-a", "-F", "199", "--rotate", "1", "-d", "3.5", "-o"]).arg(&out).output().unwrap();
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(output.status.success(), "{stderr}");
     assert!(!out.exists(), "--rotate wrote the unrotated name too");

@@ -7,8 +7,8 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use pyebpf_tests::{
-    assert_one_line_error, compile_c, count_where, debian_python, pyebpf, pyebpf_without_tracefs, record_collapsed, record_collapsed_without_tracefs,
-    run_pyebpf, stacks_of, total, wait_for_file, without_tracefs, Killed,
+    assert_one_line_error, compile_c, count_where, debian_python, pyebpf, pyebpf_command, pyebpf_without_tracefs, record_collapsed,
+    record_collapsed_without_tracefs, run_pyebpf, stacks_of, total, wait_for_file, without_tracefs, Killed,
 };
 
 /// Spins in leaf_fn under main → outer_fn → middle_fn (for argv[1] seconds, default forever);
@@ -112,7 +112,7 @@ fn interrupted_recording_still_writes(signal: i32, file: &str) {
     let dir = tempfile::tempdir().unwrap();
     let _spinner = spin(dir.path(), &[]);
     let out = dir.path().join(file);
-    let mut recorder = Command::new(pyebpf()).args(["record", "-a", "-o"]).arg(&out).stderr(Stdio::piped()).spawn().unwrap();
+    let mut recorder = pyebpf_command().args(["record", "-a", "-o"]).arg(&out).stderr(Stdio::piped()).spawn().unwrap();
     std::thread::sleep(Duration::from_millis(1500));
     // SAFETY: signalling our own child.
     assert_eq!(unsafe { libc::kill(recorder.id() as i32, signal) }, 0);

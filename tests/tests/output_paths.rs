@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant, SystemTime};
 
-use pyebpf_tests::{assert_one_line_error, pyebpf, Killed};
+use pyebpf_tests::{assert_one_line_error, pyebpf, pyebpf_command, Killed};
 
 /// A process that keeps one CPU busy, so a host-wide recording has samples on an idle machine.
 fn busy() -> Killed {
@@ -23,7 +23,7 @@ fn busy() -> Killed {
 /// `pyebpf record -a -d 1 -F 49 -o OUTPUT EXTRA...` while something runs, with stdout captured.
 fn record_to(output: &Path, extra: &[&str]) -> Output {
     let _busy = busy();
-    Command::new(pyebpf()).args(["record", "-a", "-d", "1", "-F", "49", "-o"]).arg(output).args(extra).output().unwrap()
+    pyebpf_command().args(["record", "-a", "-d", "1", "-F", "49", "-o"]).arg(output).args(extra).output().unwrap()
 }
 
 fn assert_success(output: &Output) -> String {
@@ -157,7 +157,7 @@ fn dash_writes_the_profile_to_stdout_and_the_summary_to_stderr() {
 
 #[test]
 fn dash_sends_a_launched_commands_output_to_stderr() {
-    let output = Command::new(pyebpf())
+    let output = pyebpf_command()
         .args(["record", "-F", "49", "-o", "-", "--format", "collapsed", "--", "sh", "-c", "echo from-the-command; exec timeout 1 sh -c 'while :; do :; done'"])
         .output()
         .unwrap();
@@ -179,7 +179,7 @@ fn binary_pprof_to_a_terminal_is_refused_before_sampling() {
     let terminal = fs::read_link(format!("/proc/self/fd/{}", slave.as_raw_fd())).unwrap();
     for (output, stdout) in [(Path::new("-"), Stdio::from(slave)), (&terminal, Stdio::null())] {
         let started = Instant::now();
-        let result = Command::new(pyebpf()).args(["record", "-a", "-d", "5", "-o"]).arg(output).stdout(stdout).output().unwrap();
+        let result = pyebpf_command().args(["record", "-a", "-d", "5", "-o"]).arg(output).stdout(stdout).output().unwrap();
         assert_one_line_error(&result, "--format collapsed");
         assert!(started.elapsed() < Duration::from_secs(3), "-o {} refused only after sampling: {:?}", output.display(), started.elapsed());
     }
@@ -190,7 +190,7 @@ fn a_directory_is_refused_before_sampling_with_one_line() {
     let dir = tempfile::tempdir().unwrap();
     fs::write(dir.path().join("keep"), "x").unwrap();
     let started = Instant::now();
-    let output = Command::new(pyebpf()).args(["record", "-a", "-d", "5", "-o"]).arg(dir.path()).output().unwrap();
+    let output = pyebpf_command().args(["record", "-a", "-d", "5", "-o"]).arg(dir.path()).output().unwrap();
     assert_one_line_error(&output, "is a directory");
     assert!(started.elapsed() < Duration::from_secs(3), "refused only after sampling: {:?}", started.elapsed());
     assert_eq!(names_in(dir.path()), ["keep"]);
@@ -218,8 +218,7 @@ fn stale_temporaries_of_a_killed_run_are_removed_by_the_next_run() {
 fn a_killed_recording_leaves_nothing_behind() {
     let dir = tempfile::tempdir().unwrap();
     fs::write(dir.path().join("profile.pb.gz"), "the previous profile").unwrap();
-    let mut recorder =
-        Command::new(pyebpf()).args(["record", "-a", "-d", "5", "-o"]).arg(dir.path().join("profile.pb.gz")).stderr(Stdio::null()).spawn().unwrap();
+    let mut recorder = pyebpf_command().args(["record", "-a", "-d", "5", "-o"]).arg(dir.path().join("profile.pb.gz")).stderr(Stdio::null()).spawn().unwrap();
     std::thread::sleep(Duration::from_secs(1));
     recorder.kill().unwrap();
     assert_eq!(recorder.wait().unwrap().signal(), Some(libc::SIGKILL));

@@ -9,14 +9,13 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
-use pyebpf_tests::{assert_one_line_error, debian_python, pyebpf, start_ready, Killed};
+use pyebpf_tests::{assert_one_line_error, debian_python, pyebpf, pyebpf_command, start_ready, Killed};
 
 const HZ: u64 = 99;
 
 /// `pyebpf record -p PID -d SECONDS -F 99 -o OUT EXTRA...`, which must succeed; returns stderr.
 fn record_pid(pid: u32, seconds: &str, out: &Path, extra: &[&str]) -> String {
-    let output =
-        Command::new(pyebpf()).args(["record", "-p", &pid.to_string(), "-d", seconds, "-F", &HZ.to_string(), "-o"]).arg(out).args(extra).output().unwrap();
+    let output = pyebpf_command().args(["record", "-p", &pid.to_string(), "-d", seconds, "-F", &HZ.to_string(), "-o"]).arg(out).args(extra).output().unwrap();
     let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
     assert!(output.status.success(), "pyebpf record failed: {stderr}");
     stderr
@@ -246,7 +245,7 @@ fn summary_names_the_hottest_function_with_its_share() {
     let (python, _ready) = start_ready(&debian_python("3.14"), "own_time.py", &[]);
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("p.pb.gz");
-    let output = Command::new(pyebpf()).args(["record", "-p", &python.pid().to_string(), "-d", "8", "-F", "499", "-o"]).arg(&out).output().unwrap();
+    let output = pyebpf_command().args(["record", "-p", &python.pid().to_string(), "-d", "8", "-F", "499", "-o"]).arg(&out).output().unwrap();
     let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
     assert!(output.status.success(), "{stderr}");
     samples_written(&stderr);
@@ -284,14 +283,14 @@ fn unknown_extension_is_a_one_line_error_before_sampling() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("profile.html");
     let started = Instant::now();
-    let output: Output = Command::new(pyebpf()).args(["record", "-a", "-d", "10", "-o"]).arg(&out).output().unwrap();
+    let output: Output = pyebpf_command().args(["record", "-a", "-d", "10", "-o"]).arg(&out).output().unwrap();
     assert!(started.elapsed() < Duration::from_secs(2), "took {:?}: it sampled first", started.elapsed());
     assert_one_line_error(&output, "cannot tell the format of");
     assert!(String::from_utf8_lossy(&output.stderr).contains(".speedscope.json"));
     assert!(!out.exists());
     // With --format the name is the user's choice.
     let _busy = Killed(Command::new("sh").args(["-c", "while :; do :; done"]).spawn().unwrap());
-    let output = Command::new(pyebpf()).args(["record", "-a", "-d", "1", "--format", "svg", "-o"]).arg(&out).output().unwrap();
+    let output = pyebpf_command().args(["record", "-a", "-d", "1", "--format", "svg", "-o"]).arg(&out).output().unwrap();
     assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
     assert!(fs::read_to_string(&out).unwrap().contains("<svg"));
 }
@@ -302,21 +301,15 @@ fn under_sudo_the_output_belongs_to_the_invoking_user() {
     let _busy = Killed(Command::new("sh").args(["-c", "while :; do :; done"]).spawn().unwrap());
     for name in ["p.svg", "p.speedscope.json", "p.folded", "p.pb.gz"] {
         let out = dir.path().join(name);
-        let output = Command::new(pyebpf())
-            .args(["record", "-a", "-d", "1", "-F", "49", "-o"])
-            .arg(&out)
-            .env("SUDO_UID", "4242")
-            .env("SUDO_GID", "4343")
-            .output()
-            .unwrap();
+        let output =
+            pyebpf_command().args(["record", "-a", "-d", "1", "-F", "49", "-o"]).arg(&out).env("SUDO_UID", "4242").env("SUDO_GID", "4343").output().unwrap();
         assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
         let meta = fs::metadata(&out).unwrap();
         assert_eq!((meta.uid(), meta.gid()), (4242, 4343), "{name}");
     }
     // Without sudo's variables the file is root's, as before.
     let out = dir.path().join("root.folded");
-    let output =
-        Command::new(pyebpf()).args(["record", "-a", "-d", "1", "-F", "49", "-o"]).arg(&out).env_remove("SUDO_UID").env_remove("SUDO_GID").output().unwrap();
+    let output = pyebpf_command().args(["record", "-a", "-d", "1", "-F", "49", "-o"]).arg(&out).env_remove("SUDO_UID").env_remove("SUDO_GID").output().unwrap();
     assert!(output.status.success());
     assert_eq!(fs::metadata(&out).unwrap().uid(), 0);
 }
@@ -328,7 +321,7 @@ fn comm_and_python_only_filters_keep_only_matching_processes() {
     let dir = tempfile::tempdir().unwrap();
     let roots = |extra: &[&str]| -> Vec<String> {
         let out = dir.path().join("f.folded");
-        let output = Command::new(pyebpf()).args(["record", "-a", "-d", "2", "-F", "99", "-o"]).arg(&out).args(extra).output().unwrap();
+        let output = pyebpf_command().args(["record", "-a", "-d", "2", "-F", "99", "-o"]).arg(&out).args(extra).output().unwrap();
         assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
         let text = fs::read_to_string(&out).unwrap();
         let mut roots: Vec<String> = text.lines().map(|line| line.split(';').next().unwrap().to_string()).collect();
@@ -348,7 +341,7 @@ fn comm_and_python_only_filters_keep_only_matching_processes() {
     assert!(python_only.contains(&python_root), "{python_only:?}");
     assert!(!python_only.contains(&busy_root), "--python-only kept sh: {python_only:?}");
 
-    let output = Command::new(pyebpf()).args(["record", "-a", "--comm", "(unclosed", "-o"]).arg(dir.path().join("x.folded")).output().unwrap();
+    let output = pyebpf_command().args(["record", "-a", "--comm", "(unclosed", "-o"]).arg(dir.path().join("x.folded")).output().unwrap();
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(!output.status.success() && stderr.contains("not a regular expression"), "{stderr}");
     assert!(!stderr.contains("panicked"));

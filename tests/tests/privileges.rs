@@ -42,7 +42,7 @@ fn as_nobody_with(caps: &[&str], bin: &Path, args: &[&str]) -> Output {
 /// test Pythons' prefix at `dir/pythons` (in its own mount namespace), so the interpreter's path
 /// is as reachable as `dir` is: the test Pythons' own prefix may lie under `/root`.
 fn python_under(dir: &Path, version: &str) -> Killed {
-    let prefix = std::env::var("PYEBPF_PYTHONS").expect("PYEBPF_PYTHONS must name the test Pythons' prefix (cargo xtask test sets it)");
+    let prefix = pyebpf_tests::test_pythons();
     let mount = dir.join("pythons");
     std::fs::create_dir_all(&mount).unwrap();
     let python = mount.join(format!("usr/bin/python{version}"));

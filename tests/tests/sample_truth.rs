@@ -2,10 +2,9 @@
 //! on every interpreter, with callers that change faster than userspace reads them.
 
 use std::path::PathBuf;
-use std::process::Command;
 use std::time::Duration;
 
-use pyebpf_tests::{debian_python, pyebpf, pyenv_python, stacks_of, start_ready, total, Stack};
+use pyebpf_tests::{debian_python, pyebpf_command, pyenv_python, stacks_of, start_ready, total, Stack};
 
 fn python(label: &str) -> PathBuf {
     match label {
@@ -18,7 +17,7 @@ fn python(label: &str) -> PathBuf {
 fn record_with_env(args: &[&str], env: &[(&str, &str)]) -> (String, String) {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("p.folded");
-    let output = Command::new(pyebpf()).arg("record").arg("-o").arg(&out).args(args).envs(env.iter().copied()).output().unwrap();
+    let output = pyebpf_command().arg("record").arg("-o").arg(&out).args(args).envs(env.iter().copied()).output().unwrap();
     let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
     assert!(output.status.success(), "pyebpf record {args:?} failed: {stderr}");
     (std::fs::read_to_string(&out).unwrap(), stderr)
@@ -184,7 +183,7 @@ fn check_rotated_periods(version: &str) {
     let dir = tempfile::tempdir().unwrap();
     let pid = child.pid().to_string();
     let output =
-        Command::new(pyebpf()).args(["record", "-p", &pid, "-F", "499", "-d", "5.5", "--rotate", "1", "-o"]).arg(dir.path().join("p.folded")).output().unwrap();
+        pyebpf_command().args(["record", "-p", &pid, "-F", "499", "-d", "5.5", "--rotate", "1", "-o"]).arg(dir.path().join("p.folded")).output().unwrap();
     assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
     let mut periods: Vec<PathBuf> = std::fs::read_dir(dir.path()).unwrap().map(|entry| entry.unwrap().path()).collect();
     periods.sort();

@@ -7,7 +7,7 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use pyebpf_tests::{assert_one_line_error, debian_python, pyebpf, start_ready};
+use pyebpf_tests::{assert_one_line_error, debian_python, pyebpf, pyebpf_command, start_ready};
 
 /// A tmux server of the test's own (its socket in a directory of its own), killed when dropped.
 struct Tmux {
@@ -165,7 +165,7 @@ fn sigterm_sighup_and_sigint_quit_and_restore_the_terminal() {
 #[test]
 fn top_without_a_terminal_is_a_one_line_error_before_loading() {
     let started = Instant::now();
-    let output = Command::new(pyebpf()).arg("top").output().unwrap();
+    let output = pyebpf_command().arg("top").output().unwrap();
     assert!(started.elapsed() < Duration::from_secs(2), "took {:?}: it loaded the sampler first", started.elapsed());
     assert_one_line_error(&output, "standard output must be a terminal");
 }
@@ -184,7 +184,7 @@ fn top_in_a_too_small_terminal_is_a_one_line_error() {
 
 #[test]
 fn help_explains_the_view_and_its_keys() {
-    let output = Command::new(pyebpf()).args(["top", "--help"]).output().unwrap();
+    let output = pyebpf_command().args(["top", "--help"]).output().unwrap();
     assert!(output.status.success());
     let help = String::from_utf8_lossy(&output.stdout);
     for text in ["OWN%", "TOTAL%", "file:line", "o sort by own", "t sort by total", "p switch", "space pause", "Ctrl-C quit", "--comm", "--python-only", "-F"] {

@@ -2,7 +2,6 @@
 //! the eBPF configuration, frames, and the 3.15 marker, the only write pyebpf makes, which must be
 //! refused everywhere else.
 
-use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -28,7 +27,7 @@ fn attach(version: &str) -> (Target, PyProcess) {
 
 /// Starts Debian's `python3.X -c CODE READY_FILE`, and attaches once CODE creates READY_FILE.
 fn attach_running(version: &str, code: &str) -> (Target, PyProcess) {
-    let prefix = PathBuf::from(std::env::var("PYEBPF_PYTHONS").expect("PYEBPF_PYTHONS must name the test Pythons' prefix (cargo xtask test sets it)"));
+    let prefix = pyebpf_tests::test_pythons();
     let python = prefix.join(format!("usr/bin/python{version}"));
     assert!(python.exists(), "test interpreter missing: {}", python.display());
     let dir = tempfile::tempdir().unwrap();
