@@ -24,7 +24,8 @@ pub const STACK_CHUNK: usize = 4096;
 /// Processes whose user stacks are copied at most (`--unwind auto`).
 pub const MAX_SNAPSHOT_PROCS: u32 = 16384;
 
-/// Map names, shared so the loader and the programs cannot drift apart.
+/// Map names: the eBPF crate's map statics are named so (a map is named after its static), and
+/// the loader takes them by these names; a unit test checks the embedded object has every one.
 pub mod maps {
     pub const SAMPLES: &str = "SAMPLES";
     pub const LOST: &str = "LOST";
@@ -35,6 +36,20 @@ pub mod maps {
     pub const PY_MARKERS: &str = "PY_MARKERS";
     pub const SCRATCH: &str = "SCRATCH";
     pub const SNAPSHOT_PROCS: &str = "SNAPSHOT_PROCS";
+    pub const ALL: [&str; 9] = [SAMPLES, LOST, CONFIG, TARGETS, PY_PROCS, PY_THREADS, PY_MARKERS, SCRATCH, SNAPSHOT_PROCS];
+}
+
+/// Program names: the eBPF crate's program functions are named so, and the loader takes them by
+/// these names; a unit test checks the embedded object has every one.
+pub mod programs {
+    /// The perf-event sampler.
+    pub const SAMPLE: &str = "sample";
+    /// `sched_process_fork`: children of targets become targets.
+    pub const FOLLOW_FORK: &str = "follow_fork";
+    /// `sched_process_exec` and `sched_process_exit`: a process's state ends.
+    pub const PROCESS_EXEC: &str = "process_exec";
+    pub const PROCESS_EXIT: &str = "process_exit";
+    pub const ALL: [&str; 4] = [SAMPLE, FOLLOW_FORK, PROCESS_EXEC, PROCESS_EXIT];
 }
 
 /// Bits of [`Config::flags`].
@@ -83,7 +98,8 @@ pub mod py_status {
     /// The walk reached the root of the chain: `frames` is the whole chain.
     pub const COMPLETE: u32 = 1 << 2;
     /// The walk stopped at the `last_profiled_frame` marker of an established chain
-    /// ([`PyCapture::marker_gen`], position [`PyCapture::marker_position`]): the frames rootward of it
+    /// ([`PyCapture::marker_gen`](super::PyCapture::marker_gen), position
+    /// [`PyCapture::marker_position`](super::PyCapture::marker_position)): the frames rootward of it
     /// are that chain's.
     pub const JOINED: u32 = 1 << 3;
     /// The walk stopped at the depth limit.
@@ -243,8 +259,9 @@ pub struct PyThreadEntry {
 /// A thread's established marker chain, the value of `PY_MARKERS` (keyed by tid). Userspace
 /// proved, when it wrote the marker, that the frames rootward of `addrs[0]` are the chain it keeps
 /// for generation `gen`; after `k` pops of the marker frame the interpreter has moved the marker to
-/// `addrs[k]` and bumped the sequence number by `k`. `gen` is repeated at the end so a value read
-/// while userspace replaces it is recognised as torn.
+/// `addrs[k]` and bumped the sequence number by `k`. A value is never read half-written: the map
+/// is not preallocated, so an update links a new element and the old one is freed only after the
+/// readers' RCU grace period.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct MarkerChain {
@@ -253,7 +270,6 @@ pub struct MarkerChain {
     pub len: u32,
     pub _pad: u32,
     pub addrs: [u64; MARKER_POSITIONS],
-    pub gen_check: u64,
 }
 
 /// Marks a field that a CPython version does not have.
@@ -296,10 +312,14 @@ pub struct PyProcConfig {
 
 #[cfg(feature = "user")]
 mod pod {
-    // SAFETY: all are repr(C) plain data with explicit padding and no invalid bit patterns.
+    // SAFETY: repr(C) plain data with explicit padding and no invalid bit patterns.
     unsafe impl aya::Pod for super::Config {}
+    // SAFETY: repr(C) plain data with explicit padding and no invalid bit patterns.
     unsafe impl aya::Pod for super::PyProcConfig {}
+    // SAFETY: repr(C) plain data with explicit padding and no invalid bit patterns.
     unsafe impl aya::Pod for super::PyCapture {}
+    // SAFETY: repr(C) plain data with explicit padding and no invalid bit patterns.
     unsafe impl aya::Pod for super::PyThreadEntry {}
+    // SAFETY: repr(C) plain data with explicit padding and no invalid bit patterns.
     unsafe impl aya::Pod for super::MarkerChain {}
 }

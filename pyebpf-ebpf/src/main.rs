@@ -27,39 +27,39 @@ use pyebpf_common::{
 };
 
 /// Userspace sets the real size at load time (`--ring-buffer-kb`).
-#[map(name = "SAMPLES")]
+#[map]
 static SAMPLES: RingBuf = RingBuf::with_byte_size(4096 * 1024, 0);
 
-#[map(name = "LOST")]
+#[map]
 static LOST: PerCpuArray<u64> = PerCpuArray::with_max_entries(2, 0);
 /// Slot of `LOST` counting lifecycle events dropped (slot 0 counts samples).
 const LOST_EVENTS: u32 = 1;
 
-#[map(name = "CONFIG")]
+#[map]
 static CONFIG: Array<Config> = Array::with_max_entries(1, 0);
 
-#[map(name = "TARGETS")]
+#[map]
 static TARGETS: HashMap<u32, u8> = HashMap::with_max_entries(65536, 0);
 
-#[map(name = "PY_PROCS")]
+#[map]
 static PY_PROCS: HashMap<u32, PyProcConfig> = HashMap::with_max_entries(4096, 0);
 
-#[map(name = "PY_THREADS")]
+#[map]
 static PY_THREADS: HashMap<u32, PyThreadEntry> = HashMap::with_max_entries(65536, 0);
 
 /// Not preallocated: a replaced entry is freed only after programs reading it are done, so a
 /// lookup never sees a value half overwritten by the next one.
-#[map(name = "PY_MARKERS")]
+#[map]
 static PY_MARKERS: HashMap<u32, MarkerChain> = HashMap::with_max_entries(65536, BPF_F_NO_PREALLOC);
 
 /// Processes whose user stack is copied at each sample (`--unwind auto` adds them).
-#[map(name = "SNAPSHOT_PROCS")]
+#[map]
 static SNAPSHOT_PROCS: HashMap<u32, u8> = HashMap::with_max_entries(MAX_SNAPSHOT_PROCS, 0);
 
 /// The record is built here (it is too large for the stack), then its used part is sent. One
 /// entry per CPU (userspace sets the count), indexed by CPU: a per-CPU array's values are limited to
 /// 32 KiB, less than a record with its stack copy.
-#[map(name = "SCRATCH")]
+#[map]
 static SCRATCH: Array<SampleRecord> = Array::with_max_entries(1, 0);
 
 const BPF_F_NO_PREALLOC: u32 = 1;

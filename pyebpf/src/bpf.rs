@@ -5,7 +5,7 @@ use aya::maps::{Array, HashMap, MapData, PerCpuArray, RingBuf};
 use aya::programs::perf_event::{PerfEventConfig, PerfEventScope, SamplePolicy, SoftwareEvent};
 use aya::programs::{BtfTracePoint, PerfEvent};
 use aya::{Ebpf, EbpfLoader};
-use pyebpf_common::{config_flags, maps, Config, MarkerChain, PyProcConfig, PyThreadEntry};
+use pyebpf_common::{config_flags, maps, programs, Config, MarkerChain, PyProcConfig, PyThreadEntry};
 
 use crate::reader::{RecordBatch, RingReader};
 
@@ -16,7 +16,7 @@ static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"),
 pub enum BpfError {
     #[error("this pyebpf was built without its eBPF object; build it with `cargo xtask build --release`")]
     NoObject,
-    #[error("the embedded eBPF object has no program {0}: it was built from other sources; rebuild with `cargo xtask build --release`")]
+    #[error("the embedded eBPF object has no {0}: it was built from other sources; rebuild with `cargo xtask build --release`")]
     StaleObject(&'static str),
     #[error("permission denied: pyebpf needs root (or CAP_BPF, CAP_PERFMON and CAP_SYS_PTRACE)")]
     NotPermitted,
@@ -99,9 +99,29 @@ pub fn check_privileges() -> Result<(), BpfError> {
     }
 }
 
+/// Whether a system call under `err` was refused (EPERM, EACCES), however deeply aya wraps it.
 fn is_permission_error(err: &aya::EbpfError) -> bool {
-    let text = format!("{err:?}");
-    text.contains("PermissionDenied") || text.contains("EPERM")
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(err);
+    while let Some(error) = cause {
+        if error.downcast_ref::<std::io::Error>().is_some_and(|io| io.kind() == std::io::ErrorKind::PermissionDenied) {
+            return true;
+        }
+        cause = error.source();
+    }
+    false
+}
+
+/// The map `name` of the object, taken out of it; an object without it is stale.
+fn take_map(ebpf: &mut Ebpf, name: &'static str) -> Result<aya::maps::Map, BpfError> {
+    ebpf.take_map(name).ok_or(BpfError::StaleObject(name))
+}
+
+/// The program `name` of the object, as its kind `P`; an object without it is stale.
+fn program_mut<'a, P>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<&'a mut P, BpfError>
+where
+    &'a mut P: TryFrom<&'a mut aya::programs::Program, Error = aya::programs::ProgramError>,
+{
+    ebpf.program_mut(name).ok_or(BpfError::StaleObject(name))?.try_into().map_err(BpfError::Program)
 }
 
 impl Sampler {
@@ -137,8 +157,7 @@ impl Sampler {
         if options.snapshot_all {
             flags |= config_flags::SNAPSHOT_ALL;
         }
-        let mut targets: HashMap<MapData, u32, u8> =
-            HashMap::try_from(ebpf.take_map(maps::TARGETS).expect("TARGETS is in the object")).map_err(map_error(maps::TARGETS))?;
+        let mut targets: HashMap<MapData, u32, u8> = HashMap::try_from(take_map(&mut ebpf, maps::TARGETS)?).map_err(map_error(maps::TARGETS))?;
         if let Some(pids) = &options.targets {
             flags |= config_flags::FILTER_TARGETS;
             for pid in pids {
@@ -153,35 +172,32 @@ impl Sampler {
         };
         let config = Config { own_tgid: std::process::id(), flags, task_tgid_offset, wakeup_bytes: kb * 1024 / 4 };
         let mut config_map: Array<_, Config> =
-            Array::try_from(ebpf.map_mut(maps::CONFIG).expect("CONFIG is in the object")).map_err(map_error(maps::CONFIG))?;
+            Array::try_from(ebpf.map_mut(maps::CONFIG).ok_or(BpfError::StaleObject(maps::CONFIG))?).map_err(map_error(maps::CONFIG))?;
         config_map.set(0, config, 0).map_err(map_error(maps::CONFIG))?;
 
         if options.follow_forks {
-            let program: &mut BtfTracePoint = ebpf.program_mut("follow_fork").expect("follow_fork is in the object").try_into().map_err(BpfError::Program)?;
+            let program: &mut BtfTracePoint = program_mut(&mut ebpf, programs::FOLLOW_FORK)?;
             program.load("sched_process_fork", &aya_btf).map_err(BpfError::Program)?;
             program.attach().map_err(BpfError::Program)?;
         }
         // exec and exit tell userspace when a process's state stops being valid.
-        for (name, tracepoint) in [("process_exec", "sched_process_exec"), ("process_exit", "sched_process_exit")] {
-            // An object built from older sources lacks them: a stale build, said in one line.
-            let program: &mut BtfTracePoint =
-                ebpf.program_mut(name).ok_or(BpfError::StaleObject(name)).and_then(|p| p.try_into().map_err(BpfError::Program))?;
+        for (name, tracepoint) in [(programs::PROCESS_EXEC, "sched_process_exec"), (programs::PROCESS_EXIT, "sched_process_exit")] {
+            let program: &mut BtfTracePoint = program_mut(&mut ebpf, name)?;
             program.load(tracepoint, &aya_btf).map_err(BpfError::Program)?;
             program.attach().map_err(BpfError::Program)?;
         }
         let program_stats = options.program_stats.then(|| aya::sys::enable_stats(aya::sys::Stats::RunTime).ok()).flatten();
-        let program: &mut PerfEvent = ebpf.program_mut("sample").expect("sample is in the object").try_into().map_err(BpfError::Program)?;
+        let program: &mut PerfEvent = program_mut(&mut ebpf, programs::SAMPLE)?;
         program.load().map_err(BpfError::Program)?;
 
         let kernel_log =
             if log_level == 0 { None } else { aya_log::EbpfLogger::init(&mut ebpf).map_err(|err| log::debug!("eBPF diagnostics unavailable: {err}")).ok() };
-        let samples = RingBuf::try_from(ebpf.take_map(maps::SAMPLES).expect("SAMPLES is in the object")).map_err(map_error(maps::SAMPLES))?;
-        let lost = PerCpuArray::try_from(ebpf.take_map(maps::LOST).expect("LOST is in the object")).map_err(map_error(maps::LOST))?;
-        let py_procs = HashMap::try_from(ebpf.take_map(maps::PY_PROCS).expect("PY_PROCS is in the object")).map_err(map_error(maps::PY_PROCS))?;
-        let py_threads = HashMap::try_from(ebpf.take_map(maps::PY_THREADS).expect("PY_THREADS is in the object")).map_err(map_error(maps::PY_THREADS))?;
-        let py_markers = HashMap::try_from(ebpf.take_map(maps::PY_MARKERS).expect("PY_MARKERS is in the object")).map_err(map_error(maps::PY_MARKERS))?;
-        let snapshot_procs =
-            HashMap::try_from(ebpf.take_map(maps::SNAPSHOT_PROCS).expect("SNAPSHOT_PROCS is in the object")).map_err(map_error(maps::SNAPSHOT_PROCS))?;
+        let samples = RingBuf::try_from(take_map(&mut ebpf, maps::SAMPLES)?).map_err(map_error(maps::SAMPLES))?;
+        let lost = PerCpuArray::try_from(take_map(&mut ebpf, maps::LOST)?).map_err(map_error(maps::LOST))?;
+        let py_procs = HashMap::try_from(take_map(&mut ebpf, maps::PY_PROCS)?).map_err(map_error(maps::PY_PROCS))?;
+        let py_threads = HashMap::try_from(take_map(&mut ebpf, maps::PY_THREADS)?).map_err(map_error(maps::PY_THREADS))?;
+        let py_markers = HashMap::try_from(take_map(&mut ebpf, maps::PY_MARKERS)?).map_err(map_error(maps::PY_MARKERS))?;
+        let snapshot_procs = HashMap::try_from(take_map(&mut ebpf, maps::SNAPSHOT_PROCS)?).map_err(map_error(maps::SNAPSHOT_PROCS))?;
         Ok(Sampler {
             ebpf,
             frequency_hz: options.frequency_hz,
@@ -225,7 +241,7 @@ impl Sampler {
     /// so the processes attached beforehand are registered first and their first samples
     /// already carry Python frames.
     pub fn start_sampling(&mut self) -> Result<(), BpfError> {
-        let program: &mut PerfEvent = self.ebpf.program_mut("sample").expect("sample is in the object").try_into().map_err(BpfError::Program)?;
+        let program: &mut PerfEvent = program_mut(&mut self.ebpf, programs::SAMPLE)?;
         let cpus = aya::util::online_cpus().map_err(|(_, err)| BpfError::Cpus(err))?;
         for cpu in cpus {
             program
@@ -303,5 +319,23 @@ impl Sampler {
     /// Tells the eBPF program the marker chain userspace established for `tid`.
     pub fn set_marker_chain(&mut self, tid: u32, chain: &MarkerChain) -> Result<(), BpfError> {
         self.py_markers.insert(tid, chain, 0).map_err(map_error(maps::PY_MARKERS))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use object::{Object, ObjectSymbol};
+    use pyebpf_common::{maps, programs};
+
+    #[test]
+    fn the_embedded_object_has_every_map_and_program_the_loader_takes() {
+        if super::EBPF_OBJECT.is_empty() {
+            pyebpf_tests::needs_xtask("this pyebpf was built without its eBPF object");
+        }
+        let object = object::File::parse(super::EBPF_OBJECT).expect("the embedded eBPF object is ELF");
+        let symbols: Vec<&str> = object.symbols().filter_map(|symbol| symbol.name().ok()).collect();
+        for name in maps::ALL.iter().chain(&programs::ALL) {
+            assert!(symbols.contains(name), "the eBPF object has no symbol {name}: {symbols:?}");
+        }
     }
 }

@@ -10,7 +10,7 @@
 //! - each result, per (file, file offset) and per kernel address.
 //!
 //! A long host-wide run sees an endless stream of processes and files, so every cache is bounded:
-//! what belongs to a process goes when the process has exited ([`Symbolizer::forget_processes`]);
+//! what belongs to a process goes when the process has exited ([`Symbolizer::forget_process`]);
 //! open files beyond [`MAX_OPEN_FILES`] (or [`MAX_OPEN_BYTES`] in all) are closed, and results beyond [`MAX_RESOLVED`] dropped,
 //! all at once (they are found again on demand; a bound hit is rare enough for that to be cheap).
 //!

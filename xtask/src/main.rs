@@ -5,8 +5,9 @@ mod bench;
 mod pythons;
 mod toolchain;
 
+use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Stdio};
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
@@ -93,22 +94,109 @@ fn test(root: &Path, filter: &[String]) -> Result<()> {
         ("npm", "npm"),
         ("bpftool", "bpftool"),
     ])?;
+    toolchain::ensure_components(&["rustfmt", "clippy"])?;
     let pythons = pythons::ensure_installed()?;
     let binary = build(root, true)?;
     let object = toolchain::ebpf_object_path(root);
-    let cargo_test = |args: &[&str]| -> Result<()> {
+    let mut suite = Suite::default();
+    let cargo = |args: &[&str]| {
         let mut cargo = Command::new(env!("CARGO"));
-        cargo.current_dir(root).arg("test").args(args).env("PYEBPF_EBPF_OBJECT", &object).env("PYEBPF_BIN", &binary).env("PYEBPF_PYTHONS", &pythons);
-        run(&mut cargo)
+        cargo.current_dir(root).args(args).env("PYEBPF_EBPF_OBJECT", &object).env("PYEBPF_BIN", &binary).env("PYEBPF_PYTHONS", &pythons);
+        cargo
     };
+    // House gates first; every step below runs even when one before it failed.
+    suite.gate("cargo fmt --check", &mut cargo(&["fmt", "--all", "--", "--check"]));
+    suite.gate("cargo fmt --check (pyebpf-ebpf)", cargo(&["fmt", "--", "--check"]).current_dir(root.join("pyebpf-ebpf")));
+    suite.gate("cargo clippy", &mut cargo(&["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]));
+    suite.gate("cargo doc", cargo(&["doc", "--workspace", "--no-deps", "--document-private-items"]).env("RUSTDOCFLAGS", "-D warnings"));
     // Unit and fuzz tests may share the CPUs; end-to-end tests measure sample counts, one at a time.
-    cargo_test(&["--release", "--workspace", "--exclude", "pyebpf-tests", "--lib", "--bins"])?;
-    cargo_test(&["--profile", "fuzz", "--package", "pyebpf", "--test", "fuzz_reader", "--test", "fuzz_parsers"])?;
+    suite.tests("unit", &mut cargo(&["test", "--release", "--workspace", "--exclude", "pyebpf-tests", "--lib", "--bins", "--no-fail-fast"]));
+    suite.tests("fuzz", &mut cargo(&["test", "--profile", "fuzz", "--package", "pyebpf", "--test", "fuzz_reader", "--test", "fuzz_parsers", "--no-fail-fast"]));
     // Real BPF and a real interpreter: needs the sampler to itself, like the end-to-end tests.
-    cargo_test(&["--release", "--package", "pyebpf", "--test", "alloc_free"])?;
-    let mut e2e = vec!["--release", "--package", "pyebpf-tests", "--", "--test-threads=1"];
-    e2e.extend(filter.iter().map(String::as_str));
-    cargo_test(&e2e)
+    suite.tests("alloc_free", &mut cargo(&["test", "--release", "--package", "pyebpf", "--test", "alloc_free"]));
+    for name in end_to_end_tests(root)? {
+        let mut e2e = cargo(&["test", "--release", "--package", "pyebpf-tests", "--test", &name, "--", "--test-threads=1"]);
+        e2e.args(filter);
+        suite.tests(&name, &mut e2e);
+    }
+    suite.finish()
+}
+
+/// The end-to-end test binaries: one per file in tests/tests/.
+fn end_to_end_tests(root: &Path) -> Result<Vec<String>> {
+    let mut names: Vec<String> =
+        std::fs::read_dir(root.join("tests/tests"))?.filter_map(|entry| entry.ok()?.file_name().to_str()?.strip_suffix(".rs").map(str::to_string)).collect();
+    names.sort();
+    Ok(names)
+}
+
+/// What `cargo xtask test` ran: totals over every step and the name of everything that failed.
+#[derive(Default)]
+struct Suite {
+    passed: u64,
+    failed: u64,
+    ignored: u64,
+    failures: Vec<String>,
+}
+
+impl Suite {
+    /// A check that passes or fails as a whole (fmt, clippy, doc).
+    fn gate(&mut self, name: &str, command: &mut Command) {
+        eprintln!("xtask: {name}");
+        match command.status() {
+            Ok(status) if status.success() => {}
+            Ok(status) => self.fail(format!("{name} (exited with {status})")),
+            Err(err) => self.fail(format!("{name} (could not start: {err})")),
+        }
+    }
+
+    /// A `cargo test` run: its output is passed through and its result lines added up; a run that
+    /// fails without a failed test (a build error, a test binary that crashed) is a failure too.
+    fn tests(&mut self, step: &str, command: &mut Command) {
+        eprintln!("xtask: tests: {step}");
+        let failed_before = self.failures.len();
+        let mut child = match command.stdout(Stdio::piped()).spawn() {
+            Ok(child) => child,
+            Err(err) => return self.fail(format!("{step} (could not start cargo: {err})")),
+        };
+        let stdout = child.stdout.take().expect("piped");
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            println!("{line}");
+            if let Some(test) = line.strip_prefix("test ").and_then(|rest| rest.strip_suffix(" ... FAILED")) {
+                self.failures.push(format!("{step}: {test}"));
+            } else if let Some(counts) = line.strip_prefix("test result: ") {
+                let count = |label: &str| counts.split(';').find_map(|part| part.trim().strip_suffix(label)?.trim().parse::<u64>().ok()).unwrap_or(0);
+                self.passed += count(" passed");
+                self.failed += count(" failed");
+                self.ignored += count(" ignored");
+            }
+        }
+        match child.wait() {
+            Ok(status) if !status.success() && self.failures.len() == failed_before => self.fail(format!("{step} (exited with {status})")),
+            Ok(_) => {}
+            Err(err) => self.fail(format!("{step} (could not wait for cargo: {err})")),
+        }
+    }
+
+    fn fail(&mut self, what: String) {
+        self.failed += 1;
+        self.failures.push(what);
+    }
+
+    /// Lists every failure and the totals; an error if anything failed.
+    fn finish(self) -> Result<()> {
+        if !self.failures.is_empty() {
+            eprintln!("xtask: {} failed:", self.failures.len());
+            for failure in &self.failures {
+                eprintln!("    {failure}");
+            }
+        }
+        println!("xtask: {} passed, {} failed, {} ignored", self.passed, self.failed, self.ignored);
+        if !self.failures.is_empty() {
+            bail!("{} failed", self.failures.len());
+        }
+        Ok(())
+    }
 }
 
 fn run(command: &mut Command) -> Result<()> {

@@ -59,6 +59,17 @@ pub fn ensure_ebpf_toolchain(root: &Path) -> Result<PathBuf> {
     Ok(bin)
 }
 
+/// Installs the rustup components (`rustfmt`, `clippy`) the test command's gates run.
+pub fn ensure_components(components: &[&str]) -> Result<()> {
+    let installed = output(Command::new("rustup").args(["component", "list", "--installed"]))?;
+    let missing: Vec<&str> = components.iter().copied().filter(|c| !installed.lines().any(|line| line.starts_with(&format!("{c}-")))).collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    eprintln!("xtask: installing {}", missing.join(" "));
+    run(Command::new("rustup").args(["component", "add"]).args(&missing))
+}
+
 pub fn ebpf_object_path(root: &Path) -> PathBuf {
     root.join("target/ebpf/bpfel-unknown-none/release/pyebpf")
 }

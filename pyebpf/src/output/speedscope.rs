@@ -1,4 +1,4 @@
-//! speedscope's file format (https://www.speedscope.app/file-format-schema.json): one `sampled`
+//! speedscope's file format (<https://www.speedscope.app/file-format-schema.json>): one `sampled`
 //! profile per process (per thread with `--threads`), each distinct stack once, weighted by the CPU
 //! time its samples stand for, in nanoseconds. The heaviest profile opens first.
 

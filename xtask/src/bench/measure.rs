@@ -57,6 +57,7 @@ pub fn run_measured(command: &mut Command, window: Option<(Duration, Duration)>)
     let mut status = 0;
     // SAFETY: rusage is plain data that wait4 fills; the child is ours and not yet waited for.
     let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: wait4 fills the status and usage it is given.
     if unsafe { libc::wait4(pid, &mut status, 0, &mut usage) } != pid {
         bail!("wait for {command:?}: {}", std::io::Error::last_os_error());
     }
