@@ -69,11 +69,6 @@ pub fn exit_at_once() {
     }
 }
 
-/// Whether SIGHUP is left ignored (the parent ignored it): the policy as it applies to this run.
-pub fn hangup_ignored() -> bool {
-    INHERITED_IGNORED.load(Ordering::Relaxed) & (1 << libc::SIGHUP) != 0
-}
-
 /// Has `command` start with the stop signals as pyebpf's parent left them (exec resets handled
 /// signals to the default, and would undo an inherited ignore): a launched command behaves as it
 /// would without pyebpf in between.
