@@ -158,11 +158,13 @@ fn sighup_still_writes_the_profile() {
     let spinner = python_spinner();
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("hup.folded");
-    let mut recorder = pyebpf_command().args(["record", "-a", "-o"]).arg(&out).stderr(Stdio::piped()).spawn().unwrap();
+    let recorder = pyebpf_command().args(["record", "-a", "-o"]).arg(&out).stderr(Stdio::piped()).spawn().unwrap();
+    let at_start = pyebpf_tests::signal_masks(recorder.id());
     std::thread::sleep(Duration::from_millis(1500));
     // SAFETY: signalling our own child.
     assert_eq!(unsafe { libc::kill(recorder.id() as i32, libc::SIGHUP) }, 0);
-    let status = recorder.wait().unwrap();
+    let sent = pyebpf_tests::Sent { name: "SIGHUP", signal: libc::SIGHUP, after_ms: 1500, at_start };
+    let status = pyebpf_tests::wait_after_signal(recorder, &sent, Duration::from_secs(10)).status;
     assert!(status.success(), "pyebpf exited with {status} after SIGHUP");
     let text = std::fs::read_to_string(&out).unwrap();
     let stacks = stacks_of(&text, spinner.pid());

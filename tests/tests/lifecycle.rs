@@ -40,7 +40,10 @@ fn wait_recording(mut recording: Killed, out: &Path) -> (String, String) {
         if let Some(status) = recording.0.try_wait().unwrap() {
             break status;
         }
-        assert!(started.elapsed() < Duration::from_secs(60), "pyebpf did not stop");
+        if started.elapsed() > Duration::from_secs(60) {
+            let pid = recording.pid();
+            panic!("pyebpf did not stop; masks: {}; threads: {}", pyebpf_tests::signal_masks(pid), pyebpf_tests::threads_and_wchans(pid));
+        }
         std::thread::sleep(Duration::from_millis(50));
     };
     let mut stderr = String::new();

@@ -8,7 +8,8 @@ use std::time::{Duration, Instant};
 
 use pyebpf_tests::{
     assert_one_line_error, compile_c, count_where, debian_python, pyebpf, pyebpf_command, pyebpf_without_tracefs, record_collapsed,
-    record_collapsed_without_tracefs, run_pyebpf, stacks_of, total, wait_for_file, without_tracefs, Killed,
+    record_collapsed_without_tracefs, run_pyebpf, signal_masks, stacks_of, threads_and_wchans, total, wait_after_signal, wait_for_file, without_tracefs,
+    Killed, Sent,
 };
 
 /// Spins in leaf_fn under main → outer_fn → middle_fn (for argv[1] seconds, default forever);
@@ -112,11 +113,13 @@ fn interrupted_recording_still_writes(signal: i32, file: &str) {
     let dir = tempfile::tempdir().unwrap();
     let _spinner = spin(dir.path(), &[]);
     let out = dir.path().join(file);
-    let mut recorder = pyebpf_command().args(["record", "-a", "-o"]).arg(&out).stderr(Stdio::piped()).spawn().unwrap();
+    let recorder = pyebpf_command().args(["record", "-a", "-o"]).arg(&out).stderr(Stdio::piped()).spawn().unwrap();
+    let at_start = signal_masks(recorder.id());
     std::thread::sleep(Duration::from_millis(1500));
     // SAFETY: signalling our own child.
     assert_eq!(unsafe { libc::kill(recorder.id() as i32, signal) }, 0);
-    let status = recorder.wait().unwrap();
+    let sent = Sent { name: "the stop signal", signal, after_ms: 1500, at_start };
+    let status = wait_after_signal(recorder, &sent, Duration::from_secs(10)).status;
     assert!(status.success(), "pyebpf exited with {status} after signal {signal}");
     if file.ends_with(".pb.gz") {
         let top = go_pprof(&["-top"], &out);
@@ -254,9 +257,10 @@ fn command_gets_the_signal(signal: i32, command: &[&str], dir: &Path) -> String 
             break status;
         }
         if signalled.elapsed() > Duration::from_secs(10) {
+            let (masks, threads) = (signal_masks(recorder.id()), threads_and_wchans(recorder.id()));
             let _ = recorder.kill();
             let _ = recorder.wait();
-            panic!("pyebpf still ran 10 s after signal {signal}");
+            panic!("pyebpf still ran 10 s after signal {signal}, sent 1 s into the command; masks: {masks}; threads: {threads}");
         }
         std::thread::sleep(Duration::from_millis(20));
     };
