@@ -51,6 +51,11 @@ enum Action {
 }
 
 impl View {
+    /// The view as top starts: sorted by own time, merged frames, nothing shown yet.
+    fn new(frequency_hz: u64, targets: String) -> View {
+        View { sort: SortBy::Own, frames: FrameView::Merged, paused: false, shown: Snapshot::default(), windows: 0, lost: 0, frequency_hz, targets }
+    }
+
     fn key(&mut self, key: KeyEvent) -> Action {
         if key.kind == KeyEventKind::Release {
             return Action::Nothing;
@@ -111,16 +116,7 @@ async fn top(args: &TopArgs) -> Result<()> {
     // The screen is taken only once sampling runs, so a failure to load says so on the normal screen.
     let mut screen = Screen::open()?;
     let mut keys = terminal::read_keys();
-    let mut view = View {
-        sort: SortBy::Own,
-        frames: FrameView::Merged,
-        paused: false,
-        shown: Snapshot::default(),
-        windows: 0,
-        lost: 0,
-        frequency_hz: args.frequency,
-        targets: describe_targets(args),
-    };
+    let mut view = View::new(args.frequency, describe_targets(args));
     screen.draw(&view)?;
     let mut tally = Tally::default();
     let mut refresh = tokio::time::interval_at(tokio::time::Instant::now() + REFRESH, REFRESH);
@@ -180,16 +176,7 @@ mod tests {
     use super::*;
 
     fn view() -> View {
-        View {
-            sort: SortBy::Own,
-            frames: FrameView::Merged,
-            paused: false,
-            shown: Snapshot::default(),
-            windows: 0,
-            lost: 0,
-            frequency_hz: 99,
-            targets: String::new(),
-        }
+        View::new(99, String::new())
     }
 
     fn press(view: &mut View, code: KeyCode, modifiers: KeyModifiers) -> Action {
