@@ -236,8 +236,11 @@ impl PythonSampling {
                 // Reported once; later checks (a late libpython) stay quiet.
                 if checks == 0 {
                     log::debug!("pid {pid}: not profiled as Python: {err}");
+                    if let Some(python) = err.unsupported_python() {
+                        stats.unsupported_python(format!("{python} (pid {pid})"));
+                    }
                 }
-                let settled = matches!(err, PyError::UnsupportedVersion(_) | PyError::FreeThreaded(_) | PyError::BadOffsets(_));
+                let settled = err.unsupported_python().is_some() || matches!(err, PyError::BadOffsets(_));
                 return not_python(settled);
             }
         };

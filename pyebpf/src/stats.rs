@@ -32,6 +32,10 @@ pub struct Stats {
     pub code_cache: CodeCacheCounters,
     /// Python processes attached to.
     pub python_processes: u64,
+    /// Processes running a CPython pyebpf does not read (`CPython 3.11.2 (pid 6309)`), the first
+    /// [`MAX_NAMED_UNSUPPORTED`] of them, and how many more there were.
+    pub unsupported_pythons: Vec<String>,
+    pub more_unsupported_pythons: u64,
     /// CPU time pyebpf itself used (user + system), in nanoseconds.
     pub own_cpu_ns: u64,
     /// Time the eBPF sampler ran in the kernel, on the sampled CPUs, and how many times it ran
@@ -48,7 +52,19 @@ pub struct Stats {
     pub unwind_ns: u64,
 }
 
+/// Processes of unsupported CPythons named in the summary at most.
+pub const MAX_NAMED_UNSUPPORTED: usize = 8;
+
 impl Stats {
+    /// Counts a process running a CPython pyebpf does not read, named by `description`.
+    pub fn unsupported_python(&mut self, description: String) {
+        if self.unsupported_pythons.len() < MAX_NAMED_UNSUPPORTED {
+            self.unsupported_pythons.push(description);
+        } else {
+            self.more_unsupported_pythons += 1;
+        }
+    }
+
     pub fn count_unwind(&mut self, unwound: &crate::unwind::Unwound, stack_bytes: usize, copy_full: bool, cpu_ns: u64) {
         self.unwound_samples += 1;
         self.stack_bytes += stack_bytes as u64;

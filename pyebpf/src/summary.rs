@@ -82,6 +82,9 @@ pub struct Summary {
     pub truncated: u64,
     /// Samples without a single frame.
     pub unresolved: u64,
+    /// Processes of CPythons pyebpf does not read, as `Stats` names them, and how many more.
+    pub unsupported_pythons: Vec<String>,
+    pub more_unsupported_pythons: u64,
     /// Where the profile went, and the command that opens it (none for standard output, devices).
     pub output: String,
     pub open_command: Option<String>,
@@ -100,6 +103,8 @@ impl Summary {
             lost: stats.lost_samples,
             truncated: stats.truncated_samples,
             unresolved: totals.unresolved,
+            unsupported_pythons: stats.unsupported_pythons.clone(),
+            more_unsupported_pythons: stats.more_unsupported_pythons,
             output,
             open_command,
         }
@@ -183,6 +188,13 @@ impl fmt::Display for Summary {
         if self.uncounted > 0 {
             writeln!(f, "  ({} samples are in functions beyond the first {MAX_RUN_FUNCTIONS} and not listed)", self.uncounted)?;
         }
+        if !self.unsupported_pythons.is_empty() {
+            let more = match self.more_unsupported_pythons {
+                0 => String::new(),
+                n => format!(" and {n} more"),
+            };
+            writeln!(f, "  native frames only (pyebpf reads CPython 3.13, 3.14 and 3.15): {}{more}", self.unsupported_pythons.join(", "))?;
+        }
         write!(f, "  lost: {}, Python stacks truncated: {}, unresolved (no frames): {}", self.lost, self.truncated, self.unresolved)?;
         if let Some(command) = &self.open_command {
             write!(f, "\n  open it: {command}")?;
@@ -245,5 +257,18 @@ mod tests {
         assert!(!text.contains("main (/srv/work.py)"), "a function without own samples is listed: {text}");
         assert!(text.contains("lost: 2, Python stacks truncated: 1, unresolved (no frames): 0"), "{text}");
         assert!(text.ends_with("open it: xdg-open out.svg"), "{text}");
+        assert!(!text.contains("native frames only"), "{text}");
+    }
+
+    #[test]
+    fn summary_names_processes_of_unsupported_pythons_within_its_bound() {
+        let mut stats = Stats::default();
+        for pid in 0..10 {
+            stats.unsupported_python(format!("CPython 3.11.2 (pid {pid})"));
+        }
+        let text = Summary::new(RunTotals::of(&sample_profile()), &stats, "out.folded".into(), None).to_string();
+        let line = text.lines().find(|l| l.contains("native frames only")).unwrap_or_else(|| panic!("{text}"));
+        assert!(line.ends_with("CPython 3.11.2 (pid 7) and 2 more"), "{line}");
+        assert_eq!(line.matches("CPython 3.11.2").count(), crate::stats::MAX_NAMED_UNSUPPORTED, "{line}");
     }
 }

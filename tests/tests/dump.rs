@@ -107,11 +107,23 @@ fn dump_of_a_non_python_process_is_a_clear_error() {
     assert_clean_error(&dump(sleeper.0.id(), false), "is not a CPython process");
 }
 
+/// Every older CPython on these machines is named, with its version, in one line: from
+/// `Py_Version` (3.11+), else from the interpreter's file name (3.7-3.10 have `_PyRuntime`, 2.7
+/// and 3.6 do not).
 #[test]
-fn dump_of_python_3_11_is_a_clear_error() {
-    let old = Killed(Command::new(pyenv_python("3.11.7")).args(["-c", "import time; time.sleep(30)"]).spawn().unwrap());
-    std::thread::sleep(Duration::from_millis(300));
-    assert_clean_error(&dump(old.0.id(), false), "CPython 3.11.7 is not supported");
+fn dump_of_an_older_python_names_its_version() {
+    let pyenv = ["2.7.18", "3.6.15", "3.7.16", "3.8.18", "3.9.18", "3.10.13", "3.11.7", "3.12.1"];
+    let expected = ["CPython 2.7 ", "CPython 3.6 ", "CPython 3.7 ", "CPython 3.8 ", "CPython 3.9 ", "CPython 3.10 ", "CPython 3.11.7 ", "CPython 3.12.1 "];
+    let mut interpreters: Vec<(std::path::PathBuf, &str)> = pyenv.iter().map(|v| pyenv_python(v)).zip(expected).collect();
+    interpreters.push(("/usr/bin/python3.11".into(), "CPython 3.11.2 "));
+    for (python, expected) in interpreters {
+        assert!(python.exists(), "{} is missing", python.display());
+        let old = Killed(Command::new(&python).args(["-c", "import time; time.sleep(30)"]).spawn().unwrap());
+        std::thread::sleep(Duration::from_millis(300));
+        let output = dump(old.0.id(), false);
+        assert_clean_error(&output, &format!("{expected}is not supported"));
+        eprintln!("{}: {}", python.display(), String::from_utf8_lossy(&output.stderr).trim());
+    }
 }
 
 #[test]

@@ -93,6 +93,8 @@ fn test(root: &Path, filter: &[String]) -> Result<()> {
         ("tmux", "tmux"),
         ("npm", "npm"),
         ("bpftool", "bpftool"),
+        // Debian's own interpreter, beside pyenv's: the version tests name it.
+        ("/usr/bin/python3.11", "python3.11"),
     ])?;
     toolchain::ensure_components(&["rustfmt", "clippy"])?;
     let pythons = pythons::ensure_installed()?;

@@ -88,7 +88,8 @@ pub fn build_ebpf(root: &Path, linker_bin: &Path) -> Result<PathBuf> {
     Ok(ebpf_object_path(root))
 }
 
-/// Installs the Debian packages whose commands are missing (`(command, package)` pairs).
+/// Installs the Debian packages whose commands (names on PATH, or absolute paths) are missing
+/// (`(command, package)` pairs).
 pub fn ensure_apt_packages(needed: &[(&str, &str)]) -> Result<()> {
     let missing: Vec<&str> = needed
         .iter()

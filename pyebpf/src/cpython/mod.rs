@@ -56,6 +56,9 @@ pub enum PyError {
     NoDebugOffsets,
     #[error("CPython {0} is not supported (3.13, 3.14 and 3.15.0b4 or later are)")]
     UnsupportedVersion(PyVersion),
+    /// A version known only by its interpreter's file name (`MAJOR.MINOR`): before 3.11.
+    #[error("CPython {0} is not supported (3.13, 3.14 and 3.15.0b4 or later are)")]
+    UnsupportedRelease(String),
     #[error("free-threaded CPython {0} is not supported")]
     FreeThreaded(PyVersion),
     #[error("implausible _Py_DebugOffsets: {0}")]
@@ -71,6 +74,16 @@ pub enum PyError {
 }
 
 impl PyError {
+    /// The CPython this error names as one pyebpf does not read (`CPython 3.11.2`), if it does.
+    pub fn unsupported_python(&self) -> Option<String> {
+        match self {
+            PyError::UnsupportedVersion(version) => Some(format!("CPython {version}")),
+            PyError::UnsupportedRelease(version) => Some(format!("CPython {version}")),
+            PyError::FreeThreaded(version) => Some(format!("free-threaded CPython {version}")),
+            _ => None,
+        }
+    }
+
     /// Whether this error comes from the process having exited.
     pub fn process_gone(&self) -> bool {
         match self {
@@ -150,7 +163,8 @@ impl PyProcess<ProcessMemory> {
                 Some(version) if offsets::is_supported(version) => {
                     PyError::BadOffsets(format!("no `xdebugpy` cookie in _PyRuntime, yet the interpreter is CPython {version}"))
                 }
-                version => version.map_or(PyError::NoDebugOffsets, PyError::UnsupportedVersion),
+                Some(version) => PyError::UnsupportedVersion(version),
+                None => runtime.named_version.clone().map_or(PyError::NoDebugOffsets, PyError::UnsupportedRelease),
             },
             other => other,
         })

@@ -14,9 +14,23 @@ use super::PyError;
 /// Largest ELF file read to look for the runtime.
 const MAX_ELF_SIZE: u64 = 512 << 20;
 
-/// Whether a mapped file looks like a CPython interpreter or its shared library.
+/// Whether a mapped file looks like a CPython interpreter or its shared library (Python 2 and 3,
+/// so that versions pyebpf does not read are named as such).
 fn is_python_file(path: &Path) -> bool {
-    path.file_name().and_then(|n| n.to_str()).is_some_and(|name| name.starts_with("libpython3") || (name.starts_with("python3") && !name.ends_with(".py")))
+    path.file_name().and_then(|n| n.to_str()).is_some_and(|name| {
+        let name = name.strip_prefix("lib").unwrap_or(name);
+        (name.starts_with("python3") || name.starts_with("python2")) && !name.ends_with(".py")
+    })
+}
+
+/// The `MAJOR.MINOR` in an interpreter's file name (`python3.8`, `libpython2.7.so.1.0`,
+/// `python3.12d`), for versions without `Py_Version` (before 3.11).
+fn version_in_name(path: &Path) -> Option<String> {
+    let name = path.file_name()?.to_str()?;
+    let rest = name.strip_prefix("lib").unwrap_or(name).strip_prefix("python")?;
+    let (major, rest) = rest.split_once('.')?;
+    let minor: String = rest.chars().take_while(char::is_ascii_digit).collect();
+    (matches!(major, "2" | "3") && !minor.is_empty()).then(|| format!("{major}.{minor}"))
 }
 
 /// Whether `pid` is gone: no /proc entry, or exiting or exited and not yet reaped (its /proc entry
@@ -38,6 +52,8 @@ pub struct Runtime {
     pub file: PathBuf,
     /// The file's `Py_Version` (CPython 3.11+), which names versions too old to have debug offsets.
     pub version: Option<PyVersion>,
+    /// `MAJOR.MINOR` from the file's name, for older versions.
+    pub named_version: Option<String>,
 }
 
 /// Finds `_PyRuntime` in `pid`.
@@ -62,7 +78,7 @@ pub fn find_runtime(pid: u32) -> Result<Runtime, PyError> {
     let mut unreadable = None;
     for (path, base) in &candidates {
         match runtime_in_file(pid, path, *base) {
-            Ok(Some((address, version))) => return Ok(Runtime { address, file: path.clone(), version }),
+            Ok(Some((address, version))) => return Ok(Runtime { address, file: path.clone(), version, named_version: version_in_name(path) }),
             Err(cause) if cause.kind() == std::io::ErrorKind::PermissionDenied => {
                 unreadable.get_or_insert_with(|| PyError::InterpreterUnreadable { pid, path: path.clone(), cause });
             }
@@ -73,7 +89,9 @@ pub fn find_runtime(pid: u32) -> Result<Runtime, PyError> {
         // Its maps were read while it exited.
         return Err(PyError::NoProcess(pid));
     }
-    Err(unreadable.unwrap_or(PyError::NotPython(pid)))
+    // An interpreter without `_PyRuntime` (2.7, 3.6) is named by its version.
+    let named = || candidates.iter().find_map(|(path, _)| version_in_name(path)).map(PyError::UnsupportedRelease);
+    Err(unreadable.or_else(named).unwrap_or(PyError::NotPython(pid)))
 }
 
 /// Why `/proc/PID` could not be read: the process is gone, or it is not ours to read.
@@ -115,4 +133,29 @@ fn py_version<'data, R: ReadRef<'data>>(elf: &object::File<'data, R>) -> Option<
     let section = elf.section_by_index(symbol.section_index()?).ok()?;
     let bytes = section.data_range(symbol.address(), 4).ok()??;
     Some(PyVersion(u64::from(u32::from_le_bytes(bytes.try_into().ok()?))))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn versions_are_read_from_interpreter_names() {
+        for (name, version) in [
+            ("python3.8", Some("3.8")),
+            ("libpython3.10.so.1.0", Some("3.10")),
+            ("python2.7", Some("2.7")),
+            ("libpython2.7.so.1.0", Some("2.7")),
+            ("python3.12d", Some("3.12")),
+            ("python3", None),
+            ("python3.x", None),
+            ("python4.1", None),
+            ("pythonista", None),
+        ] {
+            assert_eq!(version_in_name(Path::new("/usr/bin").join(name).as_path()).as_deref(), version, "{name}");
+        }
+        assert!(is_python_file(Path::new("/usr/lib/libpython2.7.so.1.0")));
+        assert!(!is_python_file(Path::new("/srv/python3_app.py")));
+        assert!(!is_python_file(Path::new("/usr/bin/perl")));
+    }
 }
