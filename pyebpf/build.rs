@@ -3,21 +3,54 @@ use std::path::PathBuf;
 
 fn main() {
     embed_ebpf_object();
+    version_line();
     compile_profile_proto();
 }
 
 /// Copies the eBPF object built by `cargo xtask build` into OUT_DIR so the binary embeds it: the
-/// one named by PYEBPF_EBPF_OBJECT, else the one xtask leaves under target/. Without one (a plain
-/// `cargo check` on a fresh clone), an empty file is embedded and `record` says how to build it.
+/// one named by PYEBPF_EBPF_OBJECT, else the one xtask leaves under target/. Without one, a
+/// release build (`cargo install --path pyebpf`, `cargo build --release`) stops here, since its
+/// binary could not sample; a debug build or check (`cargo check`, an editor) embeds an empty
+/// file and `record` says how to build it.
 fn embed_ebpf_object() {
     println!("cargo:rerun-if-env-changed=PYEBPF_EBPF_OBJECT");
     let out = PathBuf::from(env::var_os("OUT_DIR").unwrap()).join("pyebpf-ebpf.o");
     let default = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/ebpf/bpfel-unknown-none/release/pyebpf");
     let source = env::var_os("PYEBPF_EBPF_OBJECT").map(PathBuf::from).unwrap_or(default);
     println!("cargo:rerun-if-changed={}", source.display());
-    match std::fs::read(&source) {
-        Ok(object) => std::fs::write(&out, object).expect("write OUT_DIR"),
-        Err(_) => std::fs::write(&out, b"").expect("write OUT_DIR"),
+    let object = match std::fs::read(&source) {
+        Ok(object) => object,
+        Err(_) if env::var("PROFILE").as_deref() == Ok("release") => {
+            println!(
+                "cargo::error=pyebpf's eBPF object is not built ({}): build pyebpf with `cargo xtask build --release` (it installs the eBPF toolchain)",
+                source.display()
+            );
+            return;
+        }
+        Err(_) => Vec::new(),
+    };
+    std::fs::write(&out, object).expect("write OUT_DIR");
+}
+
+/// `pyebpf --version`: the crate's version, the commit it was built from, and the CPythons it reads.
+fn version_line() {
+    let commit = std::process::Command::new("git")
+        .args(["rev-parse", "--short=12", "HEAD"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .ok()
+        .filter(|out| out.status.success())
+        .and_then(|out| String::from_utf8(out.stdout).ok())
+        .map_or_else(|| "unknown".to_string(), |commit| commit.trim().to_string());
+    let version = env::var("CARGO_PKG_VERSION").unwrap_or_default();
+    println!("cargo:rustc-env=PYEBPF_LONG_VERSION={version} (commit {commit}; reads CPython 3.13, 3.14 and 3.15)");
+    // A new commit moves the branch HEAD names (or, packed, packed-refs), not HEAD itself.
+    let git = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.git");
+    if let Ok(head) = std::fs::read_to_string(git.join("HEAD")) {
+        let branch = head.trim().strip_prefix("ref: ").map(|branch| git.join(branch));
+        for watched in [Some(git.join("HEAD")), Some(git.join("packed-refs")), branch].into_iter().flatten().filter(|file| file.exists()) {
+            println!("cargo:rerun-if-changed={}", watched.display());
+        }
     }
 }
 

@@ -8,7 +8,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 #[derive(Parser, Debug)]
 #[command(
     name = "pyebpf",
-    version,
+    version = env!("PYEBPF_LONG_VERSION"),
     about = "System-wide sampling profiler for Python on Linux, built on eBPF",
     long_about = "System-wide sampling profiler for Python on Linux, built on eBPF.\n\n\
         Samples every CPU with a perf-event eBPF program and shows, for every process, where CPU time \

@@ -78,6 +78,18 @@ fn bad_values_fail_before_sampling_with_one_line() {
 }
 
 /// `pyebpf` copied where an unprivileged user can run it.
+/// `--version` names the version, the commit built from (this checkout's HEAD) and the CPythons read.
+#[test]
+fn version_names_the_commit_and_the_pythons_read() {
+    let output = run_pyebpf(&["--version"]);
+    assert!(output.status.success(), "{output:?}");
+    let text = String::from_utf8_lossy(&output.stdout);
+    let head = Command::new("git").args(["rev-parse", "--short=12", "HEAD"]).current_dir(env!("CARGO_MANIFEST_DIR")).output().unwrap();
+    let head = String::from_utf8_lossy(&head.stdout).trim().to_string();
+    assert_eq!(head.len(), 12, "no git HEAD to compare with");
+    assert_eq!(text.trim(), format!("pyebpf {} (commit {head}; reads CPython 3.13, 3.14 and 3.15)", env!("CARGO_PKG_VERSION")));
+}
+
 fn runnable_by_anyone(dir: &Path) -> PathBuf {
     std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755)).unwrap();
     let bin = dir.join("pyebpf");
