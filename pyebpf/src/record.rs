@@ -353,7 +353,11 @@ async fn record(args: &RecordArgs, watched: &Watched, sink: &Arc<ProfileSink>) -
     let writer = args.rotate.map(|_| PeriodWriter::start(Arc::clone(sink))).transpose()?;
     let mut rotation = args.rotate.map(|secs| {
         let period = Duration::from_secs(secs);
-        tokio::time::interval_at(tokio::time::Instant::now() + period, period)
+        let mut interval = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+        // A period that ends late (a busy host) does not make the next ones short to catch up:
+        // every period lasts at least SECONDS, so no two start in the same second.
+        interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        interval
     });
     let mut tick = tokio::time::interval(TICK);
     let mut batch = RecordBatch::default();
