@@ -132,6 +132,13 @@ fn end_to_end_tests(root: &Path) -> Result<Vec<String>> {
     Ok(names)
 }
 
+/// Passed, failed and ignored of libtest's `test result: ok. 101 passed; 0 failed; 0 ignored; ...`.
+fn result_counts(line: &str) -> Option<(u64, u64, u64)> {
+    let counts = line.strip_prefix("test result: ")?;
+    let count = |label: &str| counts.split(';').find_map(|part| part.trim().strip_suffix(label)?.split_whitespace().last()?.parse::<u64>().ok()).unwrap_or(0);
+    Some((count(" passed"), count(" failed"), count(" ignored")))
+}
+
 /// What `cargo xtask test` ran: totals over every step and the name of everything that failed.
 #[derive(Default)]
 struct Suite {
@@ -166,11 +173,10 @@ impl Suite {
             println!("{line}");
             if let Some(test) = line.strip_prefix("test ").and_then(|rest| rest.strip_suffix(" ... FAILED")) {
                 self.failures.push(format!("{step}: {test}"));
-            } else if let Some(counts) = line.strip_prefix("test result: ") {
-                let count = |label: &str| counts.split(';').find_map(|part| part.trim().strip_suffix(label)?.trim().parse::<u64>().ok()).unwrap_or(0);
-                self.passed += count(" passed");
-                self.failed += count(" failed");
-                self.ignored += count(" ignored");
+            } else if let Some((passed, failed, ignored)) = result_counts(&line) {
+                self.passed += passed;
+                self.failed += failed;
+                self.ignored += ignored;
             }
         }
         match child.wait() {
@@ -185,7 +191,7 @@ impl Suite {
         self.failures.push(what);
     }
 
-    /// Lists every failure and the totals; an error if anything failed.
+    /// Lists every failure, then the totals as the last line; exits with 1 if anything failed.
     fn finish(self) -> Result<()> {
         if !self.failures.is_empty() {
             eprintln!("xtask: {} failed:", self.failures.len());
@@ -193,9 +199,10 @@ impl Suite {
                 eprintln!("    {failure}");
             }
         }
-        println!("xtask: {} passed, {} failed, {} ignored", self.passed, self.failed, self.ignored);
+        let skipped = if self.ignored > 0 { format!(", {} skipped", self.ignored) } else { String::new() };
+        println!("xtask: {} passed, {} failed{skipped}", self.passed, self.failed);
         if !self.failures.is_empty() {
-            bail!("{} failed", self.failures.len());
+            std::process::exit(1);
         }
         Ok(())
     }
@@ -207,4 +214,17 @@ fn run(command: &mut Command) -> Result<()> {
         bail!("{command:?} failed with {status}");
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::result_counts;
+
+    #[test]
+    fn result_lines_are_added_up() {
+        let line = "test result: FAILED. 11 passed; 2 failed; 3 ignored; 0 measured; 0 filtered out; finished in 130.32s";
+        assert_eq!(result_counts(line), Some((11, 2, 3)));
+        assert_eq!(result_counts("test result: ok. 101 passed; 0 failed; 0 ignored; 0 measured; 0 filtered out; finished in 1.80s"), Some((101, 0, 0)));
+        assert_eq!(result_counts("test foo ... ok"), None);
+    }
 }
