@@ -15,7 +15,10 @@ pub fn xtask_env(name: &str) -> String {
 /// Says in one line that these tests need what `cargo xtask test` provides (`missing` is what is
 /// not there) and ends the test binary with status 2.
 pub fn needs_xtask(missing: &str) -> ! {
-    eprintln!("{missing}: these tests run under `cargo xtask test`, which builds pyebpf, installs what they need and sets it up");
+    // Straight to the file descriptor: libtest captures `eprintln!`, and drops what it captured
+    // when the binary exits.
+    let line = format!("{missing}: these tests run under `cargo xtask test`, which builds pyebpf, installs what they need and sets it up\n");
+    let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
     std::process::exit(2);
 }
 
