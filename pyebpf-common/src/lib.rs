@@ -295,7 +295,9 @@ pub struct PyProcConfig {
     /// Bytes read per frame: up to the last field the walk needs (at most [`PY_FRAME_WINDOW`]), so a
     /// read never runs past the frame into memory that may not be mapped.
     pub frame_window: u32,
-    pub _pad: u32,
+    /// 3.12: where the `_PyCFrame` pointer sits in the thread state; the current frame is then
+    /// read at `tstate_current_frame` in the `_PyCFrame`. [`NO_OFFSET`] from 3.13 on.
+    pub tstate_cframe: u32,
     /// Bits cleared from `f_executable` before use (its tag bits; 0 where it is not tagged).
     pub executable_tag_mask: u64,
     /// For `FIND_ATTACHED`: the address of `_PyRuntime.interpreters.head`, and where to read the

@@ -281,7 +281,7 @@ fn capture_python(ctx: &PerfEventContext, tgid: u32, tid: u32, py: &mut PyCaptur
         }
     }
     py.status |= py_status::THREAD_KNOWN;
-    let Some(frame) = read_u64(py.tstate + config.tstate_current_frame as u64) else {
+    let Some(frame) = current_frame(&config, py.tstate) else {
         debug!(ctx, "tid {}: cannot read its thread state at {:x}", tid, py.tstate);
         return;
     };
@@ -290,6 +290,20 @@ fn capture_python(ctx: &PerfEventContext, tgid: u32, tid: u32, py: &mut PyCaptur
     // The thread's marker chain belongs to the thread state userspace registered.
     let stop_at = if py.tstate == thread.tstate { marker_stop(tid, &config, py) } else { 0 };
     walk_frames(&config, frame, stop_at, py, frames);
+}
+
+/// The innermost frame of a thread state: `tstate->current_frame`, or on 3.12
+/// `tstate->cframe->current_frame` (no `_PyCFrame`, no Python running: 0).
+fn current_frame(config: &PyProcConfig, tstate: u64) -> Option<u64> {
+    let holder = if config.tstate_cframe == NO_OFFSET {
+        tstate
+    } else {
+        match read_u64(tstate + config.tstate_cframe as u64)? {
+            0 => return Some(0),
+            cframe => cframe,
+        }
+    };
+    read_u64(holder + config.tstate_current_frame as u64)
 }
 
 /// A look-up of the thread state attached to a thread, shared between `find_attached` and its

@@ -159,7 +159,7 @@ struct PythonProcess {
     frame_ids: FrameIds,
 }
 
-/// A process found not to be CPython 3.13+ (or unreadable), until it execs or exits.
+/// A process found not to be CPython 3.12+ (or unreadable), until it execs or exits.
 struct Other {
     checked_at: Instant,
     checks: u32,
@@ -187,7 +187,7 @@ impl PythonSampling {
         PythonSampling { processes: HashMap::new(), retired_code_cache: Default::default(), others: HashMap::new(), options, next_gen: 1 }
     }
 
-    /// Attaches to `pid` if it is a CPython 3.13+ process not seen before, and registers its
+    /// Attaches to `pid` if it is a CPython 3.12+ process not seen before, and registers its
     /// threads with the eBPF program.
     pub fn discover(&mut self, pid: u32, sampler: &mut Sampler, stats: &mut Stats) {
         if self.attach(pid, stats) {
@@ -195,7 +195,7 @@ impl PythonSampling {
         }
     }
 
-    /// Whether `pid` is a CPython 3.13+ process attached to.
+    /// Whether `pid` is a CPython 3.12+ process attached to.
     pub fn is_python(&self, pid: u32) -> bool {
         self.processes.contains_key(&pid)
     }

@@ -53,6 +53,11 @@ fn check_dump_matches_the_interpreter(python: &Path) {
 }
 
 #[test]
+fn dump_matches_pyenv_3_12_1() {
+    check_dump_matches_the_interpreter(&pyenv_python("3.12.1"));
+}
+
+#[test]
 fn dump_matches_pyenv_3_13_0() {
     check_dump_matches_the_interpreter(&pyenv_python("3.13.0"));
 }
@@ -75,7 +80,7 @@ fn dump_matches_debian_3_15() {
 /// The thread spinning in Python code is the GIL holder in most dumps; the waiting ones never are.
 #[test]
 fn dump_names_the_gil_holder() {
-    for python in [debian_python("3.13"), debian_python("3.14"), debian_python("3.15")] {
+    for python in [pyenv_python("3.12.1"), debian_python("3.13"), debian_python("3.14"), debian_python("3.15")] {
         let (child, dir) = start_ready(&python, "gil_spinner.py", &[]);
         let spinner: u64 = std::fs::read_to_string(dir.path().join("ready")).unwrap().trim().parse().unwrap();
         let mut spinner_held = 0;
@@ -107,13 +112,13 @@ fn dump_of_a_non_python_process_is_a_clear_error() {
     assert_clean_error(&dump(sleeper.0.id(), false), "is not a CPython process");
 }
 
-/// Every older CPython on these machines is named, with its version, in one line: from
-/// `Py_Version` (3.11+), else from the interpreter's file name (3.7-3.10 have `_PyRuntime`, 2.7
+/// Every CPython older than 3.12 on these machines is named, with its version, in one line: from
+/// `Py_Version` (3.11), else from the interpreter's file name (3.7-3.10 have `_PyRuntime`, 2.7
 /// and 3.6 do not).
 #[test]
 fn dump_of_an_older_python_names_its_version() {
-    let pyenv = ["2.7.18", "3.6.15", "3.7.16", "3.8.18", "3.9.18", "3.10.13", "3.11.7", "3.12.1"];
-    let expected = ["CPython 2.7 ", "CPython 3.6 ", "CPython 3.7 ", "CPython 3.8 ", "CPython 3.9 ", "CPython 3.10 ", "CPython 3.11.7 ", "CPython 3.12.1 "];
+    let pyenv = ["2.7.18", "3.6.15", "3.7.16", "3.8.18", "3.9.18", "3.10.13", "3.11.7"];
+    let expected = ["CPython 2.7 ", "CPython 3.6 ", "CPython 3.7 ", "CPython 3.8 ", "CPython 3.9 ", "CPython 3.10 ", "CPython 3.11.7 "];
     let mut interpreters: Vec<(std::path::PathBuf, &str)> = pyenv.iter().map(|v| pyenv_python(v)).zip(expected).collect();
     interpreters.push(("/usr/bin/python3.11".into(), "CPython 3.11.2 "));
     for (python, expected) in interpreters {

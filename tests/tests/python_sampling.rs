@@ -1,4 +1,4 @@
-//! Issue 4 end to end: real CPython 3.13/3.14/3.15 processes recorded by the real pyebpf binary.
+//! Issue 4 end to end: real CPython 3.12 to 3.15 processes recorded by the real pyebpf binary.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -10,6 +10,7 @@ use pyebpf_tests::{count_where, debian_python, pyebpf, pyenv_python, record_coll
 /// The interpreters under test: (label, path).
 fn interpreters() -> Vec<(&'static str, PathBuf)> {
     vec![
+        ("pyenv-3.12.1", pyenv_python("3.12.1")),
         ("pyenv-3.13.0", pyenv_python("3.13.0")),
         ("debian-3.13", debian_python("3.13")),
         ("debian-3.14", debian_python("3.14")),
@@ -67,6 +68,11 @@ fn check_proportions(label: &str) {
 }
 
 #[test]
+fn proportions_pyenv_3_12_1() {
+    check_proportions("pyenv-3.12.1");
+}
+
+#[test]
 fn proportions_pyenv_3_13_0() {
     check_proportions("pyenv-3.13.0");
 }
@@ -102,6 +108,11 @@ fn check_depth(label: &str) {
     let all = total(&stacks);
     assert!(all >= 300, "{label}: only {all} samples");
     assert!(complete * 100 >= all * 99, "{label}: {complete} of {all} samples show the 400 frames in order");
+}
+
+#[test]
+fn depth_400_pyenv_3_12_1() {
+    check_depth("pyenv-3.12.1");
 }
 
 #[test]
@@ -257,4 +268,23 @@ fn writes_only_the_marker_of_3_15_processes() {
         }
     }
     assert!(writes_315 > 0, "no marker write to the 3.15 process was traced: the check above proves nothing");
+}
+
+/// Processes of CPythons pyebpf does not read are named, with their version, in the summary.
+#[test]
+fn older_pythons_are_named_in_the_summary() {
+    let spin = "while True: pass";
+    let older = [pyenv_python("3.11.7"), pyenv_python("3.8.18"), pyenv_python("2.7.18")];
+    let children: Vec<Killed> = older.iter().map(|python| Killed(Command::new(python).args(["-c", spin]).spawn().unwrap())).collect();
+    std::thread::sleep(Duration::from_millis(300));
+    let mut args = vec!["-d".to_string(), "1".to_string()];
+    for child in &children {
+        args.extend(["-p".to_string(), child.pid().to_string()]);
+    }
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let (_, stderr) = record(&args);
+    let line = stderr.lines().find(|l| l.contains("native frames only")).unwrap_or_else(|| panic!("no line names them: {stderr}"));
+    for (child, version) in children.iter().zip(["3.11.7", "3.8", "2.7"]) {
+        assert!(line.contains(&format!("CPython {version} (pid {})", child.pid())), "{version} is not named: {line}");
+    }
 }

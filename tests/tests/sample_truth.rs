@@ -8,6 +8,7 @@ use pyebpf_tests::{debian_python, pyebpf_command, pyenv_python, stacks_of, start
 
 fn python(label: &str) -> PathBuf {
     match label {
+        "pyenv-3.12.1" => pyenv_python("3.12.1"),
         "pyenv-3.13.0" => pyenv_python("3.13.0"),
         debian => debian_python(debian.trim_start_matches("debian-")),
     }
@@ -88,6 +89,11 @@ fn check_alternating_slices(label: &str) {
 }
 
 #[test]
+fn alternating_callers_pyenv_3_12_1() {
+    check_alternating_slices("pyenv-3.12.1");
+}
+
+#[test]
 fn alternating_callers_pyenv_3_13_0() {
     check_alternating_slices("pyenv-3.13.0");
 }
@@ -133,6 +139,11 @@ fn check_exec_and_free(label: &str) {
     assert!(named >= 1000, "{label}: only {named} samples in exec'd functions");
     assert!(wrong * 100 <= named, "{label}: {wrong} of {named} samples carry a wrong name: {per_name:?}");
     assert!(per_name.len() as f64 >= 6.0 / RUN_S * 0.8, "{label}: only {} names seen in 6 s: {per_name:?}", per_name.len());
+}
+
+#[test]
+fn exec_and_free_names_pyenv_3_12_1() {
+    check_exec_and_free("pyenv-3.12.1");
 }
 
 #[test]

@@ -1,5 +1,6 @@
-//! Reading CPython 3.13+ processes from outside, through `process_vm_readv` and the
-//! `_Py_DebugOffsets` table: threads, interpreter frame chains and code objects.
+//! Reading CPython 3.12+ processes from outside, through `process_vm_readv` and the
+//! `_Py_DebugOffsets` table (3.13+) or pyebpf's own table of the version, proven against the live
+//! process (3.12): threads, interpreter frame chains and code objects.
 //!
 //! Everything read is sized by the target, so every read and everything kept has a budget:
 //! - per code object: its location table up to 64 KiB (`code::MAX_LINETABLE`; later instructions
@@ -34,6 +35,8 @@ use std::sync::Arc;
 
 use pyebpf_common::{PyProcConfig, NO_OFFSET};
 
+use crate::chain::LinkReader;
+
 pub use code::{CodeInfo, Location};
 use code_cache::BoundedCache;
 pub use code_cache::MAX_ENTRIES as MAX_CACHED_CODES;
@@ -54,15 +57,17 @@ pub enum PyError {
     InterpreterUnreadable { pid: u32, path: std::path::PathBuf, cause: std::io::Error },
     #[error("no _Py_DebugOffsets in _PyRuntime: CPython older than 3.13?")]
     NoDebugOffsets,
-    #[error("CPython {0} is not supported (3.13, 3.14 and 3.15.0b4 or later are)")]
+    #[error("CPython {0} is not supported (3.12, 3.13, 3.14 and 3.15.0b4 or later are)")]
     UnsupportedVersion(PyVersion),
     /// A version known only by its interpreter's file name (`MAJOR.MINOR`): before 3.11.
-    #[error("CPython {0} is not supported (3.13, 3.14 and 3.15.0b4 or later are)")]
+    #[error("CPython {0} is not supported (3.12, 3.13, 3.14 and 3.15.0b4 or later are)")]
     UnsupportedRelease(String),
     #[error("free-threaded CPython {0} is not supported")]
     FreeThreaded(PyVersion),
     #[error("implausible _Py_DebugOffsets: {0}")]
     BadOffsets(String),
+    #[error("CPython {version} in this process is not laid out as pyebpf's table for it says ({why}): a debug or patched build?")]
+    TableMismatch { version: PyVersion, why: String },
     #[error("malformed interpreter state: {0}")]
     Malformed(String),
     #[error("refusing to write: {0}")]
@@ -80,6 +85,7 @@ impl PyError {
             PyError::UnsupportedVersion(version) => Some(format!("CPython {version}")),
             PyError::UnsupportedRelease(version) => Some(format!("CPython {version}")),
             PyError::FreeThreaded(version) => Some(format!("free-threaded CPython {version}")),
+            PyError::TableMismatch { version, .. } => Some(format!("CPython {version} (a layout pyebpf does not know)")),
             _ => None,
         }
     }
@@ -155,7 +161,15 @@ pub struct PyProcess<M = ProcessMemory> {
 impl PyProcess<ProcessMemory> {
     pub fn attach(pid: u32) -> Result<Self, PyError> {
         let runtime = runtime::find_runtime(pid)?;
-        Self::with_memory(pid, ProcessMemory::new(pid), runtime.address).map_err(|err| match err {
+        let attached = match Self::with_memory(pid, ProcessMemory::new(pid), runtime.address) {
+            // A version without debug offsets whose layout pyebpf has a table of.
+            Err(PyError::NoDebugOffsets) => match runtime.version.and_then(offsets::builtin_offsets) {
+                Some(table) => Self::with_offsets(pid, ProcessMemory::new(pid), runtime.address, table).check_table(),
+                None => Err(PyError::NoDebugOffsets),
+            },
+            attached => attached,
+        };
+        attached.map_err(|err| match err {
             PyError::Memory(err) if err.process_gone() || runtime::has_exited(pid) => PyError::NoProcess(pid),
             PyError::Memory(err) if err.permission_denied() => PyError::PermissionDenied(pid),
             // No cookie in an interpreter whose version has debug offsets: the table was damaged.
@@ -175,7 +189,12 @@ impl<M: ReadMemory> PyProcess<M> {
     /// Reads and validates the debug offsets at `runtime` (the address of `_PyRuntime`) in `mem`.
     pub fn with_memory(pid: u32, mem: M, runtime: u64) -> Result<Self, PyError> {
         let offsets = offsets::read_debug_offsets(&mem, runtime)?;
-        Ok(PyProcess {
+        Ok(Self::with_offsets(pid, mem, runtime, offsets))
+    }
+
+    /// A process read with `offsets` (from its debug offsets, or pyebpf's table of its version).
+    pub fn with_offsets(pid: u32, mem: M, runtime: u64, offsets: DebugOffsets) -> Self {
+        PyProcess {
             pid,
             mem,
             offsets,
@@ -187,7 +206,52 @@ impl<M: ReadMemory> PyProcess<M> {
             decoded: false,
             malformed: false,
             subinterpreters: false,
-        })
+        }
+    }
+
+    /// Proves a table pyebpf brought (not the process's own debug offsets) against the live
+    /// process before anything is read with it: its thread lists hold threads of this process and
+    /// end, one interpreter is the main one, current frames are aligned, and the frames there are
+    /// read and run code objects. A build laid out otherwise is refused in one line.
+    pub fn check_table(mut self) -> Result<Self, PyError> {
+        let version = self.offsets.version;
+        let mismatch = |why: String| PyError::TableMismatch { version, why };
+        let states = match self.thread_states() {
+            Ok(states) => states,
+            Err(PyError::Malformed(why)) => return Err(mismatch(why)),
+            Err(err) => return Err(err),
+        };
+        if states.is_empty() {
+            return Err(mismatch("no thread state names a thread of the process".into()));
+        }
+        let tasks: HashSet<u32> = std::fs::read_dir(format!("/proc/{}/task", self.pid))
+            .map_err(|_| PyError::NoProcess(self.pid))?
+            .filter_map(|task| task.ok()?.file_name().to_str()?.parse().ok())
+            .collect();
+        if let Some(stranger) = states.iter().find(|state| !tasks.contains(&state.tid)) {
+            return Err(mismatch(format!("thread id {} is no thread of the process", stranger.tid)));
+        }
+        if !states.iter().any(|state| state.interpreter == 0) {
+            return Err(mismatch("no main interpreter".into()));
+        }
+        for state in &states {
+            if !state.current_frame.is_multiple_of(8) {
+                return Err(mismatch(format!("a current frame at {:#x}", state.current_frame)));
+            }
+            let mut frame = state.current_frame;
+            // The innermost frames that run code must name code objects.
+            for _ in 0..4 {
+                if frame == 0 {
+                    break;
+                }
+                let link = self.read_link(frame).map_err(|err| mismatch(format!("frame {frame:#x}: {err}")))?;
+                if link.kind == crate::chain::LinkKind::Code && link.code != 0 {
+                    self.code(link.code).map_err(|err| mismatch(format!("frame {frame:#x}: {err}")))?;
+                }
+                frame = link.previous;
+            }
+        }
+        Ok(self)
     }
 
     pub fn pid(&self) -> u32 {
@@ -232,7 +296,7 @@ impl<M: ReadMemory> PyProcess<M> {
             frame_owner: narrow(o.frame_owner),
             code_version: narrow(o.code_version),
             frame_window: narrow(o.frame_previous.max(o.frame_executable).max(o.frame_instr_ptr).wrapping_add(8).max(o.frame_owner + 1)),
-            _pad: 0,
+            tstate_cframe: o.tstate_cframe.map_or(NO_OFFSET, narrow),
             tstate_current_frame: narrow(o.tstate_current_frame),
             tstate_last_profiled_frame: o.tstate_last_profiled_frame.map_or(NO_OFFSET, narrow),
             tstate_last_profiled_seq: o.tstate_last_profiled_seq.map_or(NO_OFFSET, narrow),

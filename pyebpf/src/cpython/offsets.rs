@@ -1,6 +1,7 @@
 //! `_Py_DebugOffsets`: the table of structure offsets CPython 3.13+ keeps at the start of
 //! `_PyRuntime` for out-of-process readers. Its own layout grew between minor versions (and within
-//! 3.15's pre-releases), so each known layout is one table of field positions below.
+//! 3.15's pre-releases), so each known layout is one table of field positions below. For 3.12,
+//! which has no such table, pyebpf brings the offsets itself ([`builtin_offsets`]).
 
 use super::memory::{field_u64, ReadExt, ReadMemory};
 use super::PyError;
@@ -286,6 +287,10 @@ pub struct DebugOffsets {
     pub code_object_generation: Option<u64>,
     pub tstate_size: u64,
     pub tstate_next: u64,
+    /// 3.12: the thread's innermost frame is `tstate->cframe->current_frame`: `tstate_cframe` is
+    /// where the `_PyCFrame` pointer sits in the thread state, and `tstate_current_frame` is then
+    /// the frame's offset in the `_PyCFrame`. `None` from 3.13 on (`tstate->current_frame`).
+    pub tstate_cframe: Option<u64>,
     pub tstate_current_frame: u64,
     pub tstate_last_profiled_frame: Option<u64>,
     pub tstate_last_profiled_seq: Option<u64>,
@@ -316,6 +321,65 @@ pub struct DebugOffsets {
     /// static memory, never freed.
     pub runtime_size: u64,
     pub code_version: u64,
+}
+
+/// The offsets of a version without `_Py_DebugOffsets`, from pyebpf's own table: CPython 3.12
+/// releases (x86_64, default builds; taken from the 3.12 headers with `offsetof` and checked on
+/// pyenv's 3.12.1). A table is only a claim about the build: `PyProcess` checks it against the
+/// live process before using it.
+pub fn builtin_offsets(version: PyVersion) -> Option<DebugOffsets> {
+    // Releases only: pre-release layouts moved.
+    if (version.major(), version.minor(), version.level()) != (3, 12, 0xf) {
+        return None;
+    }
+    Some(DebugOffsets {
+        version,
+        interpreters_head: 40,
+        interp_size: 383_552,
+        interp_id: 8,
+        interp_next: 0,
+        interp_threads_head: 72,
+        // `ceval.gil` points at the `_gil_runtime_state`: `last_holder` at 8, `locked` at 16.
+        interp_ceval_gil: 384,
+        gil_locked: 16,
+        gil_holder: 8,
+        code_object_generation: None,
+        tstate_size: 288,
+        tstate_next: 8,
+        tstate_cframe: Some(56),
+        tstate_current_frame: 0,
+        tstate_last_profiled_frame: None,
+        tstate_last_profiled_seq: None,
+        tstate_native_thread_id: 144,
+        // `_status`, with `active` its fifth bit, as in 3.13.
+        tstate_status: 24,
+        frame_size: 80,
+        frame_previous: 8,
+        // `f_code`, never tagged.
+        frame_executable: 0,
+        // `prev_instr`: like 3.13's `instr_ptr`, set to the instruction running at its start (for
+        // a caller, its call), so both are decoded alike.
+        frame_instr_ptr: 56,
+        frame_owner: 70,
+        code_size: 200,
+        code_filename: 112,
+        code_qualname: 128,
+        code_linetable: 136,
+        code_firstlineno: 68,
+        code_adaptive: 192,
+        object_type: 8,
+        type_name: 24,
+        bytes_ob_size: 16,
+        bytes_data: 32,
+        unicode_state: 32,
+        unicode_length: 16,
+        unicode_ascii_size: 40,
+        unicode_compact_size: 40 + COMPACT_UTF8_FIELDS,
+        entry_owner_min: 3,
+        executable_tag_mask: 0,
+        runtime_size: 459_944,
+        code_version: 92,
+    })
 }
 
 /// Reads and validates the table at `runtime` (the address of `_PyRuntime`).
@@ -388,6 +452,7 @@ pub fn read_debug_offsets(mem: &impl ReadMemory, runtime: u64) -> Result<DebugOf
         code_object_generation: l.code_object_generation.map(at).filter(|&o| o < at(l.interp_size)),
         tstate_size: at(l.tstate_size),
         tstate_next: tstate[0],
+        tstate_cframe: None,
         tstate_current_frame: tstate[1],
         tstate_last_profiled_frame: marker.as_ref().map(|m| m[0]),
         tstate_last_profiled_seq: marker.as_ref().map(|m| m[1]),

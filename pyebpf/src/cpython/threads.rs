@@ -14,7 +14,7 @@ use super::{PyError, PyProcess};
 const MAX_INTERPRETERS: usize = 64;
 const MAX_THREADS: usize = 4096;
 
-/// `_status.active` (the fifth bit field of `PyThreadState._status` in 3.13 to 3.15): the thread
+/// `_status.active` (the fifth bit field of `PyThreadState._status` in 3.12 to 3.15): the thread
 /// state is attached to its thread now. Running Python code needs an attached thread state.
 pub(super) const STATUS_ACTIVE: u32 = 1 << 4;
 
@@ -82,9 +82,17 @@ impl<M: ReadMemory> PyProcess<M> {
         }
     }
 
-    /// The innermost frame `tstate` runs now.
+    /// The innermost frame `tstate` runs now (3.12: through its `_PyCFrame`, which is 0 while the
+    /// thread is not running Python).
     pub fn current_frame(&self, tstate: u64) -> Result<u64, PyError> {
-        Ok(self.mem.read_u64(tstate.wrapping_add(self.offsets.tstate_current_frame))?)
+        let holder = match self.offsets.tstate_cframe {
+            Some(cframe) => match self.mem.read_u64(tstate.wrapping_add(cframe))? {
+                0 => return Ok(0),
+                cframe => cframe,
+            },
+            None => tstate,
+        };
+        Ok(self.mem.read_u64(holder.wrapping_add(self.offsets.tstate_current_frame))?)
     }
 
     /// The name the kernel gives a thread of this process (`/proc/PID/task/TID/comm`); kept out of
@@ -109,7 +117,7 @@ impl<M: ReadMemory> PyProcess<M> {
                 tid,
                 ns_tid: tid,
                 tstate,
-                current_frame: self.mem.read_u64(tstate.wrapping_add(o.tstate_current_frame))?,
+                current_frame: self.current_frame(tstate)?,
                 holds_gil: gil_holder == Some(tstate),
                 interpreter,
                 active: self.mem.read_u32(tstate.wrapping_add(o.tstate_status))? & STATUS_ACTIVE != 0,
