@@ -25,7 +25,9 @@ use serde_json::{json, Value};
 use crate::run;
 use measure::{collapsed_samples, median, run_measured, stat_line, Measured};
 
-const VERSIONS: [&str; 3] = ["3.13", "3.14", "3.15"];
+const VERSIONS: [&str; 4] = ["3.12", "3.13", "3.14", "3.15"];
+/// 3.12 has no Debian sid build: pyenv's (on every machine) stands in.
+const PYENV_3_12: &str = "3.12.1";
 const DEPTHS: [u32; 2] = [5, 100];
 const FREQUENCIES: [u32; 2] = [99, 999];
 /// Attach runs last ATTACH_S seconds (whole seconds: py-spy takes only those); their steady state is
@@ -100,6 +102,11 @@ pub fn report_only(root: &Path) -> Result<()> {
 
 impl Bench {
     fn python(&self, version: &str) -> PathBuf {
+        if version == "3.12" {
+            let pyenv =
+                std::env::var_os("PYENV_ROOT").map(PathBuf::from).unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".pyenv"));
+            return pyenv.join(format!("versions/{PYENV_3_12}/bin/python3.12"));
+        }
         self.pythons.join(format!("usr/bin/python{version}"))
     }
 
