@@ -224,7 +224,7 @@ pub fn tables(results: &Value) -> String {
          The profiled program's time for fixed work under each profiler, as a ratio to its time alone (median of {rounds} interleaved rounds; the profiler launches the program):\n\n{}\n\
          In-kernel time per sample (`record --stats`, from the kernel's BPF run-time statistics) and remote reads per Python sample, `record -p PID -F 999 -d 3`:\n\n{}\n\
          Fidelity on Python 3.15 at 999 Hz, {runs} runs of {secs} s per profiler: the largest error of the three functions' shares, and the share of samples of the alternating workload whose stack mixes both paths:\n\n{}\n\
-         Host-wide: `record -a -d {secs_attach}` with N spinning Python processes (3.13/3.14/3.15 in turn), steady CPU measured as above:\n\n{}\n\
+         Host-wide: `record -a -d {secs_attach}` with N spinning Python processes ({versions} in turn), steady CPU measured as above:\n\n{}\n\
          Targets:\n\n{}\n\
          Where pyebpf's time goes: `perf record -F 4999 -g` of `pyebpf record -p PID -F 999 -d {secs_attach}` on the 3.15 workload 100 deep, \
          own time per thread, library and symbol (`perf report --no-children --sort comm,dso,sym`, entries of 1.5% or more; start-up included):\n\n```\n{}\n```\n",
@@ -236,6 +236,7 @@ pub fn tables(results: &Value) -> String {
         targets_table(results),
         results["profile"].as_array().into_iter().flatten().filter_map(Value::as_str).collect::<Vec<_>>().join("\n"),
         secs_attach = super::ATTACH_S,
+        versions = VERSIONS.join("/"),
         from = super::WINDOW_FROM.as_secs_f64(),
         to = super::WINDOW_TO.as_secs_f64(),
         rounds = super::SLOWDOWN_ROUNDS,
