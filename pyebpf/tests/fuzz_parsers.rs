@@ -164,8 +164,8 @@ fn test_python(name: &str) -> Vec<u8> {
 #[test]
 fn elf_runtime_lookup_survives_mutated_executables() {
     let original = test_python("python3.14");
-    let (address, version) = runtime_in_elf(original.as_slice(), 0x5555_5555_4000).expect("_PyRuntime in the unmutated executable");
-    assert!(address > 0x5555_5555_4000 && version.is_some(), "{address:#x} {version:?}");
+    let elf = runtime_in_elf(original.as_slice(), 0x5555_5555_4000).expect("the unmutated executable parses");
+    assert!(elf.runtime.is_some_and(|address| address > 0x5555_5555_4000) && elf.version.is_some() && elf.embeds_python, "{elf:?}");
     // Where the section header table is: mutations there reach the section lookup.
     let shoff = u64::from_le_bytes(original[0x28..0x30].try_into().unwrap()) as f64 / original.len() as f64;
     let near_sections = (shoff..1.0f64, prop::collection::vec(any::<u8>(), 1..9));
@@ -178,8 +178,8 @@ fn elf_runtime_lookup_survives_mutated_executables() {
         .run(&strategy, |mutation| {
             let data = apply(&original, &mutation);
             match runtime_in_elf(data.as_slice(), 0x5555_5555_4000) {
-                Some(_) => outcomes[0].set(outcomes[0].get() + 1),
-                None => outcomes[1].set(outcomes[1].get() + 1),
+                Some(elf) if elf.runtime.is_some() => outcomes[0].set(outcomes[0].get() + 1),
+                _ => outcomes[1].set(outcomes[1].get() + 1),
             }
             Ok(())
         })

@@ -76,22 +76,27 @@ pub fn find_runtime(pid: u32) -> Result<Runtime, PyError> {
     // An interpreter pyebpf may not open (a directory its user cannot enter) is named as such,
     // not taken for a process without Python.
     let mut unreadable = None;
+    // An interpreter without `_PyRuntime` (2.7, 3.6) is named by its version.
+    let mut older = None;
     for (path, base) in &candidates {
         match runtime_in_file(pid, path, *base) {
-            Ok(Some((address, version))) => return Ok(Runtime { address, file: path.clone(), version, named_version: version_in_name(path) }),
+            Ok(Some(PythonElf { runtime: Some(address), version, .. })) => {
+                return Ok(Runtime { address, file: path.clone(), version, named_version: version_in_name(path) })
+            }
+            Ok(Some(PythonElf { runtime: None, embeds_python: true, .. })) => {
+                older = older.or_else(|| version_in_name(path));
+            }
             Err(cause) if cause.kind() == std::io::ErrorKind::PermissionDenied => {
                 unreadable.get_or_insert_with(|| PyError::InterpreterUnreadable { pid, path: path.clone(), cause });
             }
-            Ok(None) | Err(_) => {}
+            Ok(_) | Err(_) => {}
         }
     }
     if candidates.is_empty() && has_exited(pid) {
         // Its maps were read while it exited.
         return Err(PyError::NoProcess(pid));
     }
-    // An interpreter without `_PyRuntime` (2.7, 3.6) is named by its version.
-    let named = || candidates.iter().find_map(|(path, _)| version_in_name(path)).map(PyError::UnsupportedRelease);
-    Err(unreadable.or_else(named).unwrap_or(PyError::NotPython(pid)))
+    Err(unreadable.or(older.map(PyError::UnsupportedRelease)).unwrap_or(PyError::NotPython(pid)))
 }
 
 /// Why `/proc/PID` could not be read: the process is gone, or it is not ours to read.
@@ -102,9 +107,20 @@ fn process_error(pid: u32, err: procfs::ProcError) -> PyError {
     }
 }
 
-/// `_PyRuntime`'s address if the ELF file `pid` maps at `path` defines it, given where its first
-/// page is mapped, and the file's `Py_Version`; an error only when the file cannot be opened.
-fn runtime_in_file(pid: u32, path: &Path, mapped_at: u64) -> std::io::Result<Option<(u64, Option<PyVersion>)>> {
+/// What an ELF file holds of CPython.
+#[derive(Clone, Copy, Debug)]
+pub struct PythonElf {
+    /// `_PyRuntime`'s address where the file is mapped (CPython 3.7+).
+    pub runtime: Option<u64>,
+    /// The file's `Py_Version` (CPython 3.11+).
+    pub version: Option<PyVersion>,
+    /// Whether it defines `Py_Initialize`: an interpreter of any version, not only a file named like one.
+    pub embeds_python: bool,
+}
+
+/// What the ELF file `pid` maps at `path` holds of CPython, given where its first page is mapped;
+/// `None` if it is not ELF, an error only when the file cannot be opened.
+fn runtime_in_file(pid: u32, path: &Path, mapped_at: u64) -> std::io::Result<Option<PythonElf>> {
     let file = crate::target_file::open_in_root(pid, path)?;
     if file.metadata()?.len() > MAX_ELF_SIZE {
         return Ok(None);
@@ -116,15 +132,14 @@ fn runtime_in_file(pid: u32, path: &Path, mapped_at: u64) -> std::io::Result<Opt
 }
 
 /// [`runtime_in_file`] on the file's bytes, however they are read (public for fuzzing).
-pub fn runtime_in_elf<'data, R: ReadRef<'data>>(data: R, mapped_at: u64) -> Option<(u64, Option<PyVersion>)> {
+pub fn runtime_in_elf<'data, R: ReadRef<'data>>(data: R, mapped_at: u64) -> Option<PythonElf> {
     let elf = object::File::parse(data).ok()?;
-    let runtime = elf.section_by_name(".PyRuntime").map(|section| section.address()).or_else(|| {
-        elf.dynamic_symbols().chain(elf.symbols()).find(|symbol| symbol.name() == Ok("_PyRuntime") && symbol.is_definition()).map(|symbol| symbol.address())
-    });
+    let defined = |name: &str| elf.dynamic_symbols().chain(elf.symbols()).find(|symbol| symbol.name() == Ok(name) && symbol.is_definition());
+    let runtime = elf.section_by_name(".PyRuntime").map(|section| section.address()).or_else(|| defined("_PyRuntime").map(|symbol| symbol.address()));
     // The first loadable segment (file offset 0) is mapped at `mapped_at`.
     let first_vaddr = elf.segments().map(|segment| segment.address()).min().unwrap_or(0) & !0xfff;
     let bias = mapped_at.wrapping_sub(first_vaddr);
-    Some((runtime?.wrapping_add(bias), py_version(&elf)))
+    Some(PythonElf { runtime: runtime.map(|address| address.wrapping_add(bias)), version: py_version(&elf), embeds_python: defined("Py_Initialize").is_some() })
 }
 
 /// The constant `Py_Version` (`PY_VERSION_HEX`) as the file stores it.
