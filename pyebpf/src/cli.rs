@@ -30,6 +30,17 @@ pub enum Command {
     /// Live view of the hottest functions on the host, refreshed every second
     #[command(long_about = TOP_ABOUT)]
     Top(TopArgs),
+    /// Write the manual pages (pyebpf.1 and one per subcommand) into DIR, for packages
+    #[command(hide = true)]
+    Man {
+        #[arg(value_name = "DIR")]
+        dir: PathBuf,
+    },
+}
+
+/// The manual pages, generated from these definitions so they cannot drift from `--help`.
+pub fn write_man_pages(dir: &std::path::Path) -> std::io::Result<()> {
+    clap_mangen::generate_to(<Cli as clap::CommandFactory>::command(), dir)
 }
 
 const TOP_ABOUT: &str = "Live view of the hottest functions on the host, refreshed every second.\n\n\
@@ -136,6 +147,13 @@ pub struct RecordArgs {
     #[arg(long = "rotate", value_name = "SECONDS", allow_negative_numbers = true,
           value_parser = clap::value_parser!(u64).range(1..=MAX_SECONDS))]
     pub rotate: Option<u64>,
+
+    /// With --rotate: keep only the newest N period files, removing the oldest after each write.
+    /// Only regular files named as --rotate names them after -o are removed, those of earlier
+    /// runs too, so a service restarted with the same -o stays within N
+    #[arg(long = "keep", value_name = "N", requires = "rotate", allow_negative_numbers = true,
+          value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    pub keep: Option<u64>,
 
     /// Aggregate Python frames by function, without line numbers
     #[arg(long = "function")]

@@ -26,6 +26,9 @@ fn main() {
             pyebpf::cpython::dump::run(args)
         }
         Command::Top(args) => pyebpf::top::run(args),
+        Command::Man { dir } => {
+            pyebpf::cli::write_man_pages(&dir).map_err(|err| anyhow::anyhow!("cannot write the manual pages into {}: {err}", dir.display()))
+        }
     };
     if let Err(err) = result {
         report!("{err:#}");

@@ -15,7 +15,7 @@ use crate::cli::{GroupBy, RecordArgs, UnwindMode};
 use crate::filter::SampleFilter;
 use crate::merge::{python_frames, Merged, Merger, NativeStack};
 use crate::native_ids::{IdLevel, NativeIds};
-use crate::output::{self, ProfileSink, Rendering};
+use crate::output::{self, Files, OutputError, ProfileSink, Rendering};
 use crate::process::{self, Launched, ProcessNames, Watched};
 use crate::processes::ProcessTable;
 use crate::progress::Progress;
@@ -210,22 +210,24 @@ impl SampleResolver {
 pub fn run(args: RecordArgs) -> Result<()> {
     let output_name = output::display_name(&args.output);
     let rendering = Rendering { threads: args.threads, title: command_line() };
-    let sink = Arc::new(
-        ProfileSink::new(&args.output, args.format, args.rotate.is_some(), rendering, args.function).with_context(|| format!("cannot write {output_name}"))?,
-    );
+    let sink =
+        Arc::new(ProfileSink::new(&args.output, args.format, files(&args), rendering, args.function).with_context(|| format!("cannot write {output_name}"))?);
     check_privileges()?;
     let watched = Watched::open(&args.pid)?;
     process::raise_open_file_limit();
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().context("start the async runtime")?;
     let (profile, stats, periods) = runtime.block_on(record(&args, &watched, &sink))?;
-    let output = sink.write(&profile).context("cannot write the profile")?;
+    let output = write_and_retain(&sink, &profile).context("cannot write the profile")?;
     let summary = match periods {
         // The run's summary adds up every period; each period's own line names its file.
         Some(WrittenPeriods { mut totals, first }) => {
             report_period(&profile, &output, stats.lost_samples);
             totals.add(&profile);
             let files = match first {
-                Some(first) => format!("{} files, {first} to {output}", totals.profiles),
+                Some(first) => {
+                    let kept = args.keep.filter(|&keep| totals.profiles as u64 > keep).map(|keep| format!(" (the newest {keep} kept)")).unwrap_or_default();
+                    format!("{} files{kept}, {first} to {output}", totals.profiles)
+                }
                 None => output,
             };
             Summary::new(totals, &stats, files, None)
@@ -237,6 +239,24 @@ pub fn run(args: RecordArgs) -> Result<()> {
         report::report_text(format_args!("{stats}"));
     }
     Ok(())
+}
+
+/// One profile at `-o`, or a file per `--rotate` period.
+fn files(args: &RecordArgs) -> Files {
+    match args.rotate {
+        Some(_) => Files::Rotated { keep: args.keep.map(|keep| keep as usize) },
+        None => Files::Single,
+    }
+}
+
+/// Writes a profile, then with `--keep` removes the oldest period files past it (a file that
+/// cannot be removed is said, and the recording goes on).
+fn write_and_retain(sink: &ProfileSink, profile: &Profile) -> Result<String, OutputError> {
+    let name = sink.write(profile)?;
+    if let Err(err) = sink.remove_oldest() {
+        report!("cannot remove an old profile: {err}");
+    }
+    Ok(name)
 }
 
 /// `--rotate`: ends the period and hands its profile to the writer; the next period starts in
@@ -281,7 +301,7 @@ impl PeriodWriter {
                 let mut written = WrittenPeriods::default();
                 for (profile, lost) in periods {
                     // A period that cannot be written is lost, but the next ones may still be.
-                    match sink.write(&profile) {
+                    match write_and_retain(&sink, &profile) {
                         Ok(name) => {
                             report_period(&profile, &name, lost);
                             written.totals.add(&profile);

@@ -2,6 +2,7 @@
 //! is missing on a fresh machine, so a clean clone needs nothing else.
 
 mod bench;
+mod dist;
 mod pythons;
 mod toolchain;
 
@@ -37,7 +38,9 @@ enum Task {
         #[arg(long)]
         report_only: bool,
     },
-    /// Install test dependencies, build, and run every test (unit, fuzz, end-to-end)
+    /// Build what is shipped into dist/: a static binary, a Python wheel and a Debian package
+    Dist,
+    /// Install test dependencies, build, and run every test (unit, fuzz, end-to-end, dist)
     Test {
         /// Extra arguments for the end-to-end test binary (a test name filter, for example)
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
@@ -55,6 +58,9 @@ fn main() -> Result<()> {
             let binary = build(&root, true)?;
             let status = Command::new(&binary).args(&args).status().with_context(|| format!("run {}", binary.display()))?;
             std::process::exit(status.code().unwrap_or(1));
+        }
+        Task::Dist => {
+            dist::dist(&root)?;
         }
         Task::Test { filter } => test(&root, &filter)?,
         Task::Bench { report_only: true } => bench::report_only(&root)?,
@@ -93,17 +99,28 @@ fn test(root: &Path, filter: &[String]) -> Result<()> {
         ("tmux", "tmux"),
         ("npm", "npm"),
         ("bpftool", "bpftool"),
-        // Debian's own interpreter, beside pyenv's: the version tests name it.
+        // Debian's own interpreter, beside pyenv's: the version tests name it, and the wheel is
+        // installed into a virtual environment of it.
         ("/usr/bin/python3.11", "python3.11"),
+        ("/usr/lib/python3.11/ensurepip/__init__.py", "python3.11-venv"),
+        ("capsh", "libcap2-bin"),
+        ("systemd-analyze", "systemd"),
     ])?;
     toolchain::ensure_components(&["rustfmt", "clippy"])?;
     let pythons = pythons::ensure_installed()?;
     let binary = build(root, true)?;
     let object = toolchain::ebpf_object_path(root);
     let mut suite = Suite::default();
+    // Built here so the artifacts are checked on every run (tests/tests/dist.rs); a failed build
+    // fails those tests, which then say so.
+    eprintln!("xtask: dist");
+    let dist = dist::dist(root).map_err(|err| suite.fail(format!("cargo xtask dist ({err:#})"))).ok();
     let cargo = |args: &[&str]| {
         let mut cargo = Command::new(env!("CARGO"));
         cargo.current_dir(root).args(args).env("PYEBPF_EBPF_OBJECT", &object).env("PYEBPF_BIN", &binary).env("PYEBPF_PYTHONS", &pythons);
+        if let Some(dist) = &dist {
+            cargo.env("PYEBPF_DIST_BINARY", &dist.binary).env("PYEBPF_DIST_WHEEL", &dist.wheel).env("PYEBPF_DIST_DEB", &dist.deb);
+        }
         cargo
     };
     // House gates first; every step below runs even when one before it failed.

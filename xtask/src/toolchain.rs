@@ -103,3 +103,13 @@ pub fn ensure_apt_packages(needed: &[(&str, &str)]) -> Result<()> {
     run(Command::new("apt-get").args(["update", "-q"]))?;
     run(Command::new("apt-get").args(["install", "-y", "-q"]).args(&missing).env("DEBIAN_FRONTEND", "noninteractive"))
 }
+
+/// Installs the standard library of another target (`rustup target add`) if missing.
+pub fn ensure_target(target: &str) -> Result<()> {
+    let installed = output(Command::new("rustup").args(["target", "list", "--installed"]))?;
+    if installed.lines().any(|line| line.trim() == target) {
+        return Ok(());
+    }
+    eprintln!("xtask: installing the {target} target");
+    run(Command::new("rustup").args(["target", "add", target]))
+}

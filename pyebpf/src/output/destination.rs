@@ -290,7 +290,7 @@ fn may_write(path: &Path, mode: libc::c_int) -> Result<(), OutputError> {
 
 /// Kernel file systems (`statfs` magic numbers) whose directories take no new files: access()
 /// says a root user may write there, and the temporary fails only once the recording is over.
-const PSEUDO_FILE_SYSTEMS: [(libc::__fsword_t, &str); 10] = [
+const PSEUDO_FILE_SYSTEMS: [(u64, &str); 10] = [
     (0x9fa0, "proc"),
     (0x6265_6572, "sysfs"),
     (0x0027_e0eb, "cgroup"),
@@ -312,7 +312,8 @@ fn refuse_pseudo_file_system(dir: &Path) -> Result<(), OutputError> {
         return Ok(()); // may_write names what is wrong with the directory
     }
     // SAFETY: filled by the successful call above.
-    let magic = unsafe { stats.assume_init() }.f_type;
+    // `f_type` is signed in glibc and unsigned in musl; the magic numbers are positive in both.
+    let magic = unsafe { stats.assume_init() }.f_type as u64;
     match PSEUDO_FILE_SYSTEMS.iter().find(|(kind, _)| *kind == magic) {
         Some(&(_, kind)) => Err(OutputError::PseudoFileSystem { path: dir.to_path_buf(), kind }),
         None => Ok(()),

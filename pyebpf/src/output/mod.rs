@@ -139,12 +139,22 @@ pub fn open_command(path: &Path, format: OutputFormat) -> Option<String> {
     })
 }
 
+/// One profile at `-o`, or with `--rotate` a file per period.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Files {
+    Single,
+    /// `--rotate`, keeping at most `keep` files (`--keep`).
+    Rotated {
+        keep: Option<usize>,
+    },
+}
+
 /// Where a recording's profiles go: `-o PATH`, or with `--rotate` a new file per period, named
 /// after PATH and the period's start (see [`rotate`]).
 pub struct ProfileSink {
     path: PathBuf,
     format: OutputFormat,
-    rotating: bool,
+    files: Files,
     rendering: Rendering,
     /// `--function`: Python frames without their lines.
     by_function: bool,
@@ -154,14 +164,14 @@ impl ProfileSink {
     /// Checks, before any sampling, that profiles can be written as asked: a directory, a socket, a
     /// missing directory, a read-only place or binary output on a terminal are refused. Opens and
     /// changes nothing.
-    pub fn new(path: &Path, format: Option<OutputFormat>, rotating: bool, rendering: Rendering, by_function: bool) -> Result<ProfileSink, OutputError> {
+    pub fn new(path: &Path, format: Option<OutputFormat>, files: Files, rendering: Rendering, by_function: bool) -> Result<ProfileSink, OutputError> {
         let format = resolve_format(path, format)?;
         let destination = Destination::resolve(path)?;
-        if rotating && !matches!(destination, Destination::Replace(_)) {
+        if files != Files::Single && !matches!(destination, Destination::Replace(_)) {
             return Err(OutputError::CannotRotate(path.to_path_buf()));
         }
         destination.check(format)?;
-        Ok(ProfileSink { path: path.to_path_buf(), format, rotating, rendering, by_function })
+        Ok(ProfileSink { path: path.to_path_buf(), format, files, rendering, by_function })
     }
 
     /// Writes one complete profile; returns the name it went to, as messages show it.
@@ -173,7 +183,7 @@ impl ProfileSink {
         } else {
             profile
         };
-        if !self.rotating {
+        if self.files == Files::Single {
             write_profile(profile, &self.path, self.format, &self.rendering)?;
             return Ok(display_name(&self.path).into_owned());
         }
@@ -182,9 +192,17 @@ impl ProfileSink {
         Ok(path.to_string_lossy().into_owned())
     }
 
+    /// With `--keep`, removes the oldest period files past it; returns those it removed.
+    pub fn remove_oldest(&self) -> Result<Vec<PathBuf>, OutputError> {
+        match self.files {
+            Files::Rotated { keep: Some(keep) } => rotate::remove_oldest(&self.path, keep),
+            _ => Ok(Vec::new()),
+        }
+    }
+
     /// The command that opens what [`Self::write`] writes, for the summary.
     pub fn open_command(&self) -> Option<String> {
-        if self.rotating {
+        if self.files != Files::Single {
             return None;
         }
         open_command(&self.path, self.format)
@@ -335,7 +353,7 @@ mod tests {
     fn check_writable_leaves_no_file_behind() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("profile.pb.gz");
-        ProfileSink::new(&path, Some(OutputFormat::Pprof), false, Rendering::default(), false).unwrap();
+        ProfileSink::new(&path, Some(OutputFormat::Pprof), Files::Single, Rendering::default(), false).unwrap();
         assert_eq!(fs::read_dir(dir.path()).unwrap().count(), 0, "the check left a file");
     }
 
@@ -344,7 +362,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("old.folded");
         fs::write(&path, "a;b 1\n").unwrap();
-        ProfileSink::new(&path, Some(OutputFormat::Collapsed), false, Rendering::default(), false).unwrap();
+        ProfileSink::new(&path, Some(OutputFormat::Collapsed), Files::Single, Rendering::default(), false).unwrap();
         assert_eq!(fs::read_to_string(&path).unwrap(), "a;b 1\n");
     }
 
@@ -352,8 +370,14 @@ mod tests {
     fn check_writable_rejects_missing_directories_and_directories() {
         let dir = tempfile::tempdir().unwrap();
         let missing = dir.path().join("no/such/dir/profile.pb.gz");
-        assert!(matches!(ProfileSink::new(&missing, Some(OutputFormat::Pprof), false, Rendering::default(), false), Err(OutputError::MissingDirectory(_))));
-        assert!(matches!(ProfileSink::new(dir.path(), Some(OutputFormat::Pprof), false, Rendering::default(), false), Err(OutputError::IsDirectory(_))));
+        assert!(matches!(
+            ProfileSink::new(&missing, Some(OutputFormat::Pprof), Files::Single, Rendering::default(), false),
+            Err(OutputError::MissingDirectory(_))
+        ));
+        assert!(matches!(
+            ProfileSink::new(dir.path(), Some(OutputFormat::Pprof), Files::Single, Rendering::default(), false),
+            Err(OutputError::IsDirectory(_))
+        ));
     }
 
     #[test]

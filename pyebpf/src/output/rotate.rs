@@ -2,7 +2,8 @@
 //!
 //! Each period's file is `-o`'s name with the period's UTC start inserted before the extension:
 //! `profile.pb.gz` → `profile.20261123T120000.pb.gz`. A file already at that name was not made by
-//! this period, so it is never replaced: the name gets `-1`, `-2`, ... instead.
+//! this period, so it is never replaced: the name gets `-1`, `-2`, ... instead. With `--keep N`,
+//! only the newest N files of that pattern stay; pyebpf removes only regular files named so.
 
 use std::ffi::OsStr;
 use std::io;
@@ -30,6 +31,51 @@ pub fn free_name(path: &Path, start_unix_ns: i64) -> Result<PathBuf, OutputError
     }
     let cause = io::Error::new(io::ErrorKind::AlreadyExists, "every name for this period is taken");
     Err(OutputError::Io { path: rotated_name(path, &stamp, 0), cause })
+}
+
+/// Removes the oldest files a rotating recording to `path` left (this run's or an earlier run's)
+/// until `keep` remain; returns those it removed.
+pub fn remove_oldest(path: &Path, keep: usize) -> Result<Vec<PathBuf>, OutputError> {
+    let dir = match path.parent() {
+        Some(parent) if !parent.as_os_str().is_empty() => parent,
+        _ => Path::new("."),
+    };
+    let io_error = |cause| OutputError::Io { path: dir.to_path_buf(), cause };
+    let mut files = Vec::new();
+    for entry in std::fs::read_dir(dir).map_err(io_error)? {
+        let entry = entry.map_err(io_error)?;
+        let name = entry.file_name();
+        // `file_type` does not follow links: a link or a FIFO named like a period is not ours.
+        if let Some(order) = period_order(path, name.as_bytes()) {
+            if entry.file_type().is_ok_and(|kind| kind.is_file()) {
+                files.push((order, entry.path()));
+            }
+        }
+    }
+    files.sort();
+    let excess = files.len().saturating_sub(keep);
+    let mut removed = Vec::with_capacity(excess);
+    for (_, file) in files.into_iter().take(excess) {
+        match std::fs::remove_file(&file) {
+            Ok(()) => removed.push(file),
+            Err(err) if err.kind() == io::ErrorKind::NotFound => {}
+            Err(cause) => return Err(OutputError::Io { path: file, cause }),
+        }
+    }
+    Ok(removed)
+}
+
+/// Where a file named `name` stands among the periods of a recording to `path`: its timestamp and
+/// attempt, if it is named `STEM.YYYYMMDDTHHMMSS[-N]EXT` after `path`.
+fn period_order(path: &Path, name: &[u8]) -> Option<(Vec<u8>, u32)> {
+    let (stem, extension) = split_extension(path.file_name().map_or(&[][..], OsStr::as_bytes));
+    let middle = name.strip_prefix(stem)?.strip_prefix(b".")?.strip_suffix(extension)?;
+    let (stamp, attempt) = match middle.iter().position(|&b| b == b'-') {
+        Some(dash) => (&middle[..dash], std::str::from_utf8(&middle[dash + 1..]).ok()?.parse().ok().filter(|&n| n > 0)?),
+        None => (middle, 0),
+    };
+    let is_stamp = stamp.len() == 15 && stamp.iter().enumerate().all(|(i, &b)| if i == 8 { b == b'T' } else { b.is_ascii_digit() });
+    is_stamp.then(|| (stamp.to_vec(), attempt))
 }
 
 /// `20261123T120000`, in UTC.
@@ -96,5 +142,35 @@ mod tests {
         let second = free_name(&path, START_NS).unwrap();
         assert_eq!(second, dir.path().join("p.20261123T123456-1.folded"));
         assert_eq!(std::fs::read_to_string(&first).unwrap(), "mine");
+    }
+
+    #[test]
+    fn the_oldest_periods_go_and_nothing_else() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("p.pb.gz");
+        let periods =
+            ["p.20261123T120000.pb.gz", "p.20261123T120100.pb.gz", "p.20261123T120100-2.pb.gz", "p.20261123T120100-10.pb.gz", "p.20261123T120200.pb.gz"];
+        // Named almost like periods, or like one but not a regular file: never removed.
+        let others = [
+            "p.pb.gz",
+            "p.2026112T120000.pb.gz",
+            "p.20261123T120000-0.pb.gz",
+            "q.20261123T115900.pb.gz",
+            "p.20261123T115900.folded",
+            "p.20261123X115900.pb.gz",
+        ];
+        for name in periods.iter().chain(&others) {
+            std::fs::write(dir.path().join(name), name).unwrap();
+        }
+        std::os::unix::fs::symlink(dir.path().join("p.pb.gz"), dir.path().join("p.20261123T115800.pb.gz")).unwrap();
+        std::fs::create_dir(dir.path().join("p.20261123T115700.pb.gz")).unwrap();
+        let removed = remove_oldest(&path, 2).unwrap();
+        assert_eq!(removed, periods[..3].iter().map(|name| dir.path().join(name)).collect::<Vec<_>>());
+        let mut left: Vec<String> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+        left.sort();
+        let mut expected: Vec<&str> = periods[3..].iter().chain(&others).copied().chain(["p.20261123T115800.pb.gz", "p.20261123T115700.pb.gz"]).collect();
+        expected.sort();
+        assert_eq!(left, expected);
+        assert!(remove_oldest(&path, 2).unwrap().is_empty());
     }
 }
