@@ -18,9 +18,12 @@ fn start_contained(dir: &std::path::Path) -> (Killed, u32) {
         script("alternating.py").display(),
         ready.display()
     );
+    // --kill-child: the Python is its namespace's init, which ignores SIGTERM; when `Killed` kills
+    // unshare, the kernel kills the Python too (it would otherwise spin on, holding the test's
+    // stdout open).
     let child = Killed(
         Command::new("unshare")
-            .args(["--pid", "--mount", "--fork", "--mount-proc", "--propagation", "private", "sh", "-c", &shell])
+            .args(["--pid", "--mount", "--fork", "--kill-child", "--mount-proc", "--propagation", "private", "sh", "-c", &shell])
             .stdin(Stdio::null())
             .spawn()
             .expect("unshare (util-linux) must be installed"),

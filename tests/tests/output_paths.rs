@@ -235,8 +235,9 @@ fn the_temporary_has_no_name_while_it_is_written() {
     let out_dir = dir.path().join("out");
     fs::create_dir(&out_dir).unwrap();
     let _busy = busy();
+    // `open` too: musl's open() is that system call, glibc's is openat.
     let status = Command::new("strace")
-        .args(["-f", "-qq", "-e", "trace=openat,write,fsync,linkat,rename,renameat,renameat2", "-o"])
+        .args(["-f", "-qq", "-e", "trace=open,openat,write,fsync,linkat,rename,renameat,renameat2", "-o"])
         .arg(&trace)
         .arg(pyebpf())
         .args(["record", "-a", "-d", "1", "-F", "49", "-o"])

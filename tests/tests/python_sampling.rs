@@ -244,8 +244,9 @@ fn writes_only_the_marker_of_3_15_processes() {
         interpreters().into_iter().map(|(label, path)| (label, Workload::start(&path, "sampling_idle_threads.py", &[]))).collect();
     let dir = tempfile::tempdir().unwrap();
     let trace = dir.path().join("trace");
+    // `open` too: musl's open() is that system call, glibc's is openat.
     let status = Command::new("strace")
-        .args(["-f", "-qq", "-e", "trace=process_vm_writev,openat", "-o"])
+        .args(["-f", "-qq", "-e", "trace=process_vm_writev,open,openat", "-o"])
         .arg(&trace)
         .arg(pyebpf())
         .args(["record", "-a", "-F", "99", "-d", "3", "-o"])

@@ -9,6 +9,7 @@ mod toolchain;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
@@ -90,6 +91,7 @@ fn build(root: &Path, release: bool) -> Result<PathBuf> {
 }
 
 fn test(root: &Path, filter: &[String]) -> Result<()> {
+    let mut suite = Suite::new();
     toolchain::ensure_apt_packages(&[
         ("go", "golang-go"),
         ("patchelf", "patchelf"),
@@ -108,19 +110,23 @@ fn test(root: &Path, filter: &[String]) -> Result<()> {
     ])?;
     toolchain::ensure_components(&["rustfmt", "clippy"])?;
     let pythons = pythons::ensure_installed()?;
-    let binary = build(root, true)?;
+    // The end-to-end tests run the binary that ships (dist/pyebpf, static), so its build is also
+    // the suite's: one optimised build of pyebpf's dependencies fewer, and the artifacts checked
+    // on every run (tests/tests/dist.rs).
+    suite.step("dist");
+    let dist = dist::dist(root)?;
     let object = toolchain::ebpf_object_path(root);
-    let mut suite = Suite::default();
-    // Built here so the artifacts are checked on every run (tests/tests/dist.rs); a failed build
-    // fails those tests, which then say so.
-    eprintln!("xtask: dist");
-    let dist = dist::dist(root).map_err(|err| suite.fail(format!("cargo xtask dist ({err:#})"))).ok();
     let cargo = |args: &[&str]| {
         let mut cargo = Command::new(env!("CARGO"));
-        cargo.current_dir(root).args(args).env("PYEBPF_EBPF_OBJECT", &object).env("PYEBPF_BIN", &binary).env("PYEBPF_PYTHONS", &pythons);
-        if let Some(dist) = &dist {
-            cargo.env("PYEBPF_DIST_BINARY", &dist.binary).env("PYEBPF_DIST_WHEEL", &dist.wheel).env("PYEBPF_DIST_DEB", &dist.deb);
-        }
+        cargo
+            .current_dir(root)
+            .args(args)
+            .env("PYEBPF_EBPF_OBJECT", &object)
+            .env("PYEBPF_BIN", &dist.binary)
+            .env("PYEBPF_PYTHONS", &pythons)
+            .env("PYEBPF_DIST_BINARY", &dist.binary)
+            .env("PYEBPF_DIST_WHEEL", &dist.wheel)
+            .env("PYEBPF_DIST_DEB", &dist.deb);
         cargo
     };
     // House gates first; every step below runs even when one before it failed.
@@ -128,11 +134,20 @@ fn test(root: &Path, filter: &[String]) -> Result<()> {
     suite.gate("cargo fmt --check (pyebpf-ebpf)", cargo(&["fmt", "--", "--check"]).current_dir(root.join("pyebpf-ebpf")));
     suite.gate("cargo clippy", &mut cargo(&["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]));
     suite.gate("cargo doc", cargo(&["doc", "--workspace", "--no-deps", "--document-private-items"]).env("RUSTDOCFLAGS", "-D warnings"));
-    // Unit and fuzz tests may share the CPUs; end-to-end tests measure sample counts, one at a time.
-    suite.tests("unit", &mut cargo(&["test", "--release", "--workspace", "--exclude", "pyebpf-tests", "--lib", "--bins", "--no-fail-fast"]));
-    suite.tests("fuzz", &mut cargo(&["test", "--profile", "fuzz", "--package", "pyebpf", "--test", "fuzz_reader", "--test", "fuzz_parsers", "--no-fail-fast"]));
+    // Unit, fuzz and allocation tests share one build, optimised with overflow checks in pyebpf's
+    // code; xtask's own tests reuse the debug build `cargo xtask` runs from. Unit and fuzz tests
+    // may share the CPUs; end-to-end tests measure sample counts, one at a time.
+    suite.tests(
+        "unit",
+        &mut cargo(&["test", "--profile", "checked", "--workspace", "--exclude", "pyebpf-tests", "--exclude", "xtask", "--lib", "--bins", "--no-fail-fast"]),
+    );
+    suite.tests("xtask", &mut cargo(&["test", "--package", "xtask", "--bins"]));
+    suite.tests(
+        "fuzz",
+        &mut cargo(&["test", "--profile", "checked", "--package", "pyebpf", "--test", "fuzz_reader", "--test", "fuzz_parsers", "--no-fail-fast"]),
+    );
     // Real BPF and a real interpreter: needs the sampler to itself, like the end-to-end tests.
-    suite.tests("alloc_free", &mut cargo(&["test", "--release", "--package", "pyebpf", "--test", "alloc_free"]));
+    suite.tests("alloc_free", &mut cargo(&["test", "--profile", "checked", "--package", "pyebpf", "--test", "alloc_free"]));
     for name in end_to_end_tests(root)? {
         let mut e2e = cargo(&["test", "--release", "--package", "pyebpf-tests", "--test", &name, "--", "--test-threads=1"]);
         e2e.args(filter);
@@ -157,8 +172,10 @@ fn result_counts(line: &str) -> Option<(u64, u64, u64)> {
 }
 
 /// What `cargo xtask test` ran: totals over every step and the name of everything that failed.
-#[derive(Default)]
 struct Suite {
+    /// When the suite began (set-up included): each step's line says how far in it starts, so a
+    /// slow step shows in CI's log.
+    started: Instant,
     passed: u64,
     failed: u64,
     ignored: u64,
@@ -166,9 +183,17 @@ struct Suite {
 }
 
 impl Suite {
+    fn new() -> Self {
+        Suite { started: Instant::now(), passed: 0, failed: 0, ignored: 0, failures: Vec::new() }
+    }
+
+    fn step(&self, name: &str) {
+        eprintln!("xtask: [{} s] {name}", self.started.elapsed().as_secs());
+    }
+
     /// A check that passes or fails as a whole (fmt, clippy, doc).
     fn gate(&mut self, name: &str, command: &mut Command) {
-        eprintln!("xtask: {name}");
+        self.step(name);
         match command.status() {
             Ok(status) if status.success() => {}
             Ok(status) => self.fail(format!("{name} (exited with {status})")),
@@ -179,7 +204,7 @@ impl Suite {
     /// A `cargo test` run: its output is passed through and its result lines added up; a run that
     /// fails without a failed test (a build error, a test binary that crashed) is a failure too.
     fn tests(&mut self, step: &str, command: &mut Command) {
-        eprintln!("xtask: tests: {step}");
+        self.step(&format!("tests: {step}"));
         let failed_before = self.failures.len();
         let mut child = match command.stdout(Stdio::piped()).spawn() {
             Ok(child) => child,
@@ -217,7 +242,7 @@ impl Suite {
             }
         }
         let skipped = if self.ignored > 0 { format!(", {} skipped", self.ignored) } else { String::new() };
-        println!("xtask: {} passed, {} failed{skipped}", self.passed, self.failed);
+        println!("xtask: {} passed, {} failed{skipped} in {} s", self.passed, self.failed, self.started.elapsed().as_secs());
         if !self.failures.is_empty() {
             std::process::exit(1);
         }
