@@ -2,7 +2,7 @@
 //! (the two table layouts furthest apart: untagged and tagged frames, no marker and marker), then the
 //! reader runs over randomly mutated copies of that memory through an in-memory `ReadMemory`. Any
 //! outcome is fine except a panic, a hang or an unbounded allocation. `PYEBPF_FUZZ_CASES` sets the
-//! number of cases (default 800 000: about a minute on two cores in the `fuzz` profile; each recorded
+//! number of cases (default 800 000: about a minute on two cores in the `checked` profile; each recorded
 //! image gets half, the random-memory test all of them).
 
 use std::cell::RefCell;
