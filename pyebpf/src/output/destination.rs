@@ -321,7 +321,7 @@ fn refuse_pseudo_file_system(dir: &Path) -> Result<(), OutputError> {
 }
 
 /// The directory a relative file name like `profile.pb.gz` lives in.
-fn parent_dir(path: &Path) -> &Path {
+pub(super) fn parent_dir(path: &Path) -> &Path {
     match path.parent() {
         Some(dir) if !dir.as_os_str().is_empty() => dir,
         _ => Path::new("."),

@@ -10,6 +10,7 @@ use std::io;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
+use super::destination::parent_dir;
 use super::OutputError;
 
 /// Extensions of more than one part that stay whole after the timestamp.
@@ -36,10 +37,7 @@ pub fn free_name(path: &Path, start_unix_ns: i64) -> Result<PathBuf, OutputError
 /// Removes the oldest files a rotating recording to `path` left (this run's or an earlier run's)
 /// until `keep` remain; returns those it removed.
 pub fn remove_oldest(path: &Path, keep: usize) -> Result<Vec<PathBuf>, OutputError> {
-    let dir = match path.parent() {
-        Some(parent) if !parent.as_os_str().is_empty() => parent,
-        _ => Path::new("."),
-    };
+    let dir = parent_dir(path);
     let io_error = |cause| OutputError::Io { path: dir.to_path_buf(), cause };
     let mut files = Vec::new();
     for entry in std::fs::read_dir(dir).map_err(io_error)? {
