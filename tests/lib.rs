@@ -132,6 +132,14 @@ pub fn debian_python(version: &str) -> PathBuf {
     path
 }
 
+/// Debian 12's own `python3.11` (3.11.2, stripped, libpython linked into the executable), which
+/// `cargo xtask test` installs where it is missing.
+pub fn system_python_3_11() -> PathBuf {
+    let path = PathBuf::from("/usr/bin/python3.11");
+    assert!(path.exists(), "Debian's python3.11 is missing at {} (apt-get install python3.11)", path.display());
+    path
+}
+
 /// pyenv's interpreter of this exact version (`3.13.0`).
 pub fn pyenv_python(version: &str) -> PathBuf {
     let root = std::env::var("PYENV_ROOT").map(PathBuf::from).unwrap_or_else(|_| PathBuf::from(xtask_env("HOME")).join(".pyenv"));

@@ -113,15 +113,35 @@ pub mod py_status {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PyFrameRecord {
     /// The frame's address; its owner (`_PyInterpreterFrame.owner`) in the low 3 bits (frames are
-    /// 8-byte aligned).
+    /// 8-byte aligned). On 3.11, whose owners are 0 to 2, [`ENTRY_FLAG`] there marks `is_entry`.
     pub addr_owner: u64,
     /// `f_executable`, tag bits cleared.
     pub code: u64,
     pub instr_ptr: u64,
-    /// The code object's `co_version`, read at the sample: with the address, it identifies the
-    /// code object (addresses are reused once a code object is freed; versions are not).
+    /// The code object's `co_version` (3.12+), or its [`code_fingerprint`] (3.11), read at the
+    /// sample: with the address, it identifies the code object (addresses are reused once a code
+    /// object is freed; versions are not, and a fingerprint of the object's names rarely is).
     pub code_version: u32,
     pub _pad: u32,
+}
+
+/// Set in [`PyFrameRecord::addr_owner`]'s owner bits of a 3.11 frame whose `is_entry` is set: it
+/// is the first frame of an interpreter activation.
+pub const ENTRY_FLAG: u8 = 4;
+
+/// 64-bit words of a code object read for its [`code_fingerprint`].
+pub const CODE_FINGERPRINT_WORDS: usize = 3;
+/// The fingerprint word that points at the code object's qualified name (a `str`).
+pub const FINGERPRINT_NAME_WORD: usize = 1;
+
+/// A code object's identity where it has no `co_version` (3.11): its three words from `co_name`
+/// on (the addresses of its name, qualified name and location table) and the hash its qualified
+/// name caches, folded to 32 bits. Addresses alone do not do: a program that makes and frees
+/// functions in a loop gets the same addresses for all three objects every time, but their names
+/// differ. The eBPF program and userspace compute it alike.
+pub fn code_fingerprint(words: &[u64; CODE_FINGERPRINT_WORDS], name_hash: u64) -> u32 {
+    let mixed = words[0] ^ words[1].rotate_left(21) ^ words[2].rotate_left(42) ^ name_hash.rotate_left(11);
+    (mixed ^ (mixed >> 32)) as u32
 }
 
 impl PyFrameRecord {
@@ -291,12 +311,13 @@ pub struct PyProcConfig {
     pub frame_executable: u32,
     pub frame_instr_ptr: u32,
     pub frame_owner: u32,
+    /// `co_version` in a code object; [`NO_OFFSET`] before 3.12 (see `code_fingerprint`).
     pub code_version: u32,
     /// Bytes read per frame: up to the last field the walk needs (at most [`PY_FRAME_WINDOW`]), so a
     /// read never runs past the frame into memory that may not be mapped.
     pub frame_window: u32,
-    /// 3.12: where the `_PyCFrame` pointer sits in the thread state; the current frame is then
-    /// read at `tstate_current_frame` in the `_PyCFrame`. [`NO_OFFSET`] from 3.13 on.
+    /// 3.11 and 3.12: where the `_PyCFrame` pointer sits in the thread state; the current frame is
+    /// then read at `tstate_current_frame` in the `_PyCFrame`. [`NO_OFFSET`] from 3.13 on.
     pub tstate_cframe: u32,
     /// Bits cleared from `f_executable` before use (its tag bits; 0 where it is not tagged).
     pub executable_tag_mask: u64,
@@ -310,6 +331,15 @@ pub struct PyProcConfig {
     pub tstate_native_thread_id: u32,
     pub tstate_status: u32,
     pub status_attached: u32,
+    /// 3.11: where the code object's [`code_fingerprint`] words start (`code_version` is then
+    /// [`NO_OFFSET`]); [`NO_OFFSET`] from 3.12 on.
+    pub code_fingerprint: u32,
+    /// 3.11: the `is_entry` byte of a frame, reported as [`ENTRY_FLAG`]; [`NO_OFFSET`] from 3.12
+    /// on (entry frames have their own owner).
+    pub frame_is_entry: u32,
+    /// With `code_fingerprint`: where a `str` caches its hash.
+    pub str_hash: u32,
+    pub _pad: u32,
 }
 
 #[cfg(feature = "user")]

@@ -21,9 +21,9 @@ use aya_ebpf::{
 // RUST_LOG enables debug), and with it off the verifier removes them.
 use aya_log_ebpf::debug;
 use pyebpf_common::{
-    config_flags, py_proc_flags, py_status, record_kind, user_status, Config, MarkerChain, ProcessEvent, PyCapture, PyFrameRecord, PyProcConfig, PyThreadEntry,
-    SampleRecord, MARKER_POSITIONS, MAX_ATTACHED_STEPS, MAX_KERNEL_FRAMES, MAX_PY_FRAMES, MAX_SNAPSHOT_PROCS, MAX_USER_FRAMES, NO_OFFSET, PY_FRAME_WINDOW,
-    STACK_CHUNK, STACK_SNAPSHOT_MAX,
+    code_fingerprint, config_flags, py_proc_flags, py_status, record_kind, user_status, Config, MarkerChain, ProcessEvent, PyCapture, PyFrameRecord,
+    PyProcConfig, PyThreadEntry, SampleRecord, CODE_FINGERPRINT_WORDS, ENTRY_FLAG, FINGERPRINT_NAME_WORD, MARKER_POSITIONS, MAX_ATTACHED_STEPS,
+    MAX_KERNEL_FRAMES, MAX_PY_FRAMES, MAX_SNAPSHOT_PROCS, MAX_USER_FRAMES, NO_OFFSET, PY_FRAME_WINDOW, STACK_CHUNK, STACK_SNAPSHOT_MAX,
 };
 
 /// Userspace sets the real size at load time (`--ring-buffer-kb`).
@@ -292,7 +292,7 @@ fn capture_python(ctx: &PerfEventContext, tgid: u32, tid: u32, py: &mut PyCaptur
     walk_frames(&config, frame, stop_at, py, frames);
 }
 
-/// The innermost frame of a thread state: `tstate->current_frame`, or on 3.12
+/// The innermost frame of a thread state: `tstate->current_frame`, or on 3.11 and 3.12
 /// `tstate->cframe->current_frame` (no `_PyCFrame`, no Python running: 0).
 fn current_frame(config: &PyProcConfig, tstate: u64) -> Option<u64> {
     let holder = if config.tstate_cframe == NO_OFFSET {
@@ -451,13 +451,17 @@ unsafe extern "C" fn walk_step(index: u64, context: *mut c_void) -> i64 {
         return 1;
     }
     let code = window_u64(window, config.frame_executable) & !config.executable_tag_mask;
+    let mut owner = window[config.frame_owner as usize & (PY_FRAME_WINDOW - 1)] & 7;
+    if config.frame_is_entry != NO_OFFSET && window[config.frame_is_entry as usize & (PY_FRAME_WINDOW - 1)] != 0 {
+        owner |= ENTRY_FLAG;
+    }
     // SAFETY: `index` < MAX_PY_FRAMES, the length of the array `frames` points into.
     let slot = unsafe { &mut *walk.frames.add(index as usize) };
     *slot = PyFrameRecord {
-        addr_owner: addr | (window[config.frame_owner as usize & (PY_FRAME_WINDOW - 1)] & 7) as u64,
+        addr_owner: addr | owner as u64,
         code,
         instr_ptr: window_u64(window, config.frame_instr_ptr),
-        code_version: if code == 0 { 0 } else { read_u32(code + config.code_version as u64).unwrap_or(0) },
+        code_version: code_identity(config, code),
         _pad: 0,
     };
     walk.walked = index as u32 + 1;
@@ -467,6 +471,26 @@ unsafe extern "C" fn walk_step(index: u64, context: *mut c_void) -> i64 {
     }
     walk.addr = window_u64(&walk.window, config.frame_previous);
     0
+}
+
+/// What identifies the code object at `code` with its address: its `co_version`, or where there
+/// is none (3.11) its fingerprint; 0 if it cannot be read.
+fn code_identity(config: &PyProcConfig, code: u64) -> u32 {
+    if code == 0 {
+        return 0;
+    }
+    if config.code_version != NO_OFFSET {
+        return read_u32(code + config.code_version as u64).unwrap_or(0);
+    }
+    if config.code_fingerprint == NO_OFFSET {
+        return 0;
+    }
+    // SAFETY: checked user reads.
+    let Ok(words) = (unsafe { bpf_probe_read_user((code + config.code_fingerprint as u64) as *const [u64; CODE_FINGERPRINT_WORDS]) }) else {
+        return 0;
+    };
+    let Some(name_hash) = read_u64(words[FINGERPRINT_NAME_WORD] + config.str_hash as u64) else { return 0 };
+    code_fingerprint(&words, name_hash)
 }
 
 /// The u64 at `offset` in a frame window; userspace checked every offset fits in the window.

@@ -18,6 +18,16 @@ pub enum LinkKind {
     Code,
     /// An entry frame: it ends the segment of one interpreter activation.
     Entry,
+    /// A frame running a code object that is also the first of its interpreter activation (3.11's
+    /// `is_entry`): it ends its segment.
+    EntryCode,
+}
+
+impl LinkKind {
+    /// The frame runs a code object.
+    pub fn runs_code(self) -> bool {
+        matches!(self, LinkKind::Code | LinkKind::EntryCode)
+    }
 }
 
 /// Reads frames from the target process.

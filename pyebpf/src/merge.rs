@@ -10,7 +10,8 @@
 //! tail-calling interpreter of 3.15 (whose opcode handlers are nameless) do not offer.
 //!
 //! Where the frame bases cannot place any entry frame, interpreter activations are recognised by
-//! name (`_PyEval_EvalFrameDefault`) and matched to segments in order.
+//! name (`_PyEval_EvalFrameDefault`) and matched to segments in order. That is always so on 3.11,
+//! whose entry frames are flagged Python frames on the interpreter's own stack, not the C stack.
 
 use crate::stack::NativeFrame;
 
@@ -19,6 +20,7 @@ use crate::stack::NativeFrame;
 pub enum PyStackItem<F> {
     Frame(F),
     /// An entry frame at this address: the end of the segment run by one interpreter activation.
+    /// 0 where the entry frame is not on the C stack (3.11): the segment is then placed by name.
     SegmentEnd {
         entry_frame: u64,
     },
@@ -313,6 +315,20 @@ mod tests {
         };
         let p = [py("inner"), end(1), py("outer"), end(2)];
         assert_eq!(names(&merge_stacks(&n, &p)), ["py:inner", "cfunc", "py:outer", "main"]);
+    }
+
+    /// 3.11: entry frames are not on the C stack (address 0), even where frame bases are known.
+    #[test]
+    fn entry_frames_off_the_c_stack_are_placed_by_name() {
+        let n = stack(vec![
+            native("sha256_block"),
+            native("_PyEval_EvalFrameDefault"),
+            native("sorted_with_key"),
+            native("_PyEval_EvalFrameDefault"),
+            native("main"),
+        ]);
+        let p = [py("hash_caller"), end(0), py("key"), py("sorter"), end(0)];
+        assert_eq!(names(&merge_stacks(&n, &p)), ["sha256_block", "py:hash_caller", "sorted_with_key", "py:key", "py:sorter", "main"]);
     }
 
     #[test]

@@ -17,7 +17,9 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
-use pyebpf_common::{py_proc_flags, py_status, MarkerChain, PyFrameRecord, PyProcConfig, PyThreadEntry, SampleRecord, MARKER_POSITIONS, MAX_PY_FRAMES};
+use pyebpf_common::{
+    py_proc_flags, py_status, MarkerChain, PyFrameRecord, PyProcConfig, PyThreadEntry, SampleRecord, MARKER_POSITIONS, MAX_PY_FRAMES, NO_OFFSET,
+};
 
 use crate::bpf::Sampler;
 use crate::budget::SharedBudget;
@@ -159,7 +161,7 @@ struct PythonProcess {
     frame_ids: FrameIds,
 }
 
-/// A process found not to be CPython 3.12+ (or unreadable), until it execs or exits.
+/// A process found not to be CPython 3.11+ (or unreadable), until it execs or exits.
 struct Other {
     checked_at: Instant,
     checks: u32,
@@ -187,7 +189,7 @@ impl PythonSampling {
         PythonSampling { processes: HashMap::new(), retired_code_cache: Default::default(), others: HashMap::new(), options, next_gen: 1 }
     }
 
-    /// Attaches to `pid` if it is a CPython 3.12+ process not seen before, and registers its
+    /// Attaches to `pid` if it is a CPython 3.11+ process not seen before, and registers its
     /// threads with the eBPF program.
     pub fn discover(&mut self, pid: u32, sampler: &mut Sampler, stats: &mut Stats) {
         if self.attach(pid, stats) {
@@ -195,7 +197,7 @@ impl PythonSampling {
         }
     }
 
-    /// Whether `pid` is a CPython 3.12+ process attached to.
+    /// Whether `pid` is a CPython 3.11+ process attached to.
     pub fn is_python(&self, pid: u32) -> bool {
         self.processes.contains_key(&pid)
     }
@@ -370,8 +372,7 @@ impl PythonSampling {
 }
 
 fn link_of(py: &PyProcess<ProcessMemory>, frame: &PyFrameRecord) -> FrameLink {
-    let kind = if frame.owner() >= py.offsets().entry_owner_min { LinkKind::Entry } else { LinkKind::Code };
-    FrameLink { addr: frame.addr(), previous: 0, code: frame.code, instr_ptr: frame.instr_ptr, kind }
+    FrameLink { addr: frame.addr(), previous: 0, code: frame.code, instr_ptr: frame.instr_ptr, kind: py.offsets().link_kind(frame.owner()) }
 }
 
 impl PythonProcess {
@@ -399,6 +400,10 @@ impl PythonProcess {
                     log::debug!("pid {}: frame {:#x}: {err}", self.py.pid(), link.addr);
                     return true;
                 }
+            }
+            // Not on the C stack: no native frame's range can place it.
+            if link.kind == LinkKind::EntryCode {
+                items.push(PyStackItem::SegmentEnd { entry_frame: 0 });
             }
         }
         false
@@ -430,7 +435,8 @@ impl PythonProcess {
             self.py.forget_code(link.code);
             self.code_versions.remove(&link.code);
             let resolved = self.py.frame_info(link)?;
-            // Versions are never reused: the same one now means the object lived since the sample.
+            // Versions are never reused: the same one now means the object lived since the sample
+            // (on 3.11, a fingerprint of its names: the same one means an object of the same name).
             let now = self.py.code_version(link.code)?;
             if now != version {
                 self.py.forget_code(link.code);
@@ -544,7 +550,7 @@ impl PythonProcess {
                 return Ok(None);
             }
             let link = self.py.read_link(addr)?;
-            let version = if link.kind == LinkKind::Code { self.py.code_version(link.code)? } else { 0 };
+            let version = if link.kind.runs_code() { self.py.code_version(link.code)? } else { 0 };
             addrs.push(addr);
             items.push(self.resolve_link(&link, version, frames)?);
             if Some(addr) == anchor_addr {
@@ -613,8 +619,8 @@ impl PythonProcess {
             keep
         });
         // Threads may switch interpreters between these reads: the eBPF program then looks up the
-        // thread state attached at each sample.
-        if self.py.has_subinterpreters() && self.config.flags & py_proc_flags::FIND_ATTACHED == 0 {
+        // thread state attached at each sample (where thread states say which one is: 3.12+).
+        if self.py.has_subinterpreters() && self.config.tstate_status != NO_OFFSET && self.config.flags & py_proc_flags::FIND_ATTACHED == 0 {
             self.config.flags |= py_proc_flags::FIND_ATTACHED;
             if sampler.set_py_process(self.py.pid(), &self.config).is_err() {
                 self.config.flags &= !py_proc_flags::FIND_ATTACHED;

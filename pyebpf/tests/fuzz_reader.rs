@@ -1,9 +1,10 @@
-//! Fuzzing the CPython reader: every read `dump` makes of a real 3.13 and 3.15 process is recorded
-//! (the two table layouts furthest apart: untagged and tagged frames, no marker and marker), then the
-//! reader runs over randomly mutated copies of that memory through an in-memory `ReadMemory`. Any
-//! outcome is fine except a panic, a hang or an unbounded allocation. `PYEBPF_FUZZ_CASES` sets the
-//! number of cases (default 800 000: about a minute on two cores in the `checked` profile; each recorded
-//! image gets half, the random-memory test all of them).
+//! Fuzzing the CPython reader: every read `dump` makes of a real 3.11, 3.13 and 3.15 process is
+//! recorded (pyebpf's own table with entry flags and fingerprints, and the two debug-offset layouts
+//! furthest apart: untagged and tagged frames, no marker and marker), then the reader runs over
+//! randomly mutated copies of that memory through an in-memory `ReadMemory`. Any outcome is fine
+//! except a panic, a hang or an unbounded allocation. `PYEBPF_FUZZ_CASES` sets the number of cases
+//! (default 800 000: about a minute on two cores in the `checked` profile; each recorded image gets
+//! a third, the random-memory test all of them).
 
 use std::cell::RefCell;
 use std::path::PathBuf;
@@ -12,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use proptest::prelude::*;
 use pyebpf::cpython::memory::{MemCounters, MemError, MemoryImage, ProcessMemory, ReadMemory};
-use pyebpf::cpython::{runtime, PyProcess};
+use pyebpf::cpython::{offsets, runtime, DebugOffsets, PyProcess};
 
 /// A real process's memory, remembering every range read.
 struct Recorder {
@@ -64,14 +65,29 @@ impl Drop for Target {
     }
 }
 
-/// Records a real process of Debian's `python{version}` holding several threads, deep stacks and
-/// non-ASCII names.
-fn recorded_image(version: &str) -> (MemoryImage, u32, u64) {
-    let prefix = pyebpf_tests::test_pythons();
+/// The interpreter of `version`: Debian 12's own for 3.11, the test set-up's Debian builds after.
+fn interpreter(version: &str) -> PathBuf {
+    if version == "3.11" {
+        return PathBuf::from("/usr/bin/python3.11");
+    }
+    pyebpf_tests::test_pythons().join(format!("usr/bin/python{version}"))
+}
+
+/// The process read with its own debug offsets, or for 3.11 with pyebpf's table of its version.
+fn attach_with<M: ReadMemory>(pid: u32, memory: M, runtime: u64, table: Option<&DebugOffsets>) -> Option<PyProcess<M>> {
+    match table {
+        Some(table) => Some(PyProcess::with_offsets(pid, memory, runtime, table.clone())),
+        None => PyProcess::with_memory(pid, memory, runtime).ok(),
+    }
+}
+
+/// Records a real process of `python{version}` holding several threads, deep stacks and non-ASCII
+/// names; with the table it was read with, where it is pyebpf's own.
+fn recorded_image(version: &str) -> (MemoryImage, u32, u64, Option<DebugOffsets>) {
     let dir = tempfile::tempdir().unwrap();
     let view = dir.path().join("view.json");
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/scripts/dump_state.py");
-    let target = Target(Command::new(prefix.join(format!("usr/bin/python{version}"))).arg(script).arg(&view).stdin(Stdio::null()).spawn().unwrap());
+    let target = Target(Command::new(interpreter(version)).arg(script).arg(&view).stdin(Stdio::null()).spawn().unwrap());
     let started = Instant::now();
     while !view.exists() {
         assert!(started.elapsed() < Duration::from_secs(30), "the fuzz target process did not get ready");
@@ -79,14 +95,15 @@ fn recorded_image(version: &str) -> (MemoryImage, u32, u64) {
     }
     std::thread::sleep(Duration::from_millis(300));
     let pid = target.0.id();
-    let runtime = runtime::find_runtime(pid).unwrap().address;
+    let found = runtime::find_runtime(pid).unwrap();
+    let table = if version == "3.11" { Some(offsets::builtin_offsets(found.version.unwrap()).expect("a table for 3.11")) } else { None };
     let recorder = Recorder { inner: ProcessMemory::new(pid), image: RefCell::default() };
-    let mut process = PyProcess::with_memory(pid, recorder, runtime).unwrap();
+    let mut process = attach_with(pid, recorder, found.address, table.as_ref()).unwrap();
     let frames = read_everything(&mut process);
     assert!(frames > 500, "only {frames} frames read from the fuzz target");
     drop(process.threads());
     let image = std::mem::take(&mut *process_memory(&process).image.borrow_mut());
-    (image, pid, runtime)
+    (image, pid, found.address, table)
 }
 
 fn process_memory<M: ReadMemory>(process: &PyProcess<M>) -> &M {
@@ -154,7 +171,7 @@ fn apply(image: &mut MemoryImage, runtime: u64, mutation: &Mutation) {
 
 /// Runs the reader over `cases` mutated copies of a recording of `python{version}`.
 fn fuzz_mutated(version: &str, cases: u32) {
-    let (image, pid, runtime) = recorded_image(version);
+    let (image, pid, runtime, table) = recorded_image(version);
     let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig { cases, failure_persistence: None, ..ProptestConfig::default() });
     runner
         .run(&proptest::collection::vec(mutation(), 1..16), |mutations| {
@@ -162,7 +179,7 @@ fn fuzz_mutated(version: &str, cases: u32) {
             for m in &mutations {
                 apply(&mut mutated, runtime, m);
             }
-            if let Ok(mut process) = PyProcess::with_memory(pid, mutated, runtime) {
+            if let Some(mut process) = attach_with(pid, mutated, runtime, table.as_ref()) {
                 read_everything(&mut process);
             }
             Ok(())
@@ -171,13 +188,18 @@ fn fuzz_mutated(version: &str, cases: u32) {
 }
 
 #[test]
+fn reader_survives_mutated_3_11_memory() {
+    fuzz_mutated("3.11", cases() / 3);
+}
+
+#[test]
 fn reader_survives_mutated_3_13_memory() {
-    fuzz_mutated("3.13", cases() / 2);
+    fuzz_mutated("3.13", cases() / 3);
 }
 
 #[test]
 fn reader_survives_mutated_3_15_memory() {
-    fuzz_mutated("3.15", cases() / 2);
+    fuzz_mutated("3.15", cases() / 3);
 }
 
 #[test]

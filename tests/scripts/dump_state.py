@@ -66,7 +66,7 @@ Constructed.park = True
 namespace = {"parked": parked}
 exec(compile("def built_by_exec():\n    parked()\n", "<exec-built>", "exec"), namespace)
 
-targets = [lambda: deep(500), Outer().method, größe_straße, 関数_名前, 𠀀𠀁, lam, namespace["built_by_exec"], construct]
+targets = [lambda: deep(600), Outer().method, größe_straße, 関数_名前, 𠀀𠀁, lam, namespace["built_by_exec"], construct]
 sys.setrecursionlimit(2000)
 threads = [threading.Thread(target=t, name=f"worker-{i}", daemon=True) for i, t in enumerate(targets)]
 for t in threads:

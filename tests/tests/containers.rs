@@ -10,14 +10,16 @@ use pyebpf_tests::{record_collapsed, script, stacks_of, total, Killed};
 /// Starts `alternating.py` under Debian's python3.14 bind-mounted at a path that exists only in a
 /// new mount namespace, in a new PID namespace; returns the child and the host PID of the Python.
 fn start_contained(dir: &std::path::Path) -> (Killed, u32) {
-    let prefix = pyebpf_tests::test_pythons().display().to_string();
+    start_contained_python(dir, &pyebpf_tests::test_pythons(), "usr/bin/python3.14")
+}
+
+/// `start_contained` with the interpreter at `python` under `prefix`, which is bind-mounted.
+fn start_contained_python(dir: &std::path::Path, prefix: &std::path::Path, python: &str) -> (Killed, u32) {
+    let prefix = prefix.display();
     let inside = "/run/pyebpf-test-container-python";
     let ready = dir.join("ready");
-    let shell = format!(
-        "mkdir -p {inside} && mount --bind {prefix} {inside} && exec {inside}/usr/bin/python3.14 {} {} 1",
-        script("alternating.py").display(),
-        ready.display()
-    );
+    let shell =
+        format!("mkdir -p {inside} && mount --bind {prefix} {inside} && exec {inside}/{python} {} {} 1", script("alternating.py").display(), ready.display());
     // --kill-child: the Python is its namespace's init, which ignores SIGTERM; when `Killed` kills
     // unshare, the kernel kills the Python too (it would otherwise spin on, holding the test's
     // stdout open).
@@ -58,6 +60,15 @@ fn a_contained_python_gets_python_frames_under_p_and_a() {
     let dir = tempfile::tempdir().unwrap();
     let (_child, python) = start_contained(dir.path());
     check_python_share(&["-p", &python.to_string()], python);
+    check_python_share(&["-a"], python);
+}
+
+/// 3.11, read with pyebpf's own table: its threads are named by their ids inside the namespace.
+#[test]
+fn a_contained_3_11_gets_python_frames_under_a() {
+    let dir = tempfile::tempdir().unwrap();
+    let prefix = pyebpf_tests::pyenv_python("3.11.7").parent().unwrap().parent().unwrap().to_path_buf();
+    let (_child, python) = start_contained_python(dir.path(), &prefix, "bin/python3.11");
     check_python_share(&["-a"], python);
 }
 

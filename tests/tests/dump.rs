@@ -4,7 +4,7 @@ use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
-use pyebpf_tests::{assert_one_line_error, debian_python, pyebpf_command, pyenv_python, script, start_ready, wait_for_file, Killed};
+use pyebpf_tests::{assert_one_line_error, debian_python, pyebpf_command, pyenv_python, script, start_ready, system_python_3_11, wait_for_file, Killed};
 use serde_json::Value;
 
 fn dump(pid: u32, json: bool) -> Output {
@@ -36,7 +36,7 @@ fn check_dump_matches_the_interpreter(python: &Path) {
         assert_eq!(&thread["frames"], expected, "thread {tid} of {}", python.display());
     }
     let deepest = threads.iter().map(|t| t["frames"].as_array().unwrap().len()).max().unwrap();
-    assert!(deepest > 500, "the 500-deep thread is missing ({deepest} frames at most)");
+    assert!(deepest > 600, "the 600-deep thread is missing ({deepest} frames at most)");
     let text = String::from_utf8_lossy(&dump(child.0.id(), false).stdout).into_owned();
     for expected in [
         "in Outer.method.<locals>.inner",
@@ -50,6 +50,16 @@ fn check_dump_matches_the_interpreter(python: &Path) {
         assert!(text.contains(expected), "traceback output lacks `{expected}`:\n{text}");
     }
     assert!(!text.contains("File \"__init__\""), "the interpreter's __init__ trampoline is shown:\n{text}");
+}
+
+#[test]
+fn dump_matches_pyenv_3_11_7() {
+    check_dump_matches_the_interpreter(&pyenv_python("3.11.7"));
+}
+
+#[test]
+fn dump_matches_system_3_11() {
+    check_dump_matches_the_interpreter(&system_python_3_11());
 }
 
 #[test]
@@ -80,7 +90,7 @@ fn dump_matches_debian_3_15() {
 /// The thread spinning in Python code is the GIL holder in most dumps; the waiting ones never are.
 #[test]
 fn dump_names_the_gil_holder() {
-    for python in [pyenv_python("3.12.1"), debian_python("3.13"), debian_python("3.14"), debian_python("3.15")] {
+    for python in [pyenv_python("3.11.7"), system_python_3_11(), pyenv_python("3.12.1"), debian_python("3.13"), debian_python("3.14"), debian_python("3.15")] {
         let (child, dir) = start_ready(&python, "gil_spinner.py", &[]);
         let spinner: u64 = std::fs::read_to_string(dir.path().join("ready")).unwrap().trim().parse().unwrap();
         let mut spinner_held = 0;
@@ -112,16 +122,13 @@ fn dump_of_a_non_python_process_is_a_clear_error() {
     assert_clean_error(&dump(sleeper.0.id(), false), "is not a CPython process");
 }
 
-/// Every CPython older than 3.12 on these machines is named, with its version, in one line: from
-/// `Py_Version` (3.11), else from the interpreter's file name (3.7-3.10 have `_PyRuntime`, 2.7
-/// and 3.6 do not).
+/// Every CPython older than 3.11 on these machines is named, with its version (from the
+/// interpreter's file name: 3.7-3.10 have `_PyRuntime`, 2.7 and 3.6 do not), in one line.
 #[test]
 fn dump_of_an_older_python_names_its_version() {
-    let pyenv = ["2.7.18", "3.6.15", "3.7.16", "3.8.18", "3.9.18", "3.10.13", "3.11.7"];
-    let expected = ["CPython 2.7 ", "CPython 3.6 ", "CPython 3.7 ", "CPython 3.8 ", "CPython 3.9 ", "CPython 3.10 ", "CPython 3.11.7 "];
-    let mut interpreters: Vec<(std::path::PathBuf, &str)> = pyenv.iter().map(|v| pyenv_python(v)).zip(expected).collect();
-    interpreters.push(("/usr/bin/python3.11".into(), "CPython 3.11.2 "));
-    for (python, expected) in interpreters {
+    let pyenv = ["2.7.18", "3.6.15", "3.7.16", "3.8.18", "3.9.18", "3.10.13"];
+    let expected = ["CPython 2.7 ", "CPython 3.6 ", "CPython 3.7 ", "CPython 3.8 ", "CPython 3.9 ", "CPython 3.10 "];
+    for (python, expected) in pyenv.iter().map(|v| pyenv_python(v)).zip(expected) {
         assert!(python.exists(), "{} is missing", python.display());
         let old = Killed(Command::new(&python).args(["-c", "import time; time.sleep(30)"]).spawn().unwrap());
         std::thread::sleep(Duration::from_millis(300));

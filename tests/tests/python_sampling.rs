@@ -1,15 +1,17 @@
-//! Issue 4 end to end: real CPython 3.12 to 3.15 processes recorded by the real pyebpf binary.
+//! Issue 4 end to end: real CPython 3.11 to 3.15 processes recorded by the real pyebpf binary.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use pyebpf_tests::{count_where, debian_python, pyebpf, pyenv_python, record_collapsed as record, stacks_of, start_ready, total, Killed};
+use pyebpf_tests::{count_where, debian_python, pyebpf, pyenv_python, record_collapsed as record, stacks_of, start_ready, system_python_3_11, total, Killed};
 
 /// The interpreters under test: (label, path).
 fn interpreters() -> Vec<(&'static str, PathBuf)> {
     vec![
+        ("pyenv-3.11.7", pyenv_python("3.11.7")),
+        ("system-3.11", system_python_3_11()),
         ("pyenv-3.12.1", pyenv_python("3.12.1")),
         ("pyenv-3.13.0", pyenv_python("3.13.0")),
         ("debian-3.13", debian_python("3.13")),
@@ -68,6 +70,16 @@ fn check_proportions(label: &str) {
 }
 
 #[test]
+fn proportions_pyenv_3_11_7() {
+    check_proportions("pyenv-3.11.7");
+}
+
+#[test]
+fn proportions_system_3_11() {
+    check_proportions("system-3.11");
+}
+
+#[test]
 fn proportions_pyenv_3_12_1() {
     check_proportions("pyenv-3.12.1");
 }
@@ -108,6 +120,16 @@ fn check_depth(label: &str) {
     let all = total(&stacks);
     assert!(all >= 300, "{label}: only {all} samples");
     assert!(complete * 100 >= all * 99, "{label}: {complete} of {all} samples show the 400 frames in order");
+}
+
+#[test]
+fn depth_400_pyenv_3_11_7() {
+    check_depth("pyenv-3.11.7");
+}
+
+#[test]
+fn depth_400_system_3_11() {
+    check_depth("system-3.11");
 }
 
 #[test]
@@ -275,7 +297,7 @@ fn writes_only_the_marker_of_3_15_processes() {
 #[test]
 fn older_pythons_are_named_in_the_summary() {
     let spin = "while True: pass";
-    let older = [pyenv_python("3.11.7"), pyenv_python("3.8.18"), pyenv_python("2.7.18")];
+    let older = [pyenv_python("3.10.13"), pyenv_python("3.8.18"), pyenv_python("2.7.18")];
     let children: Vec<Killed> = older.iter().map(|python| Killed(Command::new(python).args(["-c", spin]).spawn().unwrap())).collect();
     std::thread::sleep(Duration::from_millis(300));
     let mut args = vec!["-d".to_string(), "1".to_string()];
@@ -285,7 +307,7 @@ fn older_pythons_are_named_in_the_summary() {
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let (_, stderr) = record(&args);
     let line = stderr.lines().find(|l| l.contains("native frames only")).unwrap_or_else(|| panic!("no line names them: {stderr}"));
-    for (child, version) in children.iter().zip(["3.11.7", "3.8", "2.7"]) {
+    for (child, version) in children.iter().zip(["3.10", "3.8", "2.7"]) {
         assert!(line.contains(&format!("CPython {version} (pid {})", child.pid())), "{version} is not named: {line}");
     }
 }

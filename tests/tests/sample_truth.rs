@@ -4,10 +4,12 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use pyebpf_tests::{debian_python, pyebpf_command, pyenv_python, stacks_of, start_ready, total, Stack};
+use pyebpf_tests::{debian_python, pyebpf_command, pyenv_python, stacks_of, start_ready, system_python_3_11, total, Stack};
 
 fn python(label: &str) -> PathBuf {
     match label {
+        "pyenv-3.11.7" => pyenv_python("3.11.7"),
+        "system-3.11" => system_python_3_11(),
         "pyenv-3.12.1" => pyenv_python("3.12.1"),
         "pyenv-3.13.0" => pyenv_python("3.13.0"),
         debian => debian_python(debian.trim_start_matches("debian-")),
@@ -88,6 +90,19 @@ fn check_alternating_slices(label: &str) {
     check_alternating(label, "0.5", &[("PYEBPF_TEST_CONSUMER_DELAY_MS", "100")]);
 }
 
+/// The fastest slices, also with a stalled consumer.
+#[test]
+fn alternating_callers_pyenv_3_11_7() {
+    check_alternating("pyenv-3.11.7", "0.5", &[]);
+    check_alternating("pyenv-3.11.7", "0.5", &[("PYEBPF_TEST_CONSUMER_DELAY_MS", "100")]);
+}
+
+/// The same interpreter, stripped and built by Debian: the fastest slices.
+#[test]
+fn alternating_callers_system_3_11() {
+    check_alternating("system-3.11", "0.5", &[]);
+}
+
 #[test]
 fn alternating_callers_pyenv_3_12_1() {
     check_alternating_slices("pyenv-3.12.1");
@@ -139,6 +154,12 @@ fn check_exec_and_free(label: &str) {
     assert!(named >= 1000, "{label}: only {named} samples in exec'd functions");
     assert!(wrong * 100 <= named, "{label}: {wrong} of {named} samples carry a wrong name: {per_name:?}");
     assert!(per_name.len() as f64 >= 6.0 / RUN_S * 0.8, "{label}: only {} names seen in 6 s: {per_name:?}", per_name.len());
+}
+
+/// 3.11 has no `co_version`: a code object is known by its fingerprint.
+#[test]
+fn exec_and_free_names_pyenv_3_11_7() {
+    check_exec_and_free("pyenv-3.11.7");
 }
 
 #[test]

@@ -5,7 +5,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use pyebpf_tests::{compile_c, count_where, debian_python, pyenv_python, record_collapsed as record, stacks_of, start_ready, total, Killed};
+use pyebpf_tests::{
+    compile_c, count_where, debian_python, pyenv_python, record_collapsed as record, stacks_of, start_ready, system_python_3_11, total, Killed,
+};
 
 /// A frame of Python code as collapsed output renders it: `QUALNAME (FILE.py:LINE)`.
 fn is_python(frame: &str) -> bool {
@@ -77,6 +79,12 @@ fn python_native_stacks_debian_3_14() {
 #[test]
 fn python_native_stacks_debian_3_15() {
     check_python(&debian_python("3.15"));
+}
+
+/// 3.11 places each Python segment at its interpreter's C frame by name: Debian's stripped build.
+#[test]
+fn python_native_stacks_system_3_11() {
+    check_python(&system_python_3_11());
 }
 
 #[test]

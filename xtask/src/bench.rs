@@ -25,9 +25,9 @@ use serde_json::{json, Value};
 use crate::run;
 use measure::{collapsed_samples, median, run_measured, stat_line, Measured};
 
-const VERSIONS: [&str; 4] = ["3.12", "3.13", "3.14", "3.15"];
-/// 3.12 has no Debian sid build: pyenv's (on every machine) stands in.
-const PYENV_3_12: &str = "3.12.1";
+const VERSIONS: [&str; 5] = ["3.11", "3.12", "3.13", "3.14", "3.15"];
+/// 3.11 and 3.12 have no Debian sid build: pyenv's (on every machine) stand in.
+const PYENV_RELEASES: [&str; 2] = ["3.11.7", "3.12.1"];
 const DEPTHS: [u32; 2] = [5, 100];
 const FREQUENCIES: [u32; 2] = [99, 999];
 /// Attach runs last ATTACH_S seconds (whole seconds: py-spy takes only those); their steady state is
@@ -102,10 +102,10 @@ pub fn report_only(root: &Path) -> Result<()> {
 
 impl Bench {
     fn python(&self, version: &str) -> PathBuf {
-        if version == "3.12" {
+        if let Some(release) = PYENV_RELEASES.iter().find(|release| release.starts_with(&format!("{version}."))) {
             let pyenv =
                 std::env::var_os("PYENV_ROOT").map(PathBuf::from).unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".pyenv"));
-            return pyenv.join(format!("versions/{PYENV_3_12}/bin/python3.12"));
+            return pyenv.join(format!("versions/{release}/bin/python{version}"));
         }
         self.pythons.join(format!("usr/bin/python{version}"))
     }

@@ -3,7 +3,7 @@
 
 use std::collections::HashSet;
 
-use crate::chain::{FrameLink, LinkKind, LinkReader};
+use crate::chain::{FrameLink, LinkReader};
 use crate::stack::PythonFrame;
 
 use super::code::Location;
@@ -33,18 +33,20 @@ impl<M: ReadMemory> PyProcess<M> {
     fn frame_read_len(&self) -> usize {
         let o = &self.offsets;
         // Offsets were checked against the frame size, itself bounded.
-        (o.frame_previous.max(o.frame_executable).max(o.frame_instr_ptr).max(o.frame_owner) + 8) as usize
+        (o.frame_previous.max(o.frame_executable).max(o.frame_instr_ptr).max(o.frame_owner).max(o.frame_is_entry.unwrap_or(0)) + 8) as usize
     }
 
     fn link_from(&self, addr: u64, buf: &[u8]) -> FrameLink {
         let o = &self.offsets;
-        let owner = usize::try_from(o.frame_owner).ok().and_then(|at| buf.get(at)).copied().unwrap_or(0);
+        let byte = |at: u64| usize::try_from(at).ok().and_then(|at| buf.get(at)).copied().unwrap_or(0);
+        let entry = o.frame_is_entry.is_some_and(|at| byte(at) != 0);
+        let owner = byte(o.frame_owner) | if entry { pyebpf_common::ENTRY_FLAG } else { 0 };
         FrameLink {
             addr,
             previous: field_u64(buf, o.frame_previous),
             code: field_u64(buf, o.frame_executable) & !o.executable_tag_mask,
             instr_ptr: field_u64(buf, o.frame_instr_ptr),
-            kind: if owner >= o.entry_owner_min { LinkKind::Entry } else { LinkKind::Code },
+            kind: o.link_kind(owner),
         }
     }
 
@@ -64,7 +66,7 @@ impl<M: ReadMemory> PyProcess<M> {
     /// pushes for itself, which Python's own view of the stack leaves out too.
     pub fn frame_info(&mut self, link: &FrameLink) -> Result<Option<ResolvedFrame>, PyError> {
         // A frame without a code object is being set up or torn down: not a Python call yet/any more.
-        if link.kind != LinkKind::Code || link.code == 0 {
+        if !link.kind.runs_code() || link.code == 0 {
             return Ok(None);
         }
         let info = self.code(link.code)?;

@@ -1,6 +1,6 @@
-//! Reading CPython 3.12+ processes from outside, through `process_vm_readv` and the
+//! Reading CPython 3.11+ processes from outside, through `process_vm_readv` and the
 //! `_Py_DebugOffsets` table (3.13+) or pyebpf's own table of the version, proven against the live
-//! process (3.12): threads, interpreter frame chains and code objects.
+//! process (3.11 and 3.12): threads, interpreter frame chains and code objects.
 //!
 //! Everything read is sized by the target, so every read and everything kept has a budget:
 //! - per code object: its location table up to 64 KiB (`code::MAX_LINETABLE`; later instructions
@@ -42,6 +42,7 @@ use code_cache::BoundedCache;
 pub use code_cache::MAX_ENTRIES as MAX_CACHED_CODES;
 pub use frames::{FrameWalk, ResolvedFrame, MAX_DEPTH};
 use memory::{MemCounters, MemError, ProcessMemory, ReadExt, ReadMemory};
+use offsets::CodeIdentity;
 pub use offsets::{DebugOffsets, PyVersion};
 pub use threads::PyThread;
 
@@ -57,10 +58,10 @@ pub enum PyError {
     InterpreterUnreadable { pid: u32, path: std::path::PathBuf, cause: std::io::Error },
     #[error("no _Py_DebugOffsets in _PyRuntime: CPython older than 3.13?")]
     NoDebugOffsets,
-    #[error("CPython {0} is not supported (3.12, 3.13, 3.14 and 3.15.0b4 or later are)")]
+    #[error("CPython {0} is not supported (3.11 to 3.14 and 3.15.0b4 or later are)")]
     UnsupportedVersion(PyVersion),
     /// A version known only by its interpreter's file name (`MAJOR.MINOR`): before 3.11.
-    #[error("CPython {0} is not supported (3.12, 3.13, 3.14 and 3.15.0b4 or later are)")]
+    #[error("CPython {0} is not supported (3.11 to 3.14 and 3.15.0b4 or later are)")]
     UnsupportedRelease(String),
     #[error("free-threaded CPython {0} is not supported")]
     FreeThreaded(PyVersion),
@@ -245,7 +246,7 @@ impl<M: ReadMemory> PyProcess<M> {
                     break;
                 }
                 let link = self.read_link(frame).map_err(|err| mismatch(format!("frame {frame:#x}: {err}")))?;
-                if link.kind == crate::chain::LinkKind::Code && link.code != 0 {
+                if link.kind.runs_code() && link.code != 0 {
                     self.code(link.code).map_err(|err| mismatch(format!("frame {frame:#x}: {err}")))?;
                 }
                 frame = link.previous;
@@ -290,12 +291,27 @@ impl<M: ReadMemory> PyProcess<M> {
         let o = &self.offsets;
         // Offsets were checked against structure sizes of at most 16 MiB.
         let narrow = |offset: u64| offset as u32;
+        let (code_version, code_fingerprint, str_hash) = match o.code_identity {
+            CodeIdentity::Version(at) => (narrow(at), NO_OFFSET, NO_OFFSET),
+            CodeIdentity::Fingerprint { words, str_hash } => (NO_OFFSET, narrow(words), narrow(str_hash)),
+        };
         PyProcConfig {
             flags: 0,
             max_frames: pyebpf_common::MAX_PY_FRAMES as u32,
             frame_owner: narrow(o.frame_owner),
-            code_version: narrow(o.code_version),
-            frame_window: narrow(o.frame_previous.max(o.frame_executable).max(o.frame_instr_ptr).wrapping_add(8).max(o.frame_owner + 1)),
+            frame_is_entry: o.frame_is_entry.map_or(NO_OFFSET, narrow),
+            code_version,
+            code_fingerprint,
+            str_hash,
+            _pad: 0,
+            frame_window: narrow(
+                o.frame_previous
+                    .max(o.frame_executable)
+                    .max(o.frame_instr_ptr)
+                    .wrapping_add(8)
+                    .max(o.frame_owner + 1)
+                    .max(o.frame_is_entry.map_or(0, |at| at + 1)),
+            ),
             tstate_cframe: o.tstate_cframe.map_or(NO_OFFSET, narrow),
             tstate_current_frame: narrow(o.tstate_current_frame),
             tstate_last_profiled_frame: o.tstate_last_profiled_frame.map_or(NO_OFFSET, narrow),
@@ -309,7 +325,7 @@ impl<M: ReadMemory> PyProcess<M> {
             interp_threads_head: narrow(o.interp_threads_head),
             tstate_next: narrow(o.tstate_next),
             tstate_native_thread_id: narrow(o.tstate_native_thread_id),
-            tstate_status: narrow(o.tstate_status),
+            tstate_status: o.tstate_status.map_or(NO_OFFSET, narrow),
             status_attached: threads::STATUS_ACTIVE,
         }
     }
@@ -334,7 +350,9 @@ impl<M: ReadMemory> PyProcess<M> {
     pub fn fits_frame_window(&self) -> bool {
         let o = &self.offsets;
         let window = pyebpf_common::PY_FRAME_WINDOW as u64;
-        [o.frame_previous, o.frame_executable, o.frame_instr_ptr].iter().all(|&f| f % 8 == 0 && f + 8 <= window) && o.frame_owner < window
+        [o.frame_previous, o.frame_executable, o.frame_instr_ptr].iter().all(|&f| f % 8 == 0 && f + 8 <= window)
+            && o.frame_owner < window
+            && o.frame_is_entry.is_none_or(|at| at < window)
     }
 
     pub fn decoded_frames(&self) -> bool {
@@ -350,8 +368,17 @@ impl<M: ReadMemory> PyProcess<M> {
         self.codes.remove(addr);
     }
 
-    /// The `co_version` of the code object at `addr` now: with the address, its identity.
+    /// The `co_version` (or on 3.11 the fingerprint) of the code object at `addr` now: with the
+    /// address, its identity, as the eBPF program reads it.
     pub fn code_version(&self, addr: u64) -> Result<u32, PyError> {
-        Ok(self.mem.read_u32(addr.wrapping_add(self.offsets.code_version))?)
+        match self.offsets.code_identity {
+            CodeIdentity::Version(at) => Ok(self.mem.read_u32(addr.wrapping_add(at))?),
+            CodeIdentity::Fingerprint { words, str_hash } => {
+                let raw = self.mem.read_vec(addr.wrapping_add(words), 8 * pyebpf_common::CODE_FINGERPRINT_WORDS)?;
+                let words: [u64; pyebpf_common::CODE_FINGERPRINT_WORDS] = std::array::from_fn(|i| memory::field_u64(&raw, 8 * i as u64));
+                let name_hash = self.mem.read_u64(words[pyebpf_common::FINGERPRINT_NAME_WORD].wrapping_add(str_hash))?;
+                Ok(pyebpf_common::code_fingerprint(&words, name_hash))
+            }
+        }
     }
 }

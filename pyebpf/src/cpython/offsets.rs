@@ -1,7 +1,7 @@
 //! `_Py_DebugOffsets`: the table of structure offsets CPython 3.13+ keeps at the start of
 //! `_PyRuntime` for out-of-process readers. Its own layout grew between minor versions (and within
-//! 3.15's pre-releases), so each known layout is one table of field positions below. For 3.12,
-//! which has no such table, pyebpf brings the offsets itself ([`builtin_offsets`]).
+//! 3.15's pre-releases), so each known layout is one table of field positions below. For 3.11 and
+//! 3.12, which have no such table, pyebpf brings the offsets itself ([`builtin_offsets`]).
 
 use super::memory::{field_u64, ReadExt, ReadMemory};
 use super::PyError;
@@ -279,15 +279,18 @@ pub struct DebugOffsets {
     pub interp_id: u64,
     pub interp_next: u64,
     pub interp_threads_head: u64,
-    /// Pointer to the GIL the interpreter uses.
+    /// Pointer to the GIL the interpreter uses (3.12+).
     pub interp_ceval_gil: u64,
+    /// 3.11: the GIL is the runtime's, and `_PyRuntime.gilstate.tstate_current` (here) points at
+    /// the thread state holding it (0 when none does); the three fields above are then unused.
+    pub runtime_gil_holder: Option<u64>,
     /// Offsets of `locked` and `last_holder` in the GIL structure.
     pub gil_locked: u64,
     pub gil_holder: u64,
     pub code_object_generation: Option<u64>,
     pub tstate_size: u64,
     pub tstate_next: u64,
-    /// 3.12: the thread's innermost frame is `tstate->cframe->current_frame`: `tstate_cframe` is
+    /// 3.11 and 3.12: the thread's innermost frame is `tstate->cframe->current_frame`: `tstate_cframe` is
     /// where the `_PyCFrame` pointer sits in the thread state, and `tstate_current_frame` is then
     /// the frame's offset in the `_PyCFrame`. `None` from 3.13 on (`tstate->current_frame`).
     pub tstate_cframe: Option<u64>,
@@ -295,12 +298,16 @@ pub struct DebugOffsets {
     pub tstate_last_profiled_frame: Option<u64>,
     pub tstate_last_profiled_seq: Option<u64>,
     pub tstate_native_thread_id: u64,
-    pub tstate_status: u64,
+    /// `_status` (3.12+), whose `active` bit says the thread state is attached to its thread.
+    pub tstate_status: Option<u64>,
     pub frame_size: u64,
     pub frame_previous: u64,
     pub frame_executable: u64,
     pub frame_instr_ptr: u64,
     pub frame_owner: u64,
+    /// 3.11's `is_entry` byte: the frame is the first of an interpreter activation (later versions
+    /// push a frame of their own for that, whose owner is `entry_owner_min` or more).
+    pub frame_is_entry: Option<u64>,
     pub code_size: u64,
     pub code_filename: u64,
     pub code_qualname: u64,
@@ -320,19 +327,100 @@ pub struct DebugOffsets {
     /// Size of `_PyRuntime`: thread states inside it (the main interpreter's initial thread) are
     /// static memory, never freed.
     pub runtime_size: u64,
-    pub code_version: u64,
+    pub code_identity: CodeIdentity,
 }
 
-/// The offsets of a version without `_Py_DebugOffsets`, from pyebpf's own table: CPython 3.12
-/// releases (x86_64, default builds; taken from the 3.12 headers with `offsetof` and checked on
-/// pyenv's 3.12.1). A table is only a claim about the build: `PyProcess` checks it against the
-/// live process before using it.
+impl DebugOffsets {
+    /// What a frame is, from its owner bits (with [`pyebpf_common::ENTRY_FLAG`] for 3.11's `is_entry`).
+    pub fn link_kind(&self, owner: u8) -> crate::chain::LinkKind {
+        use crate::chain::LinkKind;
+        if owner >= self.entry_owner_min {
+            LinkKind::Entry
+        } else if self.frame_is_entry.is_some() && owner & pyebpf_common::ENTRY_FLAG != 0 {
+            LinkKind::EntryCode
+        } else {
+            LinkKind::Code
+        }
+    }
+}
+
+/// How a code object is told from another that took its address after it was freed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CodeIdentity {
+    /// `co_version` (a `u32`) at this offset: never reused (3.12+).
+    Version(u64),
+    /// [`pyebpf_common::code_fingerprint`] of the words at `words` and the hash a `str` caches
+    /// at `str_hash` (3.11).
+    Fingerprint { words: u64, str_hash: u64 },
+}
+
+/// The offsets of a version without `_Py_DebugOffsets`, from pyebpf's own table: CPython 3.11
+/// and 3.12 releases (x86_64, default builds; taken from the headers with `offsetof` and checked on
+/// pyenv's 3.11.7 and 3.12.1 and Debian 12's 3.11.2). A table is only a claim about the build:
+/// `PyProcess` checks it against the live process before using it.
 pub fn builtin_offsets(version: PyVersion) -> Option<DebugOffsets> {
     // Releases only: pre-release layouts moved.
-    if (version.major(), version.minor(), version.level()) != (3, 12, 0xf) {
-        return None;
+    match (version.major(), version.minor(), version.level()) {
+        (3, 11, 0xf) => Some(offsets_3_11(version)),
+        (3, 12, 0xf) => Some(offsets_3_12(version)),
+        _ => None,
     }
-    Some(DebugOffsets {
+}
+
+fn offsets_3_11(version: PyVersion) -> DebugOffsets {
+    DebugOffsets {
+        version,
+        interpreters_head: 40,
+        interp_size: 107_752,
+        interp_id: 48,
+        interp_next: 0,
+        interp_threads_head: 16,
+        interp_ceval_gil: 0,
+        gil_locked: 0,
+        gil_holder: 0,
+        runtime_gil_holder: Some(576),
+        code_object_generation: None,
+        tstate_size: 360,
+        tstate_next: 8,
+        tstate_cframe: Some(56),
+        tstate_current_frame: 8,
+        tstate_last_profiled_frame: None,
+        tstate_last_profiled_seq: None,
+        tstate_native_thread_id: 160,
+        tstate_status: None,
+        frame_size: 80,
+        frame_previous: 48,
+        frame_executable: 32,
+        // `prev_instr`, read as in 3.12.
+        frame_instr_ptr: 56,
+        frame_owner: 69,
+        frame_is_entry: Some(68),
+        code_size: 192,
+        code_filename: 112,
+        code_qualname: 128,
+        code_linetable: 136,
+        code_firstlineno: 72,
+        code_adaptive: 184,
+        object_type: 8,
+        type_name: 24,
+        bytes_ob_size: 16,
+        bytes_data: 32,
+        unicode_state: 32,
+        unicode_length: 16,
+        unicode_ascii_size: 48,
+        // 3.11's compact strings still carry `wstr_length` after `utf8_length` and `utf8`.
+        unicode_compact_size: 72,
+        // 3.11's owners are 0 to 2: no frame is an entry frame by its owner.
+        entry_owner_min: 8,
+        executable_tag_mask: 0,
+        runtime_size: 166_688,
+        // `co_name`, `co_qualname`, `co_linetable`; `PyASCIIObject.hash`.
+        code_identity: CodeIdentity::Fingerprint { words: 120, str_hash: 24 },
+    }
+}
+
+fn offsets_3_12(version: PyVersion) -> DebugOffsets {
+    DebugOffsets {
         version,
         interpreters_head: 40,
         interp_size: 383_552,
@@ -343,6 +431,7 @@ pub fn builtin_offsets(version: PyVersion) -> Option<DebugOffsets> {
         interp_ceval_gil: 384,
         gil_locked: 16,
         gil_holder: 8,
+        runtime_gil_holder: None,
         code_object_generation: None,
         tstate_size: 288,
         tstate_next: 8,
@@ -352,7 +441,7 @@ pub fn builtin_offsets(version: PyVersion) -> Option<DebugOffsets> {
         tstate_last_profiled_seq: None,
         tstate_native_thread_id: 144,
         // `_status`, with `active` its fifth bit, as in 3.13.
-        tstate_status: 24,
+        tstate_status: Some(24),
         frame_size: 80,
         frame_previous: 8,
         // `f_code`, never tagged.
@@ -361,6 +450,7 @@ pub fn builtin_offsets(version: PyVersion) -> Option<DebugOffsets> {
         // a caller, its call), so both are decoded alike.
         frame_instr_ptr: 56,
         frame_owner: 70,
+        frame_is_entry: None,
         code_size: 200,
         code_filename: 112,
         code_qualname: 128,
@@ -378,8 +468,8 @@ pub fn builtin_offsets(version: PyVersion) -> Option<DebugOffsets> {
         entry_owner_min: 3,
         executable_tag_mask: 0,
         runtime_size: 459_944,
-        code_version: 92,
-    })
+        code_identity: CodeIdentity::Version(92),
+    }
 }
 
 /// Reads and validates the table at `runtime` (the address of `_PyRuntime`).
@@ -447,6 +537,7 @@ pub fn read_debug_offsets(mem: &impl ReadMemory, runtime: u64) -> Result<DebugOf
         interp_next: interp[0],
         interp_threads_head: interp[1],
         interp_ceval_gil: interp[2],
+        runtime_gil_holder: None,
         gil_locked: within_gil(interp[4])?,
         gil_holder: within_gil(interp[5])?,
         code_object_generation: l.code_object_generation.map(at).filter(|&o| o < at(l.interp_size)),
@@ -457,12 +548,13 @@ pub fn read_debug_offsets(mem: &impl ReadMemory, runtime: u64) -> Result<DebugOf
         tstate_last_profiled_frame: marker.as_ref().map(|m| m[0]),
         tstate_last_profiled_seq: marker.as_ref().map(|m| m[1]),
         tstate_native_thread_id: tstate[2],
-        tstate_status: tstate[3],
+        tstate_status: Some(tstate[3]),
         frame_size: at(l.frame_size),
         frame_previous: frame[0],
         frame_executable: frame[1],
         frame_instr_ptr: frame[2],
         frame_owner: frame[3],
+        frame_is_entry: None,
         code_size: at(l.code_size),
         code_filename: code[0],
         code_qualname: code[1],
@@ -480,7 +572,7 @@ pub fn read_debug_offsets(mem: &impl ReadMemory, runtime: u64) -> Result<DebugOf
         entry_owner_min: l.entry_owner_min,
         executable_tag_mask: l.executable_tag_mask,
         runtime_size: at(l.runtime_size),
-        code_version: l.code_version,
+        code_identity: CodeIdentity::Version(l.code_version),
     })
 }
 
@@ -528,6 +620,22 @@ mod tests {
             let offsets = read(&table(layout, version)).unwrap();
             assert_eq!((offsets.gil_locked, offsets.gil_holder), (8, 16), "GIL fields relative to the GIL");
         }
+    }
+
+    /// 3.11 flags the first frame of an activation; later versions push an entry frame of their own.
+    #[test]
+    fn frames_are_told_apart_by_owner_and_entry_flag() {
+        use crate::chain::LinkKind;
+        use pyebpf_common::ENTRY_FLAG;
+        let v3_11 = builtin_offsets(PyVersion(0x030b07f0)).unwrap();
+        let v3_12 = builtin_offsets(PyVersion(0x030c01f0)).unwrap();
+        assert_eq!(
+            [0, 1, 2, ENTRY_FLAG, 2 | ENTRY_FLAG].map(|owner| v3_11.link_kind(owner)),
+            [LinkKind::Code, LinkKind::Code, LinkKind::Code, LinkKind::EntryCode, LinkKind::EntryCode]
+        );
+        assert_eq!([0, 2, 3, 4].map(|owner| v3_12.link_kind(owner)), [LinkKind::Code, LinkKind::Code, LinkKind::Entry, LinkKind::Entry]);
+        assert!(builtin_offsets(PyVersion(0x030b00c1)).is_none(), "a 3.11 release candidate's layout is not known");
+        assert!(builtin_offsets(PyVersion(0x030a0df0)).is_none(), "3.10 has no table");
     }
 
     #[test]

@@ -224,37 +224,54 @@ fn a_thread_in_a_subinterpreter_is_read_in_the_state_it_runs_in() {
     }
 }
 
-/// pyebpf's own table for 3.12 is used only once the live process bears it out: pyenv's 3.12.1
-/// is attached with it, and the same table with one thread-state offset moved (as a debug or
-/// patched build would move it) is refused in one line naming the version.
+/// pyebpf's own tables for 3.11 and 3.12 are used only once the live process bears them out:
+/// pyenv's 3.11.7 and 3.12.1 and Debian 12's own 3.11.2 are attached with them, and the same
+/// table with one thread-state or frame offset moved (as a debug or patched build would move it)
+/// is refused in one line naming the version.
 #[test]
 fn a_builtin_table_is_proven_against_the_process() {
-    let python = std::path::PathBuf::from(pyebpf_tests::xtask_env("HOME")).join(".pyenv/versions/3.12.1/bin/python3.12");
-    assert!(python.exists(), "pyenv's 3.12.1 is missing at {}", python.display());
-    let dir = tempfile::tempdir().unwrap();
-    let ready = dir.path().join("ready");
-    let code =
-        "import sys, threading\nhold = threading.Event()\nthreading.Thread(target=hold.wait, daemon=True).start()\nopen(sys.argv[1], 'w').close()\nhold.wait()";
-    let target = Target(Command::new(&python).args(["-c", code]).arg(&ready).stdin(Stdio::null()).spawn().unwrap());
-    let started = Instant::now();
-    while !ready.exists() {
-        assert!(started.elapsed() < Duration::from_secs(30), "3.12.1 did not get ready");
-        std::thread::sleep(Duration::from_millis(10));
+    let pyenv = std::path::PathBuf::from(pyebpf_tests::xtask_env("HOME")).join(".pyenv/versions");
+    for (python, version, hex) in [
+        (pyenv.join("3.11.7/bin/python3.11"), "3.11.7", 0x030b07f0),
+        (std::path::PathBuf::from("/usr/bin/python3.11"), "3.11.2", 0x030b02f0),
+        (pyenv.join("3.12.1/bin/python3.12"), "3.12.1", 0x030c01f0),
+    ] {
+        assert!(python.exists(), "CPython {version} is missing at {}", python.display());
+        let dir = tempfile::tempdir().unwrap();
+        let ready = dir.path().join("ready");
+        let code = "import sys, threading\nhold = threading.Event()\nthreading.Thread(target=hold.wait, daemon=True).start()\nopen(sys.argv[1], 'w').close()\nhold.wait()";
+        let target = Target(Command::new(&python).args(["-c", code]).arg(&ready).stdin(Stdio::null()).spawn().unwrap());
+        let started = Instant::now();
+        while !ready.exists() {
+            assert!(started.elapsed() < Duration::from_secs(30), "{version} did not get ready");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let pid = target.0.id();
+        let mut process = PyProcess::attach(pid).unwrap_or_else(|err| panic!("attach to {version}: {err}"));
+        assert_eq!(process.version().0, hex);
+        let threads = process.threads().unwrap();
+        assert_eq!(threads.len(), 2, "{version}");
+        for thread in &threads {
+            let links = process.walk_frames(thread.current_frame).unwrap().links;
+            let innermost = links.iter().find_map(|link| process.frame_info(link).unwrap()).map(|r| r.frame.qualname.to_string());
+            assert_eq!(innermost.as_deref(), Some("Condition.wait"), "{version}");
+        }
+        let config = process.bpf_config();
+        assert_ne!(config.tstate_cframe, NO_OFFSET, "{version} reads its frames through the _PyCFrame");
+        // 3.11 has no co_version: the eBPF program reads a fingerprint instead.
+        assert_eq!(config.code_version == NO_OFFSET, version.starts_with("3.11"), "{version}");
+        assert_eq!(config.code_fingerprint != NO_OFFSET, version.starts_with("3.11"), "{version}");
+        let runtime = super::runtime::find_runtime(pid).unwrap();
+        let mut wrong = super::offsets::builtin_offsets(process.version()).unwrap();
+        wrong.tstate_native_thread_id += 8;
+        let refused = PyProcess::with_offsets(pid, super::memory::ProcessMemory::new(pid), runtime.address, wrong).check_table();
+        let err = refused.err().unwrap_or_else(|| panic!("{version}: a table with a wrong thread id offset was accepted"));
+        assert!(matches!(err, PyError::TableMismatch { .. }), "{err}");
+        assert!(err.to_string().starts_with(&format!("CPython {version} in this process is not laid out as pyebpf's table")), "{err}");
+        let mut wrong = super::offsets::builtin_offsets(process.version()).unwrap();
+        // A pointer to something else than a code object in both: 3.11's `f_globals`, 3.12's `previous`.
+        wrong.frame_executable = 8;
+        let refused = PyProcess::with_offsets(pid, super::memory::ProcessMemory::new(pid), runtime.address, wrong).check_table();
+        assert!(matches!(refused, Err(PyError::TableMismatch { .. })), "{version}: a table with a wrong code offset was accepted");
     }
-    let pid = target.0.id();
-    let mut process = PyProcess::attach(pid).unwrap_or_else(|err| panic!("attach to 3.12.1: {err}"));
-    assert_eq!(process.version().0, 0x030c01f0);
-    assert_eq!(process.threads().unwrap().len(), 2);
-    assert_ne!(process.bpf_config().tstate_cframe, NO_OFFSET, "3.12 reads its frames through the _PyCFrame");
-    let runtime = super::runtime::find_runtime(pid).unwrap();
-    let mut wrong = super::offsets::builtin_offsets(process.version()).unwrap();
-    wrong.tstate_native_thread_id += 8;
-    let refused = PyProcess::with_offsets(pid, super::memory::ProcessMemory::new(pid), runtime.address, wrong).check_table();
-    let err = refused.err().expect("a table with a wrong thread id offset was accepted");
-    assert!(matches!(err, PyError::TableMismatch { .. }), "{err}");
-    assert!(err.to_string().starts_with("CPython 3.12.1 in this process is not laid out as pyebpf's table"), "{err}");
-    let mut wrong = super::offsets::builtin_offsets(process.version()).unwrap();
-    wrong.frame_executable += 8;
-    let refused = PyProcess::with_offsets(pid, super::memory::ProcessMemory::new(pid), runtime.address, wrong).check_table();
-    assert!(matches!(refused, Err(PyError::TableMismatch { .. })), "a table with a wrong code offset was accepted");
 }

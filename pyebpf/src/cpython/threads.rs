@@ -14,7 +14,7 @@ use super::{PyError, PyProcess};
 const MAX_INTERPRETERS: usize = 64;
 const MAX_THREADS: usize = 4096;
 
-/// `_status.active` (the fifth bit field of `PyThreadState._status` in 3.12 to 3.15): the thread
+/// `_status.active` (the fifth bit field of `PyThreadState._status` in 3.12 to 3.15; 3.11 has no `_status`): the thread
 /// state is attached to its thread now. Running Python code needs an attached thread state.
 pub(super) const STATUS_ACTIVE: u32 = 1 << 4;
 
@@ -82,8 +82,8 @@ impl<M: ReadMemory> PyProcess<M> {
         }
     }
 
-    /// The innermost frame `tstate` runs now (3.12: through its `_PyCFrame`, which is 0 while the
-    /// thread is not running Python).
+    /// The innermost frame `tstate` runs now (3.11 and 3.12: through its `_PyCFrame`, which is 0
+    /// while the thread is not running Python).
     pub fn current_frame(&self, tstate: u64) -> Result<u64, PyError> {
         let holder = match self.offsets.tstate_cframe {
             Some(cframe) => match self.mem.read_u64(tstate.wrapping_add(cframe))? {
@@ -120,7 +120,11 @@ impl<M: ReadMemory> PyProcess<M> {
                 current_frame: self.current_frame(tstate)?,
                 holds_gil: gil_holder == Some(tstate),
                 interpreter,
-                active: self.mem.read_u32(tstate.wrapping_add(o.tstate_status))? & STATUS_ACTIVE != 0,
+                // 3.11 does not say: its thread states are taken as attached.
+                active: match o.tstate_status {
+                    Some(status) => self.mem.read_u32(tstate.wrapping_add(status))? & STATUS_ACTIVE != 0,
+                    None => true,
+                },
             });
             tstate = self.mem.read_u64(tstate.wrapping_add(o.tstate_next))?;
         }
@@ -128,8 +132,13 @@ impl<M: ReadMemory> PyProcess<M> {
     }
 
     /// The thread state holding the GIL `interp` runs under, if it is held. `last_holder` stays set
-    /// after a release, so it counts only while `locked` is set.
+    /// after a release, so it counts only while `locked` is set. 3.11 clears its pointer to the
+    /// holder on release.
     fn gil_holder(&self, interp: u64) -> Result<Option<u64>, PyError> {
+        if let Some(holder) = self.offsets.runtime_gil_holder {
+            let holder = self.mem.read_u64(self.runtime.wrapping_add(holder))?;
+            return Ok((holder != 0).then_some(holder));
+        }
         let gil = self.mem.read_u64(interp.wrapping_add(self.offsets.interp_ceval_gil))?;
         if gil == 0 {
             return Ok(None);

@@ -10,33 +10,36 @@ use super::{Bench, PROFILERS};
 pub const RUNS: usize = 3;
 pub const SECONDS: u32 = 4;
 const HZ: u32 = 999;
-/// Profiled on 3.15, the one version all three profilers can attach to.
-const VERSION: &str = "3.15";
+/// 3.15, the one version all three profilers can attach to, and the two read with pyebpf's own
+/// tables (beside py-spy).
+pub const VERSIONS: [&str; 3] = ["3.11", "3.12", "3.15"];
 const SPLIT: [(&str, f64); 3] = [("sixty_percent", 60.0), ("thirty_percent", 30.0), ("ten_percent", 10.0)];
 const PATH_A: [&str; 3] = ["a_outer", "a_mid", "a_leaf"];
 const PATH_B: [&str; 3] = ["b_outer", "b_mid", "b_leaf"];
 
 pub fn fidelity(bench: &Bench) -> Result<Value> {
     let mut rows = Vec::new();
-    let split = bench.spawn_ready(VERSION, "sampling_proportions.py", &[])?;
-    let alternating = bench.spawn_ready(VERSION, "alternating.py", &["10"])?;
-    for profiler in PROFILERS {
-        let mut errors = Vec::new();
-        let mut mixed = Vec::new();
-        for _ in 0..RUNS {
-            let run = bench.attach(profiler, split.pid(), HZ, SECONDS, &[])?;
-            errors.push(split_error(&run.collapsed));
-            let run = bench.attach(profiler, alternating.pid(), HZ, SECONDS, &[])?;
-            mixed.push(mixed_share(&run.collapsed));
+    for version in VERSIONS {
+        let split = bench.spawn_ready(version, "sampling_proportions.py", &[])?;
+        let alternating = bench.spawn_ready(version, "alternating.py", &["10"])?;
+        for profiler in PROFILERS.into_iter().filter(|p| p.supports(version)) {
+            let mut errors = Vec::new();
+            let mut mixed = Vec::new();
+            for _ in 0..RUNS {
+                let run = bench.attach(profiler, split.pid(), HZ, SECONDS, &[])?;
+                errors.push(split_error(&run.collapsed));
+                let run = bench.attach(profiler, alternating.pid(), HZ, SECONDS, &[])?;
+                mixed.push(mixed_share(&run.collapsed));
+            }
+            let worst = |v: &[f64]| v.iter().copied().fold(0.0, f64::max);
+            let row = json!({
+                "version": version, "profiler": profiler.name(),
+                "split_error_pp_median": median(&mut errors.clone()), "split_error_pp_worst": worst(&errors),
+                "mixed_percent_median": median(&mut mixed.clone()), "mixed_percent_worst": worst(&mixed),
+            });
+            eprintln!("  {row}");
+            rows.push(row);
         }
-        let worst = |v: &[f64]| v.iter().copied().fold(0.0, f64::max);
-        let row = json!({
-            "profiler": profiler.name(),
-            "split_error_pp_median": median(&mut errors.clone()), "split_error_pp_worst": worst(&errors),
-            "mixed_percent_median": median(&mut mixed.clone()), "mixed_percent_worst": worst(&mixed),
-        });
-        eprintln!("  {row}");
-        rows.push(row);
     }
     Ok(Value::Array(rows))
 }

@@ -130,12 +130,14 @@ fn slowdown_table(results: &Value) -> String {
 
 fn fidelity_table(results: &Value) -> String {
     let mut md = String::from(
-        "| profiler | 60/30/10 split: error, median (pp) | worst (pp) | stacks mixing both alternating paths: median | worst |\n|---|---|---|---|---|\n",
+        "| interpreter | profiler | 60/30/10 split: error, median (pp) | worst (pp) | stacks mixing both alternating paths: median | worst |\n|---|---|---|---|---|---|\n",
     );
     for row in results["fidelity"].as_array().into_iter().flatten() {
         let _ = writeln!(
             md,
-            "| {} | {} | {} | {}% | {}% |",
+            "| {} | {} | {} | {} | {}% | {}% |",
+            // Runs before versions were recorded were all of 3.15.
+            row["version"].as_str().unwrap_or("3.15"),
             row["profiler"].as_str().unwrap_or("?"),
             num(&row["split_error_pp_median"]),
             num(&row["split_error_pp_worst"]),
@@ -182,7 +184,9 @@ fn targets_table(results: &Value) -> String {
     let startup = cpu.as_array().into_iter().flatten().filter(|r| r["profiler"] == "pyebpf").filter_map(|r| r["startup_cpu_ms"].as_f64()).fold(0.0, f64::max);
     let fifty = find(&results["scale"], |r| r["processes"] == 50 && r["hz"] == 999);
     let fidelity = results["fidelity"].as_array().cloned().unwrap_or_default();
-    let split = |p: &str| fidelity.iter().find(|r| r["profiler"] == p).and_then(|r| r["split_error_pp_median"].as_f64());
+    let split = |p: &str| {
+        fidelity.iter().find(|r| r["profiler"] == p && r["version"].as_str().is_none_or(|v| v == "3.15")).and_then(|r| r["split_error_pp_median"].as_f64())
+    };
     let best_other = ["py-spy", "Tachyon"].iter().filter_map(|p| split(p)).fold(f64::INFINITY, f64::min);
     let check = |ok: Option<bool>| match ok {
         Some(true) => "met",
@@ -223,7 +227,7 @@ pub fn tables(results: &Value) -> String {
         "Profiler CPU per sample, steady state (a {secs_attach} s attach to a process spinning at that depth; the CPU its threads ran from {from:.1} s to {to:.1} s after its start, over that window's share of its samples), and start-up CPU apart (what its whole run used beyond the steady rate):\n\n{}\n\
          The profiled program's time for fixed work under each profiler, as a ratio to its time alone (median of {rounds} interleaved rounds; the profiler launches the program):\n\n{}\n\
          In-kernel time per sample (`record --stats`, from the kernel's BPF run-time statistics) and remote reads per Python sample, `record -p PID -F 999 -d 3`:\n\n{}\n\
-         Fidelity on Python 3.15 at 999 Hz, {runs} runs of {secs} s per profiler: the largest error of the three functions' shares, and the share of samples of the alternating workload whose stack mixes both paths:\n\n{}\n\
+         Fidelity at 999 Hz on Python {fidelity_versions} (3.11 and 3.12 are pyenv's 3.11.7 and 3.12.1; Tachyon attaches only to 3.15), {runs} runs of {secs} s per profiler: the largest error of the three functions' shares, and the share of samples of the alternating workload whose stack mixes both paths:\n\n{}\n\
          Host-wide: `record -a -d {secs_attach}` with N spinning Python processes ({versions} in turn), steady CPU measured as above:\n\n{}\n\
          Targets:\n\n{}\n\
          Where pyebpf's time goes: `perf record -F 4999 -g` of `pyebpf record -p PID -F 999 -d {secs_attach}` on the 3.15 workload 100 deep, \
@@ -241,6 +245,7 @@ pub fn tables(results: &Value) -> String {
         to = super::WINDOW_TO.as_secs_f64(),
         rounds = super::SLOWDOWN_ROUNDS,
         runs = super::fidelity::RUNS,
+        fidelity_versions = super::fidelity::VERSIONS.join(", "),
         secs = super::fidelity::SECONDS,
     )
 }
