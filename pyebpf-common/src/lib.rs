@@ -11,7 +11,8 @@ pub const MAX_KERNEL_FRAMES: usize = 127;
 pub const COMM_LEN: usize = 16;
 /// Most Python frames the eBPF program walks per sample; a deeper chain is cut there and marked.
 pub const MAX_PY_FRAMES: usize = 512;
-/// Bytes of an `_PyInterpreterFrame` read per frame: every field the walk needs lies in them.
+/// Bytes of a frame (`_PyInterpreterFrame`, or before 3.11 `PyFrameObject`) read per frame: every
+/// field the walk needs lies in them.
 pub const PY_FRAME_WINDOW: usize = 128;
 /// Positions of an established marker chain the eBPF program can check a moved marker against.
 pub const MARKER_POSITIONS: usize = 16;
@@ -118,7 +119,7 @@ pub struct PyFrameRecord {
     /// `f_executable`, tag bits cleared.
     pub code: u64,
     pub instr_ptr: u64,
-    /// The code object's `co_version` (3.12+), or its [`code_fingerprint`] (3.11), read at the
+    /// The code object's `co_version` (3.12+), or its [`code_fingerprint`] (before), read at the
     /// sample: with the address, it identifies the code object (addresses are reused once a code
     /// object is freed; versions are not, and a fingerprint of the object's names rarely is).
     pub code_version: u32,
@@ -131,14 +132,15 @@ pub const ENTRY_FLAG: u8 = 4;
 
 /// 64-bit words of a code object read for its [`code_fingerprint`].
 pub const CODE_FINGERPRINT_WORDS: usize = 3;
-/// The fingerprint word that points at the code object's qualified name (a `str`).
+/// The fingerprint word that points at a name of the code object (a `str`).
 pub const FINGERPRINT_NAME_WORD: usize = 1;
 
-/// A code object's identity where it has no `co_version` (3.11): its three words from `co_name`
-/// on (the addresses of its name, qualified name and location table) and the hash its qualified
-/// name caches, folded to 32 bits. Addresses alone do not do: a program that makes and frees
-/// functions in a loop gets the same addresses for all three objects every time, but their names
-/// differ. The eBPF program and userspace compute it alike.
+/// A code object's identity where it has no `co_version` (before 3.12): three of its words (3.11:
+/// the addresses of its name, qualified name and line table; before: of its file name, name and
+/// line table) and the hash the name the second word points at caches, folded to 32 bits.
+/// Addresses alone do not do: a program that makes and frees functions in a loop gets the same
+/// addresses for all three objects every time, but their names differ. The eBPF program and
+/// userspace compute it alike.
 pub fn code_fingerprint(words: &[u64; CODE_FINGERPRINT_WORDS], name_hash: u64) -> u32 {
     let mixed = words[0] ^ words[1].rotate_left(21) ^ words[2].rotate_left(42) ^ name_hash.rotate_left(11);
     (mixed ^ (mixed >> 32)) as u32
@@ -310,6 +312,7 @@ pub struct PyProcConfig {
     pub frame_previous: u32,
     pub frame_executable: u32,
     pub frame_instr_ptr: u32,
+    /// `owner` (3.11+); [`NO_OFFSET`] before.
     pub frame_owner: u32,
     /// `co_version` in a code object; [`NO_OFFSET`] before 3.12 (see `code_fingerprint`).
     pub code_version: u32,
@@ -331,8 +334,8 @@ pub struct PyProcConfig {
     pub tstate_native_thread_id: u32,
     pub tstate_status: u32,
     pub status_attached: u32,
-    /// 3.11: where the code object's [`code_fingerprint`] words start (`code_version` is then
-    /// [`NO_OFFSET`]); [`NO_OFFSET`] from 3.12 on.
+    /// Before 3.12: where the code object's [`code_fingerprint`] words start (`code_version` is
+    /// then [`NO_OFFSET`]); [`NO_OFFSET`] from 3.12 on.
     pub code_fingerprint: u32,
     /// 3.11: the `is_entry` byte of a frame, reported as [`ENTRY_FLAG`]; [`NO_OFFSET`] from 3.12
     /// on (entry frames have their own owner).

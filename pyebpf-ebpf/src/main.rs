@@ -292,8 +292,8 @@ fn capture_python(ctx: &PerfEventContext, tgid: u32, tid: u32, py: &mut PyCaptur
     walk_frames(&config, frame, stop_at, py, frames);
 }
 
-/// The innermost frame of a thread state: `tstate->current_frame`, or on 3.11 and 3.12
-/// `tstate->cframe->current_frame` (no `_PyCFrame`, no Python running: 0).
+/// The innermost frame of a thread state: `tstate->current_frame` (3.13+; `tstate->frame` before
+/// 3.11), or on 3.11 and 3.12 `tstate->cframe->current_frame` (no `_PyCFrame`, no Python running: 0).
 fn current_frame(config: &PyProcConfig, tstate: u64) -> Option<u64> {
     let holder = if config.tstate_cframe == NO_OFFSET {
         tstate
@@ -451,7 +451,7 @@ unsafe extern "C" fn walk_step(index: u64, context: *mut c_void) -> i64 {
         return 1;
     }
     let code = window_u64(window, config.frame_executable) & !config.executable_tag_mask;
-    let mut owner = window[config.frame_owner as usize & (PY_FRAME_WINDOW - 1)] & 7;
+    let mut owner = if config.frame_owner == NO_OFFSET { 0 } else { window[config.frame_owner as usize & (PY_FRAME_WINDOW - 1)] & 7 };
     if config.frame_is_entry != NO_OFFSET && window[config.frame_is_entry as usize & (PY_FRAME_WINDOW - 1)] != 0 {
         owner |= ENTRY_FLAG;
     }

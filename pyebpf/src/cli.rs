@@ -12,7 +12,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
     about = "System-wide sampling profiler for Python on Linux, built on eBPF",
     long_about = "System-wide sampling profiler for Python on Linux, built on eBPF.\n\n\
         Samples every CPU with a perf-event eBPF program and shows, for every process, where CPU time \
-        goes: Python functions and lines (CPython 3.11+) merged with the native and kernel frames \
+        goes: Python functions and lines (CPython 3.8+) merged with the native and kernel frames \
         around them. Needs root (or CAP_BPF + CAP_PERFMON + CAP_SYS_PTRACE)."
 )]
 pub struct Cli {
@@ -25,7 +25,7 @@ pub enum Command {
     /// Sample CPU stacks and write a profile (pprof or collapsed)
     #[command(long_about = RECORD_ABOUT)]
     Record(RecordArgs),
-    /// Print the Python stack of every thread of a running CPython 3.11+ process
+    /// Print the Python stack of every thread of a running CPython 3.8+ process
     Dump(DumpArgs),
     /// Live view of the hottest functions on the host, refreshed every second
     #[command(long_about = TOP_ABOUT)]
@@ -69,7 +69,7 @@ pub struct FilterArgs {
     #[arg(long = "comm", value_name = "REGEX", value_parser = parse_comm_regex)]
     pub comm: Option<regex::Regex>,
 
-    /// Only samples of Python (CPython 3.11+) processes
+    /// Only samples of Python (CPython 3.8+) processes
     #[arg(long = "python-only")]
     pub python_only: bool,
 }

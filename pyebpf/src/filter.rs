@@ -6,7 +6,7 @@ use regex::Regex;
 pub struct SampleFilter {
     /// Keep only processes whose `comm` matches (anywhere in the name, as `grep` does).
     pub comm: Option<Regex>,
-    /// Keep only samples of CPython 3.11+ processes.
+    /// Keep only samples of CPython 3.8+ processes.
     pub python_only: bool,
 }
 

@@ -161,7 +161,7 @@ struct PythonProcess {
     frame_ids: FrameIds,
 }
 
-/// A process found not to be CPython 3.11+ (or unreadable), until it execs or exits.
+/// A process found not to be CPython 3.8+ (or unreadable), until it execs or exits.
 struct Other {
     checked_at: Instant,
     checks: u32,
@@ -189,7 +189,7 @@ impl PythonSampling {
         PythonSampling { processes: HashMap::new(), retired_code_cache: Default::default(), others: HashMap::new(), options, next_gen: 1 }
     }
 
-    /// Attaches to `pid` if it is a CPython 3.11+ process not seen before, and registers its
+    /// Attaches to `pid` if it is a CPython 3.8+ process not seen before, and registers its
     /// threads with the eBPF program.
     pub fn discover(&mut self, pid: u32, sampler: &mut Sampler, stats: &mut Stats) {
         if self.attach(pid, stats) {
@@ -197,7 +197,7 @@ impl PythonSampling {
         }
     }
 
-    /// Whether `pid` is a CPython 3.11+ process attached to.
+    /// Whether `pid` is a CPython 3.8+ process attached to.
     pub fn is_python(&self, pid: u32) -> bool {
         self.processes.contains_key(&pid)
     }
@@ -372,7 +372,8 @@ impl PythonSampling {
 }
 
 fn link_of(py: &PyProcess<ProcessMemory>, frame: &PyFrameRecord) -> FrameLink {
-    FrameLink { addr: frame.addr(), previous: 0, code: frame.code, instr_ptr: frame.instr_ptr, kind: py.offsets().link_kind(frame.owner()) }
+    let offsets = py.offsets();
+    FrameLink { addr: frame.addr(), previous: 0, code: frame.code, instr_ptr: offsets.instr_of(frame.instr_ptr), kind: offsets.link_kind(frame.owner()) }
 }
 
 impl PythonProcess {

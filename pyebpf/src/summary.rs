@@ -193,7 +193,7 @@ impl fmt::Display for Summary {
                 0 => String::new(),
                 n => format!(" and {n} more"),
             };
-            writeln!(f, "  native frames only (pyebpf reads CPython 3.11 to 3.15): {}{more}", self.unsupported_pythons.join(", "))?;
+            writeln!(f, "  native frames only (pyebpf reads CPython 3.8 to 3.15): {}{more}", self.unsupported_pythons.join(", "))?;
         }
         write!(f, "  lost: {}, Python stacks truncated: {}, unresolved (no frames): {}", self.lost, self.truncated, self.unresolved)?;
         if let Some(command) = &self.open_command {

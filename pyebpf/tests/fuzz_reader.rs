@@ -1,10 +1,10 @@
-//! Fuzzing the CPython reader: every read `dump` makes of a real 3.11, 3.13 and 3.15 process is
-//! recorded (pyebpf's own table with entry flags and fingerprints, and the two debug-offset layouts
-//! furthest apart: untagged and tagged frames, no marker and marker), then the reader runs over
-//! randomly mutated copies of that memory through an in-memory `ReadMemory`. Any outcome is fine
-//! except a panic, a hang or an unbounded allocation. `PYEBPF_FUZZ_CASES` sets the number of cases
-//! (default 800 000: about a minute on two cores in the `checked` profile; each recorded image gets
-//! a third, the random-memory test all of them).
+//! Fuzzing the CPython reader: every read `dump` makes of a real 3.10, 3.11, 3.13 and 3.15 process
+//! is recorded (pyebpf's own tables: frame objects and old line tables, entry flags and
+//! fingerprints; and the two debug-offset layouts furthest apart: untagged and tagged frames, no
+//! marker and marker), then the reader runs over randomly mutated copies of that memory through an
+//! in-memory `ReadMemory`. Any outcome is fine except a panic, a hang or an unbounded allocation.
+//! `PYEBPF_FUZZ_CASES` sets the number of cases (default 800 000: about a minute on two cores in
+//! the `checked` profile; each recorded image gets a quarter, the random-memory test all of them).
 
 use std::cell::RefCell;
 use std::path::PathBuf;
@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use proptest::prelude::*;
 use pyebpf::cpython::memory::{MemCounters, MemError, MemoryImage, ProcessMemory, ReadMemory};
-use pyebpf::cpython::{offsets, runtime, DebugOffsets, PyProcess};
+use pyebpf::cpython::{offsets, runtime, DebugOffsets, PyProcess, PyVersion};
 
 /// A real process's memory, remembering every range read.
 struct Recorder {
@@ -65,15 +65,17 @@ impl Drop for Target {
     }
 }
 
-/// The interpreter of `version`: Debian 12's own for 3.11, the test set-up's Debian builds after.
+/// The interpreter of `version`: pyenv's 3.10, Debian 12's own 3.11, the test set-up's Debian
+/// builds after.
 fn interpreter(version: &str) -> PathBuf {
-    if version == "3.11" {
-        return PathBuf::from("/usr/bin/python3.11");
+    match version {
+        "3.10" => pyebpf_tests::pyenv_python("3.10.13"),
+        "3.11" => PathBuf::from("/usr/bin/python3.11"),
+        _ => pyebpf_tests::test_pythons().join(format!("usr/bin/python{version}")),
     }
-    pyebpf_tests::test_pythons().join(format!("usr/bin/python{version}"))
 }
 
-/// The process read with its own debug offsets, or for 3.11 with pyebpf's table of its version.
+/// The process read with its own debug offsets, or before 3.13 with pyebpf's table of its version.
 fn attach_with<M: ReadMemory>(pid: u32, memory: M, runtime: u64, table: Option<&DebugOffsets>) -> Option<PyProcess<M>> {
     match table {
         Some(table) => Some(PyProcess::with_offsets(pid, memory, runtime, table.clone())),
@@ -96,7 +98,8 @@ fn recorded_image(version: &str) -> (MemoryImage, u32, u64, Option<DebugOffsets>
     std::thread::sleep(Duration::from_millis(300));
     let pid = target.0.id();
     let found = runtime::find_runtime(pid).unwrap();
-    let table = if version == "3.11" { Some(offsets::builtin_offsets(found.version.unwrap()).expect("a table for 3.11")) } else { None };
+    let named = found.version.or_else(|| PyVersion::from_name(version)).unwrap();
+    let table = if named.minor() < 13 { Some(offsets::builtin_offsets(named).expect("a table of the version")) } else { None };
     let recorder = Recorder { inner: ProcessMemory::new(pid), image: RefCell::default() };
     let mut process = attach_with(pid, recorder, found.address, table.as_ref()).unwrap();
     let frames = read_everything(&mut process);
@@ -188,18 +191,23 @@ fn fuzz_mutated(version: &str, cases: u32) {
 }
 
 #[test]
+fn reader_survives_mutated_3_10_memory() {
+    fuzz_mutated("3.10", cases() / 4);
+}
+
+#[test]
 fn reader_survives_mutated_3_11_memory() {
-    fuzz_mutated("3.11", cases() / 3);
+    fuzz_mutated("3.11", cases() / 4);
 }
 
 #[test]
 fn reader_survives_mutated_3_13_memory() {
-    fuzz_mutated("3.13", cases() / 3);
+    fuzz_mutated("3.13", cases() / 4);
 }
 
 #[test]
 fn reader_survives_mutated_3_15_memory() {
-    fuzz_mutated("3.15", cases() / 3);
+    fuzz_mutated("3.15", cases() / 4);
 }
 
 #[test]

@@ -87,9 +87,12 @@ def report():
         frames = []
         while frame is not None:
             code = frame.f_code
-            _, end_line, column, end_column = list(code.co_positions())[frame.f_lasti // 2]
+            if hasattr(code, "co_positions"):
+                _, end_line, column, end_column = list(code.co_positions())[frame.f_lasti // 2]
+            else:  # before 3.11: lines only, and plain names
+                end_line = column = end_column = None
             frames.append({
-                "qualname": code.co_qualname,
+                "qualname": getattr(code, "co_qualname", code.co_name),
                 "filename": code.co_filename,
                 "line": frame.f_lineno or 0,
                 "end_line": end_line,

@@ -1,4 +1,4 @@
-//! Issue 4 end to end: real CPython 3.11 to 3.15 processes recorded by the real pyebpf binary.
+//! Issue 4 end to end: real CPython 3.8 to 3.15 processes recorded by the real pyebpf binary.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -10,6 +10,9 @@ use pyebpf_tests::{count_where, debian_python, pyebpf, pyenv_python, record_coll
 /// The interpreters under test: (label, path).
 fn interpreters() -> Vec<(&'static str, PathBuf)> {
     vec![
+        ("pyenv-3.8.18", pyenv_python("3.8.18")),
+        ("pyenv-3.9.18", pyenv_python("3.9.18")),
+        ("pyenv-3.10.13", pyenv_python("3.10.13")),
         ("pyenv-3.11.7", pyenv_python("3.11.7")),
         ("system-3.11", system_python_3_11()),
         ("pyenv-3.12.1", pyenv_python("3.12.1")),
@@ -70,6 +73,21 @@ fn check_proportions(label: &str) {
 }
 
 #[test]
+fn proportions_pyenv_3_8_18() {
+    check_proportions("pyenv-3.8.18");
+}
+
+#[test]
+fn proportions_pyenv_3_9_18() {
+    check_proportions("pyenv-3.9.18");
+}
+
+#[test]
+fn proportions_pyenv_3_10_13() {
+    check_proportions("pyenv-3.10.13");
+}
+
+#[test]
 fn proportions_pyenv_3_11_7() {
     check_proportions("pyenv-3.11.7");
 }
@@ -120,6 +138,12 @@ fn check_depth(label: &str) {
     let all = total(&stacks);
     assert!(all >= 300, "{label}: only {all} samples");
     assert!(complete * 100 >= all * 99, "{label}: {complete} of {all} samples show the 400 frames in order");
+}
+
+/// Before 3.11 every Python call recurses in C: 400 frames and 400 interpreter activations.
+#[test]
+fn depth_400_pyenv_3_10_13() {
+    check_depth("pyenv-3.10.13");
 }
 
 #[test]
@@ -297,7 +321,7 @@ fn writes_only_the_marker_of_3_15_processes() {
 #[test]
 fn older_pythons_are_named_in_the_summary() {
     let spin = "while True: pass";
-    let older = [pyenv_python("3.10.13"), pyenv_python("3.8.18"), pyenv_python("2.7.18")];
+    let older = [pyenv_python("3.7.16"), pyenv_python("3.6.15"), pyenv_python("2.7.18")];
     let children: Vec<Killed> = older.iter().map(|python| Killed(Command::new(python).args(["-c", spin]).spawn().unwrap())).collect();
     std::thread::sleep(Duration::from_millis(300));
     let mut args = vec!["-d".to_string(), "1".to_string()];
@@ -307,7 +331,7 @@ fn older_pythons_are_named_in_the_summary() {
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let (_, stderr) = record(&args);
     let line = stderr.lines().find(|l| l.contains("native frames only")).unwrap_or_else(|| panic!("no line names them: {stderr}"));
-    for (child, version) in children.iter().zip(["3.10", "3.8", "2.7"]) {
+    for (child, version) in children.iter().zip(["3.7", "3.6", "2.7"]) {
         assert!(line.contains(&format!("CPython {version} (pid {})", child.pid())), "{version} is not named: {line}");
     }
 }

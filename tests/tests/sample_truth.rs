@@ -8,6 +8,7 @@ use pyebpf_tests::{debian_python, pyebpf_command, pyenv_python, stacks_of, start
 
 fn python(label: &str) -> PathBuf {
     match label {
+        "pyenv-3.10.13" => pyenv_python("3.10.13"),
         "pyenv-3.11.7" => pyenv_python("3.11.7"),
         "system-3.11" => system_python_3_11(),
         "pyenv-3.12.1" => pyenv_python("3.12.1"),
@@ -90,6 +91,12 @@ fn check_alternating_slices(label: &str) {
     check_alternating(label, "0.5", &[("PYEBPF_TEST_CONSUMER_DELAY_MS", "100")]);
 }
 
+/// The fastest slices: frames are `PyFrameObject`s, freed and reused as calls return.
+#[test]
+fn alternating_callers_pyenv_3_10_13() {
+    check_alternating("pyenv-3.10.13", "0.5", &[]);
+}
+
 /// The fastest slices, also with a stalled consumer.
 #[test]
 fn alternating_callers_pyenv_3_11_7() {
@@ -156,7 +163,12 @@ fn check_exec_and_free(label: &str) {
     assert!(per_name.len() as f64 >= 6.0 / RUN_S * 0.8, "{label}: only {} names seen in 6 s: {per_name:?}", per_name.len());
 }
 
-/// 3.11 has no `co_version`: a code object is known by its fingerprint.
+/// Before 3.12 there is no `co_version`: a code object is known by its fingerprint.
+#[test]
+fn exec_and_free_names_pyenv_3_10_13() {
+    check_exec_and_free("pyenv-3.10.13");
+}
+
 #[test]
 fn exec_and_free_names_pyenv_3_11_7() {
     check_exec_and_free("pyenv-3.11.7");

@@ -81,6 +81,12 @@ fn python_native_stacks_debian_3_15() {
     check_python(&debian_python("3.15"));
 }
 
+/// Before 3.11 every Python frame is an interpreter activation of its own, placed by name.
+#[test]
+fn python_native_stacks_pyenv_3_10_13() {
+    check_python(&pyenv_python("3.10.13"));
+}
+
 /// 3.11 places each Python segment at its interpreter's C frame by name: Debian's stripped build.
 #[test]
 fn python_native_stacks_system_3_11() {

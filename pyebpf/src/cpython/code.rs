@@ -8,10 +8,10 @@
 use std::collections::HashSet;
 use std::sync::Arc;
 
-use super::linetable::location_for_index;
 pub use super::linetable::Location;
+use super::linetable::{line_for_lines_310, line_for_lnotab, location_for_index};
 use super::memory::{field_u32, field_u64, ReadExt, ReadMemory};
-use super::offsets::DebugOffsets;
+use super::offsets::{DebugOffsets, LineTable};
 use super::strings::{read_str, ReadString};
 use super::{CodeCacheCounters, PyError};
 
@@ -36,16 +36,25 @@ pub struct CodeInfo {
     pub filename: Arc<str>,
     pub first_line: u32,
     linetable: Vec<u8>,
-    /// Address of the first instruction (`co_code_adaptive`).
+    format: LineTable,
+    /// Address of the first instruction (`co_code_adaptive`); 0 before 3.11, whose frames give
+    /// their instruction as an offset (see `DebugOffsets::instr_of`).
     instructions: u64,
 }
 
 impl CodeInfo {
     /// The source location of the instruction at `instr_ptr` (an address inside this code object's
-    /// instructions, as a frame's `instr_ptr` holds it).
+    /// instructions, or before 3.11 its byte offset, as `DebugOffsets::instr_of` gives it).
     pub fn location_for(&self, instr_ptr: u64) -> Option<Location> {
-        let index = instr_ptr.checked_sub(self.instructions)? / CODE_UNIT;
-        location_for_index(&self.linetable, self.first_line, index)
+        let offset = instr_ptr.checked_sub(self.instructions)?;
+        let line = match self.format {
+            LineTable::Locations => return location_for_index(&self.linetable, self.first_line, offset / CODE_UNIT),
+            // A frame that has not started yet is on its first line, as CPython says.
+            _ if offset > i32::MAX as u64 => Some(self.first_line),
+            LineTable::Lnotab => line_for_lnotab(&self.linetable, self.first_line, offset),
+            LineTable::Lines310 => line_for_lines_310(&self.linetable, self.first_line, offset)?,
+        };
+        Some(Location { line, end_line: None, column: None, end_column: None })
     }
 
     /// The line of the instruction at `instr_ptr`.
@@ -73,7 +82,10 @@ impl CodeInfo {
 /// on the table, so this stays small even when the table claims a huge structure). A code object
 /// is a `PyVarObject`, whose `ob_size` (the number of code units) sits where `bytes`' does.
 fn header_len(o: &DebugOffsets) -> usize {
-    let last = [o.object_type, o.bytes_ob_size, o.code_filename, o.code_qualname, o.code_linetable, o.code_firstlineno].into_iter().max().unwrap_or(0);
+    let last = [o.object_type, o.bytes_ob_size, o.code_filename, o.code_qualname, o.code_linetable, o.code_firstlineno, o.code_bytes.unwrap_or(0)]
+        .into_iter()
+        .max()
+        .unwrap_or(0);
     (last + 8) as usize
 }
 
@@ -110,7 +122,11 @@ pub fn read_code(
     }
     let linetable = field_u64(&header, offsets.code_linetable);
     let size = mem.read_u64(linetable.wrapping_add(offsets.bytes_ob_size))?;
-    let code_units = field_u64(&header, offsets.bytes_ob_size);
+    let code_units = match offsets.code_bytes {
+        // Before 3.11 the instructions are a `bytes` object of their own.
+        Some(field) => mem.read_u64(field_u64(&header, field).wrapping_add(offsets.bytes_ob_size))? / CODE_UNIT,
+        None => field_u64(&header, offsets.bytes_ob_size),
+    };
     // CPython's sizes are C ints: a larger table is corrupt (a shared or overlong but real table is
     // read only as far as the code can use).
     if size > i32::MAX as u64 {
@@ -128,7 +144,8 @@ pub fn read_code(
         filename: name(offsets.code_filename)?,
         first_line: field_u32(&header, offsets.code_firstlineno),
         linetable: mem.read_vec(linetable.wrapping_add(offsets.bytes_data), len)?,
-        instructions: addr.wrapping_add(offsets.code_adaptive),
+        format: offsets.line_table,
+        instructions: if offsets.code_bytes.is_some() { 0 } else { addr.wrapping_add(offsets.code_adaptive) },
     })
 }
 

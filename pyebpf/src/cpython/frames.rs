@@ -33,19 +33,19 @@ impl<M: ReadMemory> PyProcess<M> {
     fn frame_read_len(&self) -> usize {
         let o = &self.offsets;
         // Offsets were checked against the frame size, itself bounded.
-        (o.frame_previous.max(o.frame_executable).max(o.frame_instr_ptr).max(o.frame_owner).max(o.frame_is_entry.unwrap_or(0)) + 8) as usize
+        (o.frame_previous.max(o.frame_executable).max(o.frame_instr_ptr).max(o.frame_owner.unwrap_or(0)).max(o.frame_is_entry.unwrap_or(0)) + 8) as usize
     }
 
     fn link_from(&self, addr: u64, buf: &[u8]) -> FrameLink {
         let o = &self.offsets;
         let byte = |at: u64| usize::try_from(at).ok().and_then(|at| buf.get(at)).copied().unwrap_or(0);
         let entry = o.frame_is_entry.is_some_and(|at| byte(at) != 0);
-        let owner = byte(o.frame_owner) | if entry { pyebpf_common::ENTRY_FLAG } else { 0 };
+        let owner = o.frame_owner.map_or(0, byte) | if entry { pyebpf_common::ENTRY_FLAG } else { 0 };
         FrameLink {
             addr,
             previous: field_u64(buf, o.frame_previous),
             code: field_u64(buf, o.frame_executable) & !o.executable_tag_mask,
-            instr_ptr: field_u64(buf, o.frame_instr_ptr),
+            instr_ptr: o.instr_of(field_u64(buf, o.frame_instr_ptr)),
             kind: o.link_kind(owner),
         }
     }

@@ -1,7 +1,8 @@
-//! The location table of code objects (`co_linetable`, the format of CPython 3.11+): maps an
-//! instruction's offset to its line and columns.
+//! The line tables of code objects: the location table (`co_linetable` of CPython 3.11+), which
+//! maps an instruction's offset to its line and columns, and the line-only tables before it
+//! (`co_lnotab` of 3.8 and 3.9, `co_linetable` of 3.10).
 //!
-//! Each entry starts with a byte `1CCCCLLL`: code `C`, and `L + 1` code units covered. Codes 0–9
+//! In the location table, each entry starts with a byte `1CCCCLLL`: code `C`, and `L + 1` code units covered. Codes 0–9
 //! are the short form (same line, one byte of columns), 10–12 one-line forms (line moves by
 //! `C - 10`, two bytes of columns), 13 gives a line delta only, 14 the long form (line delta, end
 //! line delta, start and end columns), 15 no location.
@@ -63,6 +64,44 @@ pub fn location_for_index(table: &[u8], first_line: u32, index: u64) -> Option<L
     None
 }
 
+/// The line of the instruction at byte `offset`, from a `co_lnotab` (3.8, 3.9): pairs of (bytes
+/// advanced, line delta as a signed byte); the walk stops at the pair that advances past the offset.
+pub fn line_for_lnotab(table: &[u8], first_line: u32, offset: u64) -> Option<u32> {
+    let mut line = i64::from(first_line);
+    let mut addr = 0u64;
+    for pair in table.chunks_exact(2) {
+        addr += u64::from(pair[0]);
+        if addr > offset {
+            break;
+        }
+        line += i64::from(pair[1] as i8);
+    }
+    number(line)
+}
+
+/// The line of the instruction at byte `offset`, from a 3.10 `co_linetable`: pairs of (bytes
+/// covered, line delta as a signed byte, or -128: no line), each a range of the code. `None` if the
+/// table ends before the offset, `Some(None)` in a range without a line.
+pub fn line_for_lines_310(table: &[u8], first_line: u32, offset: u64) -> Option<Option<u32>> {
+    let mut line = i64::from(first_line);
+    let mut end = 0u64;
+    for pair in table.chunks_exact(2) {
+        let start = end;
+        end += u64::from(pair[0]);
+        let range_line = match pair[1] as i8 {
+            -128 => None,
+            delta => {
+                line += i64::from(delta);
+                number(line)
+            }
+        };
+        if (start..end).contains(&offset) {
+            return Some(range_line);
+        }
+    }
+    None
+}
+
 /// A line or column as Python shows it: negative values mean "unknown".
 fn number<T: TryInto<u32>>(value: T) -> Option<u32> {
     value.try_into().ok()
@@ -107,7 +146,27 @@ impl Reader<'_> {
 
 #[cfg(test)]
 mod tests {
-    use super::{location_for_index, Location};
+    use super::{line_for_lines_310, line_for_lnotab, location_for_index, Location};
+
+    #[test]
+    fn lnotab_lines_advance_until_the_pair_past_the_offset() {
+        // Bytes 0-5 line 10, 6-9 line 11, 10-29 line 9 (a negative delta), then line 200 (two pairs,
+        // the first advancing no bytes).
+        let table = [6, 1, 4, (-2i8) as u8, 20, 127, 0, 64];
+        let lines: Vec<_> = [0, 5, 6, 9, 10, 29, 30, 1000].iter().map(|&at| line_for_lnotab(&table, 10, at)).collect();
+        assert_eq!(lines, [10, 10, 11, 11, 9, 9, 200, 200].map(Some));
+        assert_eq!(line_for_lnotab(&[], 7, 40), Some(7));
+        assert_eq!(line_for_lnotab(&[0, (-10i8) as u8], 3, 0), None, "a line below zero is unknown");
+    }
+
+    #[test]
+    fn lines_310_are_ranges_with_lines_or_none() {
+        // Bytes 0-1 no line (-128), 2-7 line 5 (+4 from 1), an empty range (+2), 8-11 line 3 (-4).
+        let table = [2, 0x80, 6, 4, 0, 2, 4, (-4i8) as u8];
+        let lines: Vec<_> = [0, 1, 2, 7, 8, 11].iter().map(|&at| line_for_lines_310(&table, 1, at)).collect();
+        assert_eq!(lines, [Some(None), Some(None), Some(Some(5)), Some(Some(5)), Some(Some(3)), Some(Some(3))]);
+        assert_eq!(line_for_lines_310(&table, 1, 12), None, "past the table");
+    }
 
     fn line(table: &[u8], first_line: u32, index: u64) -> Option<u32> {
         location_for_index(table, first_line, index).and_then(|l| l.line)

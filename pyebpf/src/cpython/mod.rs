@@ -1,6 +1,6 @@
-//! Reading CPython 3.11+ processes from outside, through `process_vm_readv` and the
+//! Reading CPython 3.8+ processes from outside, through `process_vm_readv` and the
 //! `_Py_DebugOffsets` table (3.13+) or pyebpf's own table of the version, proven against the live
-//! process (3.11 and 3.12): threads, interpreter frame chains and code objects.
+//! process (3.8 to 3.12): threads, interpreter frame chains and code objects.
 //!
 //! Everything read is sized by the target, so every read and everything kept has a budget:
 //! - per code object: its location table up to 64 KiB (`code::MAX_LINETABLE`; later instructions
@@ -58,10 +58,10 @@ pub enum PyError {
     InterpreterUnreadable { pid: u32, path: std::path::PathBuf, cause: std::io::Error },
     #[error("no _Py_DebugOffsets in _PyRuntime: CPython older than 3.13?")]
     NoDebugOffsets,
-    #[error("CPython {0} is not supported (3.11 to 3.14 and 3.15.0b4 or later are)")]
+    #[error("CPython {0} is not supported (3.8 to 3.14 and 3.15.0b4 or later are)")]
     UnsupportedVersion(PyVersion),
     /// A version known only by its interpreter's file name (`MAJOR.MINOR`): before 3.11.
-    #[error("CPython {0} is not supported (3.11 to 3.14 and 3.15.0b4 or later are)")]
+    #[error("CPython {0} is not supported (3.8 to 3.14 and 3.15.0b4 or later are)")]
     UnsupportedRelease(String),
     #[error("free-threaded CPython {0} is not supported")]
     FreeThreaded(PyVersion),
@@ -162,9 +162,11 @@ pub struct PyProcess<M = ProcessMemory> {
 impl PyProcess<ProcessMemory> {
     pub fn attach(pid: u32) -> Result<Self, PyError> {
         let runtime = runtime::find_runtime(pid)?;
+        // Before 3.11 the interpreter's file name is all that tells its version.
+        let version = runtime.version.or_else(|| runtime.named_version.as_deref().and_then(PyVersion::from_name));
         let attached = match Self::with_memory(pid, ProcessMemory::new(pid), runtime.address) {
             // A version without debug offsets whose layout pyebpf has a table of.
-            Err(PyError::NoDebugOffsets) => match runtime.version.and_then(offsets::builtin_offsets) {
+            Err(PyError::NoDebugOffsets) => match version.and_then(offsets::builtin_offsets) {
                 Some(table) => Self::with_offsets(pid, ProcessMemory::new(pid), runtime.address, table).check_table(),
                 None => Err(PyError::NoDebugOffsets),
             },
@@ -213,13 +215,34 @@ impl<M: ReadMemory> PyProcess<M> {
     /// Proves a table pyebpf brought (not the process's own debug offsets) against the live
     /// process before anything is read with it: its thread lists hold threads of this process and
     /// end, one interpreter is the main one, current frames are aligned, and the frames there are
-    /// read and run code objects. A build laid out otherwise is refused in one line.
+    /// read and run code objects. A build laid out otherwise is refused in one line. Before 3.11,
+    /// where thread ids are read through the C library's thread descriptors, the first place of the
+    /// id ([`offsets::PTHREAD_TID_OFFSETS`]: glibc's, musl's) that names the process's threads is kept.
     pub fn check_table(mut self) -> Result<Self, PyError> {
+        if self.offsets.pthread_tid.is_none() {
+            self.prove_table()?;
+            return Ok(self);
+        }
+        let mut refused = None;
+        for at in offsets::PTHREAD_TID_OFFSETS {
+            self.offsets.pthread_tid = Some(at);
+            match self.prove_table() {
+                Ok(()) => return Ok(self),
+                Err(err @ PyError::TableMismatch { .. }) => refused = refused.or(Some(err)),
+                Err(err) => return Err(err),
+            }
+        }
+        Err(refused.expect("at least one place was tried"))
+    }
+
+    fn prove_table(&mut self) -> Result<(), PyError> {
         let version = self.offsets.version;
         let mismatch = |why: String| PyError::TableMismatch { version, why };
         let states = match self.thread_states() {
             Ok(states) => states,
             Err(PyError::Malformed(why)) => return Err(mismatch(why)),
+            // The table led to memory that is not there.
+            Err(PyError::Memory(err)) if !err.process_gone() && !err.permission_denied() => return Err(mismatch(err.to_string())),
             Err(err) => return Err(err),
         };
         if states.is_empty() {
@@ -252,7 +275,7 @@ impl<M: ReadMemory> PyProcess<M> {
                 frame = link.previous;
             }
         }
-        Ok(self)
+        Ok(())
     }
 
     pub fn pid(&self) -> u32 {
@@ -298,7 +321,7 @@ impl<M: ReadMemory> PyProcess<M> {
         PyProcConfig {
             flags: 0,
             max_frames: pyebpf_common::MAX_PY_FRAMES as u32,
-            frame_owner: narrow(o.frame_owner),
+            frame_owner: o.frame_owner.map_or(NO_OFFSET, narrow),
             frame_is_entry: o.frame_is_entry.map_or(NO_OFFSET, narrow),
             code_version,
             code_fingerprint,
@@ -309,7 +332,7 @@ impl<M: ReadMemory> PyProcess<M> {
                     .max(o.frame_executable)
                     .max(o.frame_instr_ptr)
                     .wrapping_add(8)
-                    .max(o.frame_owner + 1)
+                    .max(o.frame_owner.map_or(0, |at| at + 1))
                     .max(o.frame_is_entry.map_or(0, |at| at + 1)),
             ),
             tstate_cframe: o.tstate_cframe.map_or(NO_OFFSET, narrow),
@@ -351,7 +374,7 @@ impl<M: ReadMemory> PyProcess<M> {
         let o = &self.offsets;
         let window = pyebpf_common::PY_FRAME_WINDOW as u64;
         [o.frame_previous, o.frame_executable, o.frame_instr_ptr].iter().all(|&f| f % 8 == 0 && f + 8 <= window)
-            && o.frame_owner < window
+            && o.frame_owner.is_none_or(|at| at < window)
             && o.frame_is_entry.is_none_or(|at| at < window)
     }
 
@@ -368,7 +391,7 @@ impl<M: ReadMemory> PyProcess<M> {
         self.codes.remove(addr);
     }
 
-    /// The `co_version` (or on 3.11 the fingerprint) of the code object at `addr` now: with the
+    /// The `co_version` (or before 3.12 the fingerprint) of the code object at `addr` now: with the
     /// address, its identity, as the eBPF program reads it.
     pub fn code_version(&self, addr: u64) -> Result<u32, PyError> {
         match self.offsets.code_identity {

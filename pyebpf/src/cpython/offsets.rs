@@ -1,6 +1,6 @@
 //! `_Py_DebugOffsets`: the table of structure offsets CPython 3.13+ keeps at the start of
 //! `_PyRuntime` for out-of-process readers. Its own layout grew between minor versions (and within
-//! 3.15's pre-releases), so each known layout is one table of field positions below. For 3.11 and
+//! 3.15's pre-releases), so each known layout is one table of field positions below. For 3.8 to
 //! 3.12, which have no such table, pyebpf brings the offsets itself ([`builtin_offsets`]).
 
 use super::memory::{field_u64, ReadExt, ReadMemory};
@@ -224,6 +224,18 @@ const LAYOUT_3_15: Layout = Layout {
 pub struct PyVersion(pub u64);
 
 impl PyVersion {
+    /// A version known only by its interpreter's file name (`3.10`): versions before 3.11 have no
+    /// `Py_Version`. Its release level is 0, which no release has, and it shows as `3.10`.
+    pub fn from_name(name: &str) -> Option<PyVersion> {
+        let (major, minor) = name.split_once('.')?;
+        let (major, minor): (u64, u64) = (major.parse().ok()?, minor.parse().ok()?);
+        (major < 256 && minor < 256).then_some(PyVersion(major << 24 | minor << 16))
+    }
+
+    fn minor_only(self) -> bool {
+        self.0 & 0xffff == 0
+    }
+
     pub fn major(self) -> u64 {
         (self.0 >> 24) & 0xff
     }
@@ -243,6 +255,9 @@ impl PyVersion {
 
 impl std::fmt::Display for PyVersion {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.minor_only() {
+            return write!(f, "{}.{}", self.major(), self.minor());
+        }
         write!(f, "{}.{}.{}", self.major(), self.minor(), self.micro())?;
         match (self.level(), self.serial()) {
             (0xf, _) => Ok(()),
@@ -297,14 +312,25 @@ pub struct DebugOffsets {
     pub tstate_current_frame: u64,
     pub tstate_last_profiled_frame: Option<u64>,
     pub tstate_last_profiled_seq: Option<u64>,
+    /// The thread's id (`native_thread_id`, 3.11+); before 3.11 its `pthread_t` (`thread_id`), see
+    /// `pthread_tid`.
     pub tstate_native_thread_id: u64,
+    /// Before 3.11: where the C library's thread descriptor, which `pthread_t` points at, keeps the
+    /// thread's id (glibc and musl differ; [`PTHREAD_TID_OFFSETS`] are tried against the process).
+    pub pthread_tid: Option<u64>,
     /// `_status` (3.12+), whose `active` bit says the thread state is attached to its thread.
     pub tstate_status: Option<u64>,
     pub frame_size: u64,
     pub frame_previous: u64,
     pub frame_executable: u64,
     pub frame_instr_ptr: u64,
-    pub frame_owner: u64,
+    /// What `frame_instr_ptr` holds.
+    pub instr_field: InstrField,
+    /// `owner` (3.11+).
+    pub frame_owner: Option<u64>,
+    /// Before 3.11 frames are `PyFrameObject`s and every Python call is an interpreter activation
+    /// of its own (the evaluation loop recurses in C), so every frame ends its segment.
+    pub frame_objects: bool,
     /// 3.11's `is_entry` byte: the frame is the first of an interpreter activation (later versions
     /// push a frame of their own for that, whose owner is `entry_owner_min` or more).
     pub frame_is_entry: Option<u64>,
@@ -314,6 +340,9 @@ pub struct DebugOffsets {
     pub code_linetable: u64,
     pub code_firstlineno: u64,
     pub code_adaptive: u64,
+    /// Before 3.11: `co_code`, the `bytes` holding the instructions (outside the code object).
+    pub code_bytes: Option<u64>,
+    pub line_table: LineTable,
     pub object_type: u64,
     pub type_name: u64,
     pub bytes_ob_size: u64,
@@ -331,10 +360,26 @@ pub struct DebugOffsets {
 }
 
 impl DebugOffsets {
+    /// A frame's instruction field as read (8 bytes from `frame_instr_ptr`) made an address in the
+    /// code's instructions (3.11+) or a byte offset into them (before; `u64::MAX` before the first
+    /// instruction): in both, `CodeInfo` finds the instruction from its own base.
+    pub fn instr_of(&self, raw: u64) -> u64 {
+        // `f_lasti` is an `int`; the next field shares the 8 bytes read.
+        let lasti = raw as u32 as i32;
+        match self.instr_field {
+            InstrField::Pointer => raw,
+            _ if lasti < 0 => u64::MAX,
+            InstrField::LastiBytes => lasti as u64,
+            InstrField::LastiUnits => lasti as u64 * 2,
+        }
+    }
+
     /// What a frame is, from its owner bits (with [`pyebpf_common::ENTRY_FLAG`] for 3.11's `is_entry`).
     pub fn link_kind(&self, owner: u8) -> crate::chain::LinkKind {
         use crate::chain::LinkKind;
-        if owner >= self.entry_owner_min {
+        if self.frame_objects {
+            LinkKind::EntryCode
+        } else if owner >= self.entry_owner_min {
             LinkKind::Entry
         } else if self.frame_is_entry.is_some() && owner & pyebpf_common::ENTRY_FLAG != 0 {
             LinkKind::EntryCode
@@ -342,6 +387,33 @@ impl DebugOffsets {
             LinkKind::Code
         }
     }
+}
+
+/// Where glibc (2.2x to 2.3x) and musl keep a thread's id in the descriptor `pthread_self()` points
+/// at, on x86_64.
+pub const PTHREAD_TID_OFFSETS: [u64; 2] = [720, 48];
+
+/// What a frame's instruction field holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum InstrField {
+    /// The address of the instruction running, in the code object (3.11+).
+    Pointer,
+    /// `f_lasti`, an `int`: the byte offset of the instruction running (3.8, 3.9), or -1 before the
+    /// first.
+    LastiBytes,
+    /// `f_lasti` in 2-byte code units (3.10).
+    LastiUnits,
+}
+
+/// The format of a code object's line table.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LineTable {
+    /// `co_linetable`, lines and columns (3.11+).
+    Locations,
+    /// `co_lnotab` (3.8, 3.9).
+    Lnotab,
+    /// `co_linetable` of 3.10: line ranges, no columns.
+    Lines310,
 }
 
 /// How a code object is told from another that took its address after it was freed.
@@ -354,16 +426,82 @@ pub enum CodeIdentity {
     Fingerprint { words: u64, str_hash: u64 },
 }
 
-/// The offsets of a version without `_Py_DebugOffsets`, from pyebpf's own table: CPython 3.11
-/// and 3.12 releases (x86_64, default builds; taken from the headers with `offsetof` and checked on
-/// pyenv's 3.11.7 and 3.12.1 and Debian 12's 3.11.2). A table is only a claim about the build:
-/// `PyProcess` checks it against the live process before using it.
+/// The offsets of a version without `_Py_DebugOffsets`, from pyebpf's own table: CPython 3.8 to
+/// 3.12 releases (x86_64, default builds; taken from the headers with `offsetof` and checked on
+/// pyenv's 3.8.18, 3.9.18, 3.10.13, 3.11.7 and 3.12.1 and Debian 12's 3.11.2). A table is only a
+/// claim about the build: `PyProcess` checks it against the live process before using it.
 pub fn builtin_offsets(version: PyVersion) -> Option<DebugOffsets> {
-    // Releases only: pre-release layouts moved.
     match (version.major(), version.minor(), version.level()) {
+        // Known by their file name only (no `Py_Version`).
+        (3, minor @ 8..=10, 0) => Some(offsets_frame_objects(version, minor)),
+        // Releases only: pre-release layouts moved.
         (3, 11, 0xf) => Some(offsets_3_11(version)),
         (3, 12, 0xf) => Some(offsets_3_12(version)),
         _ => None,
+    }
+}
+
+/// 3.8, 3.9 and 3.10, whose frames are `PyFrameObject`s: one table with what moved between them.
+fn offsets_frame_objects(version: PyVersion, minor: u64) -> DebugOffsets {
+    let v3_8 = minor == 8;
+    let v3_10 = minor == 10;
+    DebugOffsets {
+        version,
+        interpreters_head: 32,
+        interp_size: [2720, 5656, 113_528][minor as usize - 8],
+        interp_id: if v3_8 { 16 } else { 24 },
+        interp_next: 0,
+        // `tstate_head`.
+        interp_threads_head: 8,
+        interp_ceval_gil: 0,
+        gil_locked: 0,
+        gil_holder: 0,
+        // `gilstate.tstate_current`, after 3.8's larger `ceval` state.
+        runtime_gil_holder: Some(if v3_8 { 1368 } else { 568 }),
+        code_object_generation: None,
+        tstate_size: if v3_10 { 280 } else { 264 },
+        tstate_next: 8,
+        tstate_cframe: None,
+        // `frame`.
+        tstate_current_frame: 24,
+        tstate_last_profiled_frame: None,
+        tstate_last_profiled_seq: None,
+        // `thread_id`, the `pthread_t`.
+        tstate_native_thread_id: 176,
+        pthread_tid: Some(PTHREAD_TID_OFFSETS[0]),
+        tstate_status: None,
+        frame_size: if v3_10 { 360 } else { 368 },
+        // `f_back`, `f_code`, `f_lasti`.
+        frame_previous: 24,
+        frame_executable: 32,
+        frame_instr_ptr: if v3_10 { 96 } else { 104 },
+        instr_field: if v3_10 { InstrField::LastiUnits } else { InstrField::LastiBytes },
+        frame_owner: None,
+        frame_objects: true,
+        frame_is_entry: None,
+        code_size: 176,
+        code_filename: 104,
+        // No qualified names before 3.11: `co_name`.
+        code_qualname: 112,
+        // `co_lnotab`, or 3.10's `co_linetable`.
+        code_linetable: 120,
+        code_firstlineno: 40,
+        code_adaptive: 0,
+        code_bytes: Some(48),
+        line_table: if v3_10 { LineTable::Lines310 } else { LineTable::Lnotab },
+        object_type: 8,
+        type_name: 24,
+        bytes_ob_size: 16,
+        bytes_data: 32,
+        unicode_state: 32,
+        unicode_length: 16,
+        unicode_ascii_size: 48,
+        unicode_compact_size: 72,
+        entry_owner_min: 8,
+        executable_tag_mask: 0,
+        runtime_size: [1464, 656, 672][minor as usize - 8],
+        // `co_filename`, `co_name`, the line table; `PyASCIIObject.hash`.
+        code_identity: CodeIdentity::Fingerprint { words: 104, str_hash: 24 },
     }
 }
 
@@ -387,13 +525,16 @@ fn offsets_3_11(version: PyVersion) -> DebugOffsets {
         tstate_last_profiled_frame: None,
         tstate_last_profiled_seq: None,
         tstate_native_thread_id: 160,
+        pthread_tid: None,
         tstate_status: None,
         frame_size: 80,
         frame_previous: 48,
         frame_executable: 32,
         // `prev_instr`, read as in 3.12.
         frame_instr_ptr: 56,
-        frame_owner: 69,
+        instr_field: InstrField::Pointer,
+        frame_owner: Some(69),
+        frame_objects: false,
         frame_is_entry: Some(68),
         code_size: 192,
         code_filename: 112,
@@ -401,6 +542,8 @@ fn offsets_3_11(version: PyVersion) -> DebugOffsets {
         code_linetable: 136,
         code_firstlineno: 72,
         code_adaptive: 184,
+        code_bytes: None,
+        line_table: LineTable::Locations,
         object_type: 8,
         type_name: 24,
         bytes_ob_size: 16,
@@ -440,6 +583,7 @@ fn offsets_3_12(version: PyVersion) -> DebugOffsets {
         tstate_last_profiled_frame: None,
         tstate_last_profiled_seq: None,
         tstate_native_thread_id: 144,
+        pthread_tid: None,
         // `_status`, with `active` its fifth bit, as in 3.13.
         tstate_status: Some(24),
         frame_size: 80,
@@ -449,7 +593,9 @@ fn offsets_3_12(version: PyVersion) -> DebugOffsets {
         // `prev_instr`: like 3.13's `instr_ptr`, set to the instruction running at its start (for
         // a caller, its call), so both are decoded alike.
         frame_instr_ptr: 56,
-        frame_owner: 70,
+        instr_field: InstrField::Pointer,
+        frame_owner: Some(70),
+        frame_objects: false,
         frame_is_entry: None,
         code_size: 200,
         code_filename: 112,
@@ -457,6 +603,8 @@ fn offsets_3_12(version: PyVersion) -> DebugOffsets {
         code_linetable: 136,
         code_firstlineno: 68,
         code_adaptive: 192,
+        code_bytes: None,
+        line_table: LineTable::Locations,
         object_type: 8,
         type_name: 24,
         bytes_ob_size: 16,
@@ -548,12 +696,15 @@ pub fn read_debug_offsets(mem: &impl ReadMemory, runtime: u64) -> Result<DebugOf
         tstate_last_profiled_frame: marker.as_ref().map(|m| m[0]),
         tstate_last_profiled_seq: marker.as_ref().map(|m| m[1]),
         tstate_native_thread_id: tstate[2],
+        pthread_tid: None,
         tstate_status: Some(tstate[3]),
         frame_size: at(l.frame_size),
         frame_previous: frame[0],
         frame_executable: frame[1],
         frame_instr_ptr: frame[2],
-        frame_owner: frame[3],
+        instr_field: InstrField::Pointer,
+        frame_owner: Some(frame[3]),
+        frame_objects: false,
         frame_is_entry: None,
         code_size: at(l.code_size),
         code_filename: code[0],
@@ -561,6 +712,8 @@ pub fn read_debug_offsets(mem: &impl ReadMemory, runtime: u64) -> Result<DebugOf
         code_linetable: code[2],
         code_firstlineno: code[3],
         code_adaptive: code[4],
+        code_bytes: None,
+        line_table: LineTable::Locations,
         object_type,
         type_name,
         bytes_ob_size: bytes[0],

@@ -224,14 +224,18 @@ fn a_thread_in_a_subinterpreter_is_read_in_the_state_it_runs_in() {
     }
 }
 
-/// pyebpf's own tables for 3.11 and 3.12 are used only once the live process bears them out:
-/// pyenv's 3.11.7 and 3.12.1 and Debian 12's own 3.11.2 are attached with them, and the same
-/// table with one thread-state or frame offset moved (as a debug or patched build would move it)
-/// is refused in one line naming the version.
+/// pyebpf's own tables for 3.8 to 3.12 are used only once the live process bears them out:
+/// pyenv's 3.8.18 to 3.12.1 and Debian 12's own 3.11.2 are attached with them, and the same table
+/// with one thread-state or frame offset moved (as a debug or patched build would move it) is
+/// refused in one line naming the version.
 #[test]
 fn a_builtin_table_is_proven_against_the_process() {
     let pyenv = std::path::PathBuf::from(pyebpf_tests::xtask_env("HOME")).join(".pyenv/versions");
+    // Before 3.11 the version is known from the interpreter's name only.
     for (python, version, hex) in [
+        (pyenv.join("3.8.18/bin/python3.8"), "3.8", 0x03080000),
+        (pyenv.join("3.9.18/bin/python3.9"), "3.9", 0x03090000),
+        (pyenv.join("3.10.13/bin/python3.10"), "3.10", 0x030a0000),
         (pyenv.join("3.11.7/bin/python3.11"), "3.11.7", 0x030b07f0),
         (std::path::PathBuf::from("/usr/bin/python3.11"), "3.11.2", 0x030b02f0),
         (pyenv.join("3.12.1/bin/python3.12"), "3.12.1", 0x030c01f0),
@@ -251,16 +255,17 @@ fn a_builtin_table_is_proven_against_the_process() {
         assert_eq!(process.version().0, hex);
         let threads = process.threads().unwrap();
         assert_eq!(threads.len(), 2, "{version}");
+        let frame_objects = hex < 0x030b0000;
         for thread in &threads {
             let links = process.walk_frames(thread.current_frame).unwrap().links;
             let innermost = links.iter().find_map(|link| process.frame_info(link).unwrap()).map(|r| r.frame.qualname.to_string());
-            assert_eq!(innermost.as_deref(), Some("Condition.wait"), "{version}");
+            assert_eq!(innermost.as_deref(), Some(if frame_objects { "wait" } else { "Condition.wait" }), "{version}");
         }
         let config = process.bpf_config();
-        assert_ne!(config.tstate_cframe, NO_OFFSET, "{version} reads its frames through the _PyCFrame");
-        // 3.11 has no co_version: the eBPF program reads a fingerprint instead.
-        assert_eq!(config.code_version == NO_OFFSET, version.starts_with("3.11"), "{version}");
-        assert_eq!(config.code_fingerprint != NO_OFFSET, version.starts_with("3.11"), "{version}");
+        assert_eq!(config.tstate_cframe != NO_OFFSET, !frame_objects, "{version}: 3.11 and 3.12 read their frames through the _PyCFrame");
+        // No co_version before 3.12: the eBPF program reads a fingerprint instead.
+        assert_eq!(config.code_version == NO_OFFSET, hex < 0x030c0000, "{version}");
+        assert_eq!(config.code_fingerprint != NO_OFFSET, hex < 0x030c0000, "{version}");
         let runtime = super::runtime::find_runtime(pid).unwrap();
         let mut wrong = super::offsets::builtin_offsets(process.version()).unwrap();
         wrong.tstate_native_thread_id += 8;
@@ -269,7 +274,8 @@ fn a_builtin_table_is_proven_against_the_process() {
         assert!(matches!(err, PyError::TableMismatch { .. }), "{err}");
         assert!(err.to_string().starts_with(&format!("CPython {version} in this process is not laid out as pyebpf's table")), "{err}");
         let mut wrong = super::offsets::builtin_offsets(process.version()).unwrap();
-        // A pointer to something else than a code object in both: 3.11's `f_globals`, 3.12's `previous`.
+        // A pointer to something else than a code object in all: the frame's type before 3.11, 3.11's
+        // `f_globals`, 3.12's `previous`.
         wrong.frame_executable = 8;
         let refused = PyProcess::with_offsets(pid, super::memory::ProcessMemory::new(pid), runtime.address, wrong).check_table();
         assert!(matches!(refused, Err(PyError::TableMismatch { .. })), "{version}: a table with a wrong code offset was accepted");

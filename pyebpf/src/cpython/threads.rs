@@ -14,7 +14,7 @@ use super::{PyError, PyProcess};
 const MAX_INTERPRETERS: usize = 64;
 const MAX_THREADS: usize = 4096;
 
-/// `_status.active` (the fifth bit field of `PyThreadState._status` in 3.12 to 3.15; 3.11 has no `_status`): the thread
+/// `_status.active` (the fifth bit field of `PyThreadState._status` in 3.12 to 3.15; earlier versions have no `_status`): the thread
 /// state is attached to its thread now. Running Python code needs an attached thread state.
 pub(super) const STATUS_ACTIVE: u32 = 1 << 4;
 
@@ -82,7 +82,7 @@ impl<M: ReadMemory> PyProcess<M> {
         }
     }
 
-    /// The innermost frame `tstate` runs now (3.11 and 3.12: through its `_PyCFrame`, which is 0
+    /// The innermost frame `tstate` runs now (`frame` before 3.11; 3.11 and 3.12: through its `_PyCFrame`, which is 0
     /// while the thread is not running Python).
     pub fn current_frame(&self, tstate: u64) -> Result<u64, PyError> {
         let holder = match self.offsets.tstate_cframe {
@@ -108,11 +108,14 @@ impl<M: ReadMemory> PyProcess<M> {
         let interpreter = self.mem.read_u64(interp.wrapping_add(o.interp_id))? as i64;
         let mut tstate = self.mem.read_u64(interp.wrapping_add(o.interp_threads_head))?;
         while tstate != 0 {
-            if threads.len() >= MAX_THREADS || !seen.insert(tstate) {
+            // Thread states skipped (not started) count too: `seen` holds every one visited.
+            if seen.len() >= MAX_THREADS + MAX_INTERPRETERS || !seen.insert(tstate) {
                 return Err(PyError::Malformed("thread list too long or looping".into()));
             }
-            let tid = self.mem.read_u64(tstate.wrapping_add(o.tstate_native_thread_id))?;
-            let tid = u32::try_from(tid).map_err(|_| PyError::Malformed(format!("native thread id {tid}")))?;
+            let Some(tid) = self.thread_id(tstate)? else {
+                tstate = self.mem.read_u64(tstate.wrapping_add(o.tstate_next))?;
+                continue;
+            };
             threads.push(PyThread {
                 tid,
                 ns_tid: tid,
@@ -120,7 +123,7 @@ impl<M: ReadMemory> PyProcess<M> {
                 current_frame: self.current_frame(tstate)?,
                 holds_gil: gil_holder == Some(tstate),
                 interpreter,
-                // 3.11 does not say: its thread states are taken as attached.
+                // Before 3.12 thread states do not say: they are taken as attached.
                 active: match o.tstate_status {
                     Some(status) => self.mem.read_u32(tstate.wrapping_add(status))? & STATUS_ACTIVE != 0,
                     None => true,
@@ -131,8 +134,22 @@ impl<M: ReadMemory> PyProcess<M> {
         Ok(())
     }
 
+    /// The id of the thread `tstate` belongs to, in the process's PID namespace: its
+    /// `native_thread_id`, or before 3.11 the id in the C library's descriptor of its `pthread_t`;
+    /// `None` for a thread state made for a thread that has not started yet (no `pthread_t`).
+    fn thread_id(&self, tstate: u64) -> Result<Option<u32>, PyError> {
+        let o = &self.offsets;
+        let id = self.mem.read_u64(tstate.wrapping_add(o.tstate_native_thread_id))?;
+        let tid = match o.pthread_tid {
+            Some(_) if id == 0 => return Ok(None),
+            Some(at) => u64::from(self.mem.read_u32(id.wrapping_add(at))?),
+            None => id,
+        };
+        u32::try_from(tid).map(Some).map_err(|_| PyError::Malformed(format!("native thread id {tid}")))
+    }
+
     /// The thread state holding the GIL `interp` runs under, if it is held. `last_holder` stays set
-    /// after a release, so it counts only while `locked` is set. 3.11 clears its pointer to the
+    /// after a release, so it counts only while `locked` is set. Before 3.12 the runtime clears its pointer to the
     /// holder on release.
     fn gil_holder(&self, interp: u64) -> Result<Option<u64>, PyError> {
         if let Some(holder) = self.offsets.runtime_gil_holder {
