@@ -37,7 +37,10 @@ pub mod maps {
     pub const PY_MARKERS: &str = "PY_MARKERS";
     pub const SCRATCH: &str = "SCRATCH";
     pub const SNAPSHOT_PROCS: &str = "SNAPSHOT_PROCS";
-    pub const ALL: [&str; 9] = [SAMPLES, LOST, CONFIG, TARGETS, PY_PROCS, PY_THREADS, PY_MARKERS, SCRATCH, SNAPSHOT_PROCS];
+    pub const WAIT_PROCS: &str = "WAIT_PROCS";
+    pub const OFF_CPU: &str = "OFF_CPU";
+    pub const SHORT_WAITS: &str = "SHORT_WAITS";
+    pub const ALL: [&str; 12] = [SAMPLES, LOST, CONFIG, TARGETS, PY_PROCS, PY_THREADS, PY_MARKERS, SCRATCH, SNAPSHOT_PROCS, WAIT_PROCS, OFF_CPU, SHORT_WAITS];
 }
 
 /// Program names: the eBPF crate's program functions are named so, and the loader takes them by
@@ -50,7 +53,13 @@ pub mod programs {
     /// `sched_process_exec` and `sched_process_exit`: a process's state ends.
     pub const PROCESS_EXEC: &str = "process_exec";
     pub const PROCESS_EXIT: &str = "process_exit";
-    pub const ALL: [&str; 4] = [SAMPLE, FOLLOW_FORK, PROCESS_EXEC, PROCESS_EXIT];
+    /// `sched_switch`: a thread of a watched process leaves the CPU (its off-CPU interval starts).
+    pub const SWITCH_OUT: &str = "switch_out";
+    /// `sys_exit` (it runs in the thread that comes back, before it returns to user code): the
+    /// interval ends, and the thread's stacks, unchanged since it left, are captured and sent
+    /// weighted by it.
+    pub const SWITCH_IN: &str = "switch_in";
+    pub const ALL: [&str; 6] = [SAMPLE, FOLLOW_FORK, PROCESS_EXEC, PROCESS_EXIT, SWITCH_OUT, SWITCH_IN];
 }
 
 /// Bits of [`Config::flags`].
@@ -64,6 +73,8 @@ pub mod config_flags {
     /// Copy the user stack of every sampled process (`--unwind dwarf`); otherwise only of those in
     /// `SNAPSHOT_PROCS`.
     pub const SNAPSHOT_ALL: u32 = 1 << 3;
+    /// Read at each sample whether the thread holds the GIL (`--mode gil`).
+    pub const GIL: u32 = 1 << 4;
 }
 
 /// Bits of [`SampleRecord::user_status`].
@@ -88,6 +99,12 @@ pub struct Config {
     /// Pending bytes in the ring buffer from which a sample wakes the reader; below, the reader
     /// polls on its own timer.
     pub wakeup_bytes: u32,
+    /// SCRATCH entries per origin: the CPU count (an off-CPU capture uses the second half, so it
+    /// never shares a record with a sample on its CPU).
+    pub cpus: u32,
+    pub _pad: u32,
+    /// Off-CPU intervals shorter than this are only summed in `SHORT_WAITS`, without stacks.
+    pub off_cpu_min_ns: u64,
 }
 
 /// Bits of [`PyCapture::status`].
@@ -107,6 +124,8 @@ pub mod py_status {
     pub const TOO_DEEP: u32 = 1 << 4;
     /// A frame could not be read: the chain ends there.
     pub const READ_FAILED: u32 = 1 << 5;
+    /// The thread held the GIL at the sample (read only with `config_flags::GIL`).
+    pub const HOLDS_GIL: u32 = 1 << 6;
 }
 
 /// One interpreter frame as the eBPF program read it at the sample.
@@ -187,6 +206,31 @@ pub mod record_kind {
     pub const EXIT: u32 = 3;
 }
 
+/// What a [`SampleRecord`] stands for ([`SampleRecord::origin`]).
+pub mod origin {
+    /// A sample of a thread on CPU (the perf event).
+    pub const ON_CPU: u32 = 1;
+    /// A thread that was off CPU for [`super::SampleRecord::weight_ns`], with the stacks it left
+    /// the CPU with, captured when it came back.
+    pub const OFF_CPU: u32 = 2;
+}
+
+/// A thread of a watched process that left the CPU in a system call: the value of `OFF_CPU` (keyed
+/// by tid). The call, its user instruction and stack pointer tell that the `sys_exit` that ends the
+/// interval is that call's.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct OffCpuStart {
+    /// `bpf_ktime_get_ns()` when it left the CPU.
+    pub start_ns: u64,
+    /// Its task state then (`prev_state`).
+    pub state: u32,
+    pub tgid: u32,
+    pub syscall: u64,
+    pub user_ip: u64,
+    pub user_sp: u64,
+}
+
 /// An exec or exit of a (targeted) process, as sent through the `SAMPLES` ring buffer.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -227,7 +271,13 @@ pub struct SampleRecord {
     pub user_bp: u64,
     /// Bytes of the user stack copied from `user_sp` up; they follow the Python frames sent.
     pub stack_len: u32,
-    pub _pad: u32,
+    /// [`origin`] constant.
+    pub origin: u32,
+    /// Off CPU: nanoseconds the thread was away; 0 for an on-CPU sample (it stands for a period).
+    pub weight_ns: u64,
+    /// Off CPU: the task state the thread left the CPU in, and the system call it waited in.
+    pub wait_state: u32,
+    pub wait_syscall: u32,
     /// Return addresses, innermost first.
     pub user_stack: [u64; MAX_USER_FRAMES],
     /// The frame pointer of each user frame, innermost first: entry `i` is the frame base of the
@@ -342,7 +392,14 @@ pub struct PyProcConfig {
     pub frame_is_entry: u32,
     /// With `code_fingerprint`: where a `str` caches its hash.
     pub str_hash: u32,
-    pub _pad: u32,
+    /// For `config_flags::GIL`, 3.12+: where the interpreter points at its GIL, and where the GIL
+    /// keeps `locked` and `last_holder` (the interpreter is the first listed at `interpreters_head`).
+    pub interp_ceval_gil: u32,
+    pub gil_locked: u32,
+    pub gil_holder: u32,
+    /// Before 3.12: the address of `_PyRuntime.gilstate.tstate_current` (the holder, 0 when none);
+    /// 0 from 3.12 on.
+    pub runtime_gil_holder: u64,
 }
 
 #[cfg(feature = "user")]
@@ -357,4 +414,6 @@ mod pod {
     unsafe impl aya::Pod for super::PyThreadEntry {}
     // SAFETY: repr(C) plain data with explicit padding and no invalid bit patterns.
     unsafe impl aya::Pod for super::MarkerChain {}
+    // SAFETY: repr(C) plain data with explicit padding and no invalid bit patterns.
+    unsafe impl aya::Pod for super::OffCpuStart {}
 }

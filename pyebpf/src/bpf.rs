@@ -1,11 +1,13 @@
 //! Loading the embedded eBPF sampler, attaching it to every CPU, and reading its samples.
 
 use crate::kernel_btf::{Btf, VMLINUX_BTF};
+use std::time::Duration;
+
 use aya::maps::{Array, HashMap, MapData, PerCpuArray, RingBuf};
 use aya::programs::perf_event::{PerfEventConfig, PerfEventScope, SamplePolicy, SoftwareEvent};
 use aya::programs::{BtfTracePoint, PerfEvent};
 use aya::{Ebpf, EbpfLoader};
-use pyebpf_common::{config_flags, maps, programs, Config, MarkerChain, PyProcConfig, PyThreadEntry};
+use pyebpf_common::{config_flags, maps, programs, Config, MarkerChain, OffCpuStart, PyProcConfig, PyThreadEntry};
 
 use crate::reader::{RecordBatch, RingReader};
 
@@ -61,6 +63,11 @@ pub struct SamplerOptions {
     /// Copy every sampled user stack for CFI unwinding (`--unwind dwarf`); otherwise only the
     /// stacks of processes added with [`Sampler::copy_stacks_of`].
     pub snapshot_all: bool,
+    /// Read at each sample whether the thread holds the GIL (`--mode gil`).
+    pub gil: bool,
+    /// Capture off-CPU intervals of the processes added with [`Sampler::watch_waits`], those
+    /// shorter than this only summed (`--mode wall` and `off-cpu`); `None`: no switch hooks.
+    pub off_cpu_min: Option<Duration>,
 }
 
 /// The running sampler. Dropping it detaches the programs.
@@ -78,6 +85,9 @@ pub struct Sampler {
     py_threads: HashMap<MapData, u32, PyThreadEntry>,
     py_markers: HashMap<MapData, u32, MarkerChain>,
     snapshot_procs: HashMap<MapData, u32, u8>,
+    wait_procs: HashMap<MapData, u32, u8>,
+    off_cpu: HashMap<MapData, u32, OffCpuStart>,
+    short_waits: PerCpuArray<MapData, u64>,
 }
 
 /// Whether this process may load BPF programs, sample all CPUs and read other processes; when
@@ -142,11 +152,13 @@ impl Sampler {
         // The eBPF programs' diagnostics are compiled in but off (and removed by the verifier)
         // unless debug logging is on.
         let log_level = if log::log_enabled!(log::Level::Debug) { aya_log::Level::Debug as u8 } else { 0 };
+        let cpus = aya::util::nr_cpus().map_err(|(_, err)| BpfError::Cpus(err))? as u32;
         let mut ebpf = EbpfLoader::new()
             .btf(Some(&aya_btf))
             .override_global(aya_log::LEVEL, &log_level, false)
             .map_max_entries(maps::SAMPLES, kb * 1024)
-            .map_max_entries(maps::SCRATCH, aya::util::nr_cpus().map_err(|(_, err)| BpfError::Cpus(err))? as u32)
+            // One record per CPU for samples, one for the switch hooks.
+            .map_max_entries(maps::SCRATCH, 2 * cpus)
             .load(EBPF_OBJECT)
             .map_err(|err| if is_permission_error(&err) { BpfError::NotPermitted } else { BpfError::Load(err) })?;
 
@@ -156,6 +168,9 @@ impl Sampler {
         }
         if options.snapshot_all {
             flags |= config_flags::SNAPSHOT_ALL;
+        }
+        if options.gil {
+            flags |= config_flags::GIL;
         }
         let mut targets: HashMap<MapData, u32, u8> = HashMap::try_from(take_map(&mut ebpf, maps::TARGETS)?).map_err(map_error(maps::TARGETS))?;
         if let Some(pids) = &options.targets {
@@ -170,7 +185,8 @@ impl Sampler {
         } else {
             0
         };
-        let config = Config { own_tgid: std::process::id(), flags, task_tgid_offset, wakeup_bytes: kb * 1024 / 4 };
+        let off_cpu_min_ns = options.off_cpu_min.map_or(0, |min| min.as_nanos().try_into().unwrap_or(u64::MAX));
+        let config = Config { own_tgid: std::process::id(), flags, task_tgid_offset, wakeup_bytes: kb * 1024 / 4, cpus, _pad: 0, off_cpu_min_ns };
         let mut config_map: Array<_, Config> =
             Array::try_from(ebpf.map_mut(maps::CONFIG).ok_or(BpfError::StaleObject(maps::CONFIG))?).map_err(map_error(maps::CONFIG))?;
         config_map.set(0, config, 0).map_err(map_error(maps::CONFIG))?;
@@ -186,6 +202,9 @@ impl Sampler {
             program.load(tracepoint, &aya_btf).map_err(BpfError::Program)?;
             program.attach().map_err(BpfError::Program)?;
         }
+        if options.off_cpu_min.is_some() {
+            attach_switch_hooks(&mut ebpf, &aya_btf)?;
+        }
         let program_stats = options.program_stats.then(|| aya::sys::enable_stats(aya::sys::Stats::RunTime).ok()).flatten();
         let program: &mut PerfEvent = program_mut(&mut ebpf, programs::SAMPLE)?;
         program.load().map_err(BpfError::Program)?;
@@ -198,6 +217,9 @@ impl Sampler {
         let py_threads = HashMap::try_from(take_map(&mut ebpf, maps::PY_THREADS)?).map_err(map_error(maps::PY_THREADS))?;
         let py_markers = HashMap::try_from(take_map(&mut ebpf, maps::PY_MARKERS)?).map_err(map_error(maps::PY_MARKERS))?;
         let snapshot_procs = HashMap::try_from(take_map(&mut ebpf, maps::SNAPSHOT_PROCS)?).map_err(map_error(maps::SNAPSHOT_PROCS))?;
+        let wait_procs = HashMap::try_from(take_map(&mut ebpf, maps::WAIT_PROCS)?).map_err(map_error(maps::WAIT_PROCS))?;
+        let off_cpu = HashMap::try_from(take_map(&mut ebpf, maps::OFF_CPU)?).map_err(map_error(maps::OFF_CPU))?;
+        let short_waits = PerCpuArray::try_from(take_map(&mut ebpf, maps::SHORT_WAITS)?).map_err(map_error(maps::SHORT_WAITS))?;
         Ok(Sampler {
             ebpf,
             frequency_hz: options.frequency_hz,
@@ -210,6 +232,9 @@ impl Sampler {
             py_threads,
             py_markers,
             snapshot_procs,
+            wait_procs,
+            off_cpu,
+            short_waits,
         })
     }
 
@@ -316,10 +341,47 @@ impl Sampler {
         let _ = self.py_markers.remove(&tid);
     }
 
+    /// Has the switch hooks capture the off-CPU intervals of `tgid`'s threads.
+    pub fn watch_waits(&mut self, tgid: u32) -> Result<(), BpfError> {
+        self.wait_procs.insert(tgid, 1, 0).map_err(map_error(maps::WAIT_PROCS))
+    }
+
+    pub fn stop_watching_waits(&mut self, tgid: u32) {
+        let _ = self.wait_procs.remove(&tgid);
+    }
+
+    /// Threads of watched processes off CPU now, with when they left it.
+    pub fn threads_off_cpu(&self) -> Vec<(u32, OffCpuStart)> {
+        self.off_cpu.iter().filter_map(Result::ok).collect()
+    }
+
+    /// When thread `tid` left the CPU, if it is still off it.
+    pub fn off_cpu_since(&self, tid: u32) -> Option<OffCpuStart> {
+        self.off_cpu.get(&tid, 0).ok()
+    }
+
+    /// Off-CPU intervals not captured: how many were shorter than `--off-cpu-min` and their
+    /// nanoseconds, and how many did not end in the system call they began in.
+    pub fn short_waits(&self) -> (u64, u64, u64) {
+        let sum = |slot: u32| self.short_waits.get(&slot, 0).map(|per_cpu| per_cpu.iter().sum()).unwrap_or(0);
+        (sum(1), sum(0), sum(2))
+    }
+
     /// Tells the eBPF program the marker chain userspace established for `tid`.
     pub fn set_marker_chain(&mut self, tid: u32, chain: &MarkerChain) -> Result<(), BpfError> {
         self.py_markers.insert(tid, chain, 0).map_err(map_error(maps::PY_MARKERS))
     }
+}
+
+/// Attaches `sched_switch` and `sys_exit` (BTF-typed: no kprobes or tracefs are needed).
+fn attach_switch_hooks(ebpf: &mut Ebpf, btf: &aya::Btf) -> Result<(), BpfError> {
+    let program: &mut BtfTracePoint = program_mut(ebpf, programs::SWITCH_OUT)?;
+    program.load("sched_switch", btf).map_err(BpfError::Program)?;
+    program.attach().map_err(BpfError::Program)?;
+    let program: &mut BtfTracePoint = program_mut(ebpf, programs::SWITCH_IN)?;
+    program.load("sys_exit", btf).map_err(BpfError::Program)?;
+    program.attach().map_err(BpfError::Program)?;
+    Ok(())
 }
 
 #[cfg(test)]

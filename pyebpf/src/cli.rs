@@ -22,7 +22,7 @@ pub struct Cli {
 
 #[derive(Subcommand, Debug)]
 pub enum Command {
-    /// Sample CPU stacks and write a profile (pprof or collapsed)
+    /// Sample stacks (CPU, wall-clock, off-CPU or GIL time) and write a profile
     #[command(long_about = RECORD_ABOUT)]
     Record(RecordArgs),
     /// Print the Python stack of every thread of a running CPython 3.8+ process
@@ -55,7 +55,10 @@ const TOP_ABOUT: &str = "Live view of the hottest functions on the host, refresh
     Needs a terminal of at least 60x10 on standard output.\n\n\
     SIGINT, SIGTERM and SIGHUP quit, as for `record`.";
 
-const RECORD_ABOUT: &str = "Sample CPU stacks and write a profile (pprof or collapsed).\n\n\
+const RECORD_ABOUT: &str = "Sample stacks and write a profile (pprof, collapsed, SVG or speedscope).\n\n\
+    --mode says what is measured: CPU time (the default), wall-clock time (on and off CPU), off-CPU \
+    time or time holding the GIL. Off-CPU intervals come from the scheduler: when a thread of a \
+    profiled process leaves the CPU and when it comes back, with the stacks it waited in.\n\n\
     Stop signals, from pyebpf's start to its exit: SIGINT (Ctrl-C) and SIGTERM stop the recording and \
     write the profile, also when the parent left them ignored (a script's background job can be \
     stopped with `kill -INT`). SIGHUP does the same, unless the parent left it ignored: under \
@@ -78,6 +81,25 @@ impl FilterArgs {
     pub fn sample_filter(&self) -> crate::filter::SampleFilter {
         crate::filter::SampleFilter { comm: self.comm.clone(), python_only: self.python_only }
     }
+}
+
+/// What is measured, for `record` and `top`.
+#[derive(Args, Debug, Clone, Copy)]
+pub struct ModeArgs {
+    /// What to measure: `cpu` (time on CPU), `wall` (on CPU plus every wait off CPU, so each
+    /// thread adds up to its wall-clock time), `off-cpu` (waits only), `gil` (Python threads
+    /// holding the GIL). Off-CPU stacks are labelled with why the thread waited (sleep, lock, io,
+    /// gil, other) and weighted in nanoseconds; only waits in system calls are off-CPU time (a
+    /// thread preempted while runnable is not waiting)
+    #[arg(long = "mode", value_enum, default_value = "cpu")]
+    pub mode: Mode,
+
+    /// With --mode wall or off-cpu: off-CPU intervals shorter than this many microseconds are
+    /// only summed (in the summary), without their stacks; a thread switching tens of thousands
+    /// of times a second then costs little
+    #[arg(long = "off-cpu-min", value_name = "MICROSECONDS", default_value_t = DEFAULT_OFF_CPU_MIN_US, allow_negative_numbers = true,
+          value_parser = clap::value_parser!(u64).range(0..=MAX_SECONDS * 1_000_000))]
+    pub off_cpu_min_us: u64,
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -105,6 +127,43 @@ pub enum UnwindMode {
     Auto,
 }
 
+/// What a profile measures (`--mode`).
+#[derive(ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Mode {
+    /// Time on CPU: samples of running threads
+    #[default]
+    Cpu,
+    /// Wall-clock time: samples on CPU and every interval off CPU (sleeping, waiting on a lock,
+    /// I/O or the GIL), so each thread's shares add up to its time
+    Wall,
+    /// Time off CPU only: each interval a thread waited, with the stack it waited in
+    OffCpu,
+    /// Time holding the GIL: samples of Python threads that held it (CPython 3.8+)
+    Gil,
+}
+
+impl Mode {
+    /// Whether the mode counts off-CPU intervals (the scheduler hooks are attached).
+    pub fn counts_waits(self) -> bool {
+        matches!(self, Mode::Wall | Mode::OffCpu)
+    }
+
+    /// What a profile of this mode measures, for titles and summaries.
+    pub fn measures(self) -> &'static str {
+        match self {
+            Mode::Cpu => "CPU time",
+            Mode::Wall => "wall-clock time",
+            Mode::OffCpu => "off-CPU time",
+            Mode::Gil => "time holding the GIL",
+        }
+    }
+}
+
+/// `--off-cpu-min` unless given: intervals shorter than this are summed without stacks. A
+/// thread that blocks and wakes tens of thousands of times a second (a pipe ping-pong) then costs
+/// two map updates per switch, not a capture.
+pub const DEFAULT_OFF_CPU_MIN_US: u64 = 1000;
+
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GroupBy {
     Process,
@@ -126,6 +185,9 @@ pub struct RecordArgs {
     #[arg(short = 'F', long = "frequency", value_name = "HZ", default_value_t = 99, allow_negative_numbers = true,
           value_parser = clap::value_parser!(u64).range(1..=10_000))]
     pub frequency: u64,
+
+    #[command(flatten)]
+    pub mode: ModeArgs,
 
     /// Stop after this many seconds (default: until Ctrl-C, or until COMMAND or every -p process exits)
     #[arg(short = 'd', long = "duration", value_name = "SECONDS", value_parser = parse_duration, allow_negative_numbers = true)]
@@ -269,6 +331,9 @@ pub struct TopArgs {
 
     #[command(flatten)]
     pub filter: FilterArgs,
+
+    #[command(flatten)]
+    pub mode: ModeArgs,
 
     /// Never write into a profiled process (see `record --read-only`)
     #[arg(long = "read-only")]

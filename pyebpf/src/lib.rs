@@ -25,3 +25,4 @@ pub mod symbolize;
 pub mod target_file;
 pub mod top;
 pub mod unwind;
+pub mod waits;

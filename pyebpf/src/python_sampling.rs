@@ -18,7 +18,7 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
 use pyebpf_common::{
-    py_proc_flags, py_status, MarkerChain, PyFrameRecord, PyProcConfig, PyThreadEntry, SampleRecord, MARKER_POSITIONS, MAX_PY_FRAMES, NO_OFFSET,
+    py_proc_flags, py_status, MarkerChain, PyCapture, PyFrameRecord, PyProcConfig, PyThreadEntry, SampleRecord, MARKER_POSITIONS, MAX_PY_FRAMES, NO_OFFSET,
 };
 
 use crate::bpf::Sampler;
@@ -362,6 +362,31 @@ impl PythonSampling {
         stats.remote_bytes += after.bytes - before.bytes;
         stats.python_samples += 1;
         Some(truncated)
+    }
+
+    /// Fills `record`'s Python part for thread `tid` of `tgid`, read now, as the eBPF program would
+    /// have at a capture; false when it is not a known Python thread or cannot be read. Only for a
+    /// thread that has not run since it left the CPU (the caller proves that afterwards).
+    pub fn capture_waiting(&mut self, tgid: u32, tid: u32, record: &mut SampleRecord) -> bool {
+        let Some(process) = self.processes.get_mut(&tgid) else { return false };
+        let Some(thread) = process.threads.get(&tid) else { return false };
+        let max = (self.options.max_frames as usize).min(MAX_PY_FRAMES);
+        let py = &mut record.py;
+        *py = PyCapture { tstate: thread.tstate, status: py_status::THREAD_KNOWN, ..PyCapture::default() };
+        let Ok(frame) = process.py.current_frame(thread.tstate) else { return true };
+        py.frame = frame;
+        py.status |= py_status::FRAME_READ;
+        match process.py.frame_records(frame, &mut record.py_frames[..max]) {
+            Ok((walked, complete)) => {
+                py.frames_len = walked as u32;
+                py.status |= if complete { py_status::COMPLETE } else { py_status::TOO_DEEP };
+            }
+            Err(err) => {
+                log::debug!("pid {tgid} thread {tid}: {err}");
+                py.status |= py_status::READ_FAILED;
+            }
+        }
+        true
     }
 
     /// Code-object cache counters summed over every process attached to (those that have exited

@@ -8,10 +8,10 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result};
 use hashbrown::HashSet;
-use pyebpf_common::{user_status, ProcessEvent, SampleRecord};
+use pyebpf_common::{origin, py_status, user_status, OffCpuStart, ProcessEvent, SampleRecord};
 
 use crate::bpf::{check_privileges, Sampler, SamplerOptions};
-use crate::cli::{GroupBy, RecordArgs, UnwindMode};
+use crate::cli::{GroupBy, Mode, RecordArgs, UnwindMode};
 use crate::filter::SampleFilter;
 use crate::merge::{python_frames, Merged, Merger, NativeStack};
 use crate::native_ids::{IdLevel, NativeIds};
@@ -22,12 +22,13 @@ use crate::progress::Progress;
 use crate::python_sampling::{PyItem, PythonSampling, SamplingOptions};
 use crate::reader::{Record, RecordBatch};
 use crate::report;
-use crate::stack::{FrameCarry, FrameId, Profile, SampleStack};
+use crate::stack::{Frame, FrameCarry, FrameId, Profile, SampleStack, ThreadState, Weight};
 use crate::stats::Stats;
 use crate::stop_signals::StopSignals;
 use crate::summary::{RunTotals, Summary};
 use crate::symbolize::Symbolizer;
 use crate::unwind::{Snapshot, StackUnwinder, Unwound};
+use crate::waits::{wait_reason, waiting_record, KernelSymbols, SwitchBaseline};
 
 /// How often lost samples are checked and periodic upkeep runs.
 pub const TICK: Duration = Duration::from_millis(250);
@@ -48,6 +49,14 @@ pub struct SampleResolver {
     copying_stacks: HashSet<u32>,
     /// The frame table the cached frame ids belong to.
     frames_generation: u64,
+    /// What the profile measures: which records count, and how much.
+    mode: Mode,
+    /// Show kernel frames (`--kernel`); off-CPU records carry them anyway, to tell why.
+    kernel: bool,
+    /// Processes whose off-CPU intervals the switch hooks capture.
+    watching_waits: HashSet<u32>,
+    /// Their threads' context switches when the hooks began watching them.
+    baseline: SwitchBaseline,
 }
 
 /// Buffers reused from sample to sample, so a sample seen before allocates nothing.
@@ -60,7 +69,7 @@ struct Scratch {
 }
 
 impl SampleResolver {
-    pub fn new(options: SamplingOptions, no_native: bool, filter: SampleFilter, unwind: UnwindMode) -> Self {
+    pub fn new(options: SamplingOptions, no_native: bool, filter: SampleFilter, unwind: UnwindMode, mode: Mode, kernel: bool) -> Self {
         SampleResolver {
             symbolizer: Symbolizer::new(),
             native: NativeIds::default(),
@@ -74,6 +83,29 @@ impl SampleResolver {
             unwinder: StackUnwinder::new(),
             copying_stacks: HashSet::new(),
             frames_generation: 0,
+            mode,
+            kernel,
+            watching_waits: HashSet::new(),
+            baseline: SwitchBaseline::default(),
+        }
+    }
+
+    /// Has the switch hooks capture `pid`'s off-CPU intervals, in the modes that count them.
+    fn watch_waits(&mut self, pid: u32, sampler: &mut Sampler) {
+        if self.mode.counts_waits() && pid != std::process::id() && self.watching_waits.insert(pid) {
+            if let Err(err) = sampler.watch_waits(pid) {
+                log::debug!("process {pid}: its off-CPU time is not captured: {err}");
+            }
+        }
+    }
+
+    /// Whether the mode counts this record: off-CPU mode only intervals, GIL mode only samples
+    /// of threads holding the GIL.
+    fn counts(&self, record: &SampleRecord) -> bool {
+        match self.mode {
+            Mode::Cpu | Mode::Wall => true,
+            Mode::OffCpu => record.origin == origin::OFF_CPU,
+            Mode::Gil => record.origin == origin::ON_CPU && record.py.status & py_status::HOLDS_GIL != 0,
         }
     }
 
@@ -102,6 +134,11 @@ impl SampleResolver {
         if self.filter.python_only && !self.python.is_python(record.tgid) {
             return false;
         }
+        self.watch_waits(record.tgid, sampler);
+        if !self.counts(record) {
+            return false;
+        }
+        let off_cpu = record.origin == origin::OFF_CPU;
         let Scratch { python, levels, frames, merger } = &mut self.scratch;
         let truncated = self.python.python_stack(record, sampler, stats, &mut profile.frames, python);
         frames.clear();
@@ -149,20 +186,71 @@ impl SampleResolver {
                 }
             }
         }
-        let sample = SampleStack { pid: record.tgid, tid: record.tid, comm: &comm, frames, truncated: truncated.unwrap_or(false), labels: Some(&labels) };
-        profile.add_sample(sample, 1);
+        let (state, weight) = if off_cpu {
+            let state = wait_reason(record.wait_syscall, frames.iter().map(|&id| profile.frames.frame(id)));
+            if !self.kernel {
+                frames.retain(|&id| !matches!(profile.frames.frame(id), Frame::Kernel(_)));
+            }
+            stats.off_cpu.intervals += 1;
+            (state, Weight { samples: 1, ns: record.weight_ns })
+        } else {
+            (ThreadState::OnCpu, Weight { samples: 1, ns: profile.period_ns() })
+        };
+        let sample =
+            SampleStack { pid: record.tgid, tid: record.tid, comm: &comm, frames, truncated: truncated.unwrap_or(false), labels: Some(&labels), state };
+        profile.add_sample(sample, weight);
         true
     }
 
-    /// Attaches to processes already running (those the filter keeps), before sampling starts.
-    fn attach_all(&mut self, pids: impl IntoIterator<Item = u32>, stats: &mut Stats) {
-        let kept: Vec<u32> = pids.into_iter().filter(|&pid| self.filter.keeps_process(&self.names.name(pid, &[]))).collect();
-        self.python.attach_all(kept, stats);
+    /// Counts the threads of watched processes that are still off CPU (a thread blocked on a lock
+    /// since before the end), each up to now, with the stacks it waits in: read now, and kept only
+    /// if the thread is proven not to have run meanwhile (it is still off CPU since the same time).
+    pub fn count_open_waits(&mut self, sampler: &mut Sampler, stats: &mut Stats, profile: &mut Profile) {
+        let mut open: Vec<(u32, OffCpuStart)> = sampler.threads_off_cpu().into_iter().filter(|(_, start)| self.watching_waits.contains(&start.tgid)).collect();
+        // Threads the hooks never saw leave: blocked since before they watched, and still.
+        let seen: HashSet<u32> = open.iter().map(|(tid, _)| *tid).collect();
+        let throughout: Vec<(u32, OffCpuStart)> = self.baseline.blocked_throughout().into_iter().filter(|(tid, _)| !seen.contains(tid)).collect();
+        let from_hooks = open.len();
+        open.extend(throughout);
+        if open.is_empty() {
+            return;
+        }
+        let kernel_symbols = KernelSymbols::read();
+        for (at, (tid, start)) in open.into_iter().enumerate() {
+            let Some(mut record) = waiting_record(tid, &start, monotonic_ns(), &kernel_symbols) else { continue };
+            if !self.python.capture_waiting(start.tgid, tid, &mut record) {
+                record.py = Default::default();
+            }
+            let still = if at < from_hooks { sampler.off_cpu_since(tid) == Some(start) } else { self.baseline.unchanged(start.tgid, tid) };
+            if !still {
+                continue;
+            }
+            if self.resolve(&record, sampler, stats, profile) {
+                stats.off_cpu.open_at_end += 1;
+            }
+        }
     }
 
-    /// Tells the eBPF program about the processes attached so far.
-    fn register_all(&mut self, sampler: &mut Sampler) {
+    /// Attaches to processes already running (those the filter keeps), before sampling starts.
+    fn attach_all(&mut self, pids: impl IntoIterator<Item = u32>, stats: &mut Stats) -> Vec<u32> {
+        let kept: Vec<u32> = pids.into_iter().filter(|&pid| self.filter.keeps_process(&self.names.name(pid, &[]))).collect();
+        self.python.attach_all(kept.iter().copied(), stats);
+        kept
+    }
+
+    /// Tells the eBPF program about the processes attached so far, and has it watch the waits of
+    /// those profiled (a thread that waits from the start on is counted too).
+    fn register_all(&mut self, sampler: &mut Sampler, kept: Vec<u32>) {
         self.python.register_all(sampler);
+        if !self.mode.counts_waits() {
+            return;
+        }
+        for &pid in &kept {
+            if !self.filter.python_only || self.python.is_python(pid) {
+                self.watch_waits(pid, sampler);
+            }
+        }
+        self.baseline = SwitchBaseline::take(self.watching_waits.iter().copied(), monotonic_ns());
     }
 
     pub fn upkeep(&mut self, sampler: &mut Sampler) {
@@ -181,6 +269,9 @@ impl SampleResolver {
     }
 
     fn forget(&mut self, pid: u32, sampler: &mut Sampler) {
+        if self.watching_waits.remove(&pid) {
+            sampler.stop_watching_waits(pid);
+        }
         self.processes.forget(pid);
         self.python.forget(pid, sampler);
         self.symbolizer.forget_process(pid);
@@ -199,9 +290,9 @@ impl SampleResolver {
     /// Attaches to the processes already running (every process, or the sampler's targets),
     /// loads the sampler, registers them, and starts sampling: how `record` and `top` begin.
     pub fn start_sampler(&mut self, options: &SamplerOptions, stats: &mut Stats) -> Result<Sampler> {
-        self.attach_all(options.targets.clone().unwrap_or_else(process::all_pids), stats);
+        let kept = self.attach_all(options.targets.clone().unwrap_or_else(process::all_pids), stats);
         let mut sampler = Sampler::start(options)?;
-        self.register_all(&mut sampler);
+        self.register_all(&mut sampler, kept);
         sampler.start_sampling()?;
         Ok(sampler)
     }
@@ -342,7 +433,8 @@ async fn record(args: &RecordArgs, watched: &Watched, sink: &Arc<ProfileSink>) -
     // Stop signals that came while pyebpf loaded are read here too (see `stop_signals`).
     let mut stops = StopSignals::new().context("read stop signals")?;
     let options = SamplingOptions { marker: !args.no_cache, read_only: args.read_only, max_frames: args.max_python_frames };
-    let mut resolver = SampleResolver::new(options, args.no_native, args.filter.sample_filter(), args.unwind);
+    let mode = args.mode.mode;
+    let mut resolver = SampleResolver::new(options, args.no_native, args.filter.sample_filter(), args.unwind, mode, args.kernel);
     let mut stats = Stats::default();
     let targets = if args.all { None } else { Some(args.pid.clone()) };
     let mut sampler = resolver.start_sampler(
@@ -354,6 +446,8 @@ async fn record(args: &RecordArgs, watched: &Watched, sink: &Arc<ProfileSink>) -
             ring_buffer_kb: args.ring_buffer_kb,
             program_stats: args.stats,
             snapshot_all: args.unwind == UnwindMode::Dwarf,
+            gil: mode == Mode::Gil,
+            off_cpu_min: mode.counts_waits().then(|| Duration::from_micros(args.mode.off_cpu_min_us)),
         },
         &mut stats,
     )?;
@@ -366,6 +460,7 @@ async fn record(args: &RecordArgs, watched: &Watched, sink: &Arc<ProfileSink>) -
         Some(Launched::start(&args.command, output::is_stdout(&args.output))?)
     };
     let mut profile = Profile::new(args.frequency);
+    profile.mode = mode;
     profile.group_by_container = args.group_by == GroupBy::Container;
     let mut started = Instant::now();
     profile.start_unix_ns = unix_now_ns();
@@ -408,6 +503,7 @@ async fn record(args: &RecordArgs, watched: &Watched, sink: &Arc<ProfileSink>) -
     if tokio::time::timeout(Duration::from_millis(20), sampler.read_samples(&mut batch)).await.is_ok() {
         add_samples(&mut batch, &mut resolver, &mut sampler, &mut profile, &mut stats);
     }
+    resolver.count_open_waits(&mut sampler, &mut stats, &mut profile);
     progress.finish();
     let periods = writer.map(PeriodWriter::finish);
     resolver.finish(&mut stats);
@@ -415,6 +511,7 @@ async fn record(args: &RecordArgs, watched: &Watched, sink: &Arc<ProfileSink>) -
     (stats.reader_dropped_batches, stats.reader_dropped_samples) = sampler.reader_drops();
     (stats.program_run_time_ns, stats.program_runs) = sampler.program_run_time().map_or((0, 0), |(time, runs)| (time.as_nanos() as u64, runs));
     stats.own_cpu_ns = own_cpu_ns();
+    (stats.off_cpu.short_intervals, stats.off_cpu.short_ns, stats.off_cpu.unmatched) = sampler.short_waits();
     profile.duration_ns = started.elapsed().as_nanos() as i64;
     Ok((profile, stats, periods))
 }
@@ -449,6 +546,16 @@ fn unwind_copy(unwinder: &mut StackUnwinder, record: &SampleRecord, stats: &mut 
     let unwound = unwinder.unwind(record.tgid, &Snapshot { ip: record.user_stack[0], sp: record.user_sp, bp: record.user_bp, stack });
     stats.count_unwind(&unwound, stack.len(), record.user_status & user_status::SNAPSHOT_FULL != 0, thread_cpu_ns().saturating_sub(started));
     unwound
+}
+
+/// `CLOCK_MONOTONIC` now, the clock of the kernel's `bpf_ktime_get_ns`.
+fn monotonic_ns() -> u64 {
+    let mut now = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime fills the timespec it is given.
+    if unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut now) } != 0 {
+        return 0;
+    }
+    now.tv_sec as u64 * 1_000_000_000 + now.tv_nsec as u64
 }
 
 /// CPU time of the calling thread so far: what one step costs, also on a busy host.

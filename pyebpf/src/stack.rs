@@ -7,6 +7,8 @@ use std::sync::Arc;
 
 use hashbrown::HashMap;
 
+use crate::cli::Mode;
+
 /// A loaded file in a process's address space (one executable mapping of `/proc/PID/maps`).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Module {
@@ -59,6 +61,56 @@ pub enum Frame {
     Python(PythonFrame),
 }
 
+/// What a thread was doing: running, or off CPU and why (from the system call it waited in and
+/// the native frames around it).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum ThreadState {
+    #[default]
+    OnCpu,
+    Sleep,
+    /// A futex or another lock.
+    Lock,
+    /// Reading, writing, polling: waiting on a file, socket or pipe.
+    Io,
+    /// Waiting to take the GIL.
+    Gil,
+    /// Off CPU for another reason (waiting for a child or a signal, another call).
+    Other,
+}
+
+impl ThreadState {
+    /// The label value (`thread_state` in pprof), also the name after `[off-cpu ` in stacks.
+    pub fn name(self) -> &'static str {
+        match self {
+            ThreadState::OnCpu => "on-cpu",
+            ThreadState::Sleep => "sleep",
+            ThreadState::Lock => "lock",
+            ThreadState::Io => "io",
+            ThreadState::Gil => "gil",
+            ThreadState::Other => "other",
+        }
+    }
+
+    pub fn off_cpu(self) -> bool {
+        self != ThreadState::OnCpu
+    }
+}
+
+/// What an aggregated stack adds up to: the samples and intervals that had it, and the time they
+/// stand for in nanoseconds (a sample, its period; an off-CPU interval, its length).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Weight {
+    pub samples: u64,
+    pub ns: u64,
+}
+
+impl std::ops::AddAssign for Weight {
+    fn add_assign(&mut self, other: Weight) {
+        self.samples += other.samples;
+        self.ns = self.ns.saturating_add(other.ns);
+    }
+}
+
 /// Everything that tells one sample's stack apart: the labels pprof keeps plus the frames.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct StackKey {
@@ -72,6 +124,7 @@ pub struct StackKey {
     pub truncated: bool,
     /// Where the process runs (container labels), when known.
     pub labels: Option<Arc<ProcessLabels>>,
+    pub state: ThreadState,
 }
 
 /// Where a process runs: its PID inside its own PID namespace (when that is not the host's) and
@@ -178,6 +231,7 @@ struct StoredStack {
     frames: Box<[FrameId]>,
     truncated: bool,
     labels: Option<Arc<ProcessLabels>>,
+    state: ThreadState,
 }
 
 /// A sample's stack as resolved, borrowing everything: what is looked up (without allocating)
@@ -190,6 +244,7 @@ pub struct SampleStack<'a> {
     pub frames: &'a [FrameId],
     pub truncated: bool,
     pub labels: Option<&'a Arc<ProcessLabels>>,
+    pub state: ThreadState,
 }
 
 impl Hash for SampleStack<'_> {
@@ -201,6 +256,7 @@ impl Hash for SampleStack<'_> {
         self.frames.hash(state);
         self.truncated.hash(state);
         self.labels.map(|labels| &**labels).hash(state);
+        self.state.hash(state);
     }
 }
 
@@ -212,7 +268,15 @@ impl Hash for StoredStack {
 
 impl StoredStack {
     fn as_sample(&self) -> SampleStack<'_> {
-        SampleStack { pid: self.pid, tid: self.tid, comm: &self.comm, frames: &self.frames, truncated: self.truncated, labels: self.labels.as_ref() }
+        SampleStack {
+            pid: self.pid,
+            tid: self.tid,
+            comm: &self.comm,
+            frames: &self.frames,
+            truncated: self.truncated,
+            labels: self.labels.as_ref(),
+            state: self.state,
+        }
     }
 }
 
@@ -221,6 +285,7 @@ impl hashbrown::Equivalent<StoredStack> for SampleStack<'_> {
         self.pid == key.pid
             && self.tid == key.tid
             && self.truncated == key.truncated
+            && self.state == key.state
             && self.frames == &*key.frames
             && (Arc::ptr_eq(self.comm, &key.comm) || self.comm == &key.comm)
             && self.labels.map(|labels| &**labels) == key.labels.as_deref()
@@ -236,6 +301,7 @@ pub struct Stack<'a> {
     pub frames: Frames<'a>,
     pub truncated: bool,
     pub labels: Option<&'a ProcessLabels>,
+    pub state: ThreadState,
 }
 
 /// A stack's frames, innermost first.
@@ -261,11 +327,13 @@ impl<'a> Frames<'a> {
 }
 
 /// Aggregated samples of one recording: each distinct frame once in [`Profile::frames`], each
-/// distinct stack once with its count.
+/// distinct stack once with its weight.
 #[derive(Debug, Default)]
 pub struct Profile {
     pub frames: FrameTable,
-    counts: HashMap<StoredStack, u64>,
+    counts: HashMap<StoredStack, Weight>,
+    /// What the weights measure.
+    pub mode: Mode,
     /// Sampling frequency per CPU, in Hz.
     pub frequency_hz: u64,
     /// Wall-clock start (ns since the Unix epoch) and length of the recording.
@@ -283,7 +351,7 @@ impl Profile {
     /// An empty profile for the next period of a recording: the same settings, and an empty frame
     /// table into which the resolver carries the frames it keeps ids of ([`FrameCarry`]).
     pub fn next_period(&self) -> Profile {
-        Profile { group_by_container: self.group_by_container, ..Profile::new(self.frequency_hz) }
+        Profile { group_by_container: self.group_by_container, mode: self.mode, ..Profile::new(self.frequency_hz) }
     }
 
     /// Starts a new frame table with the frames of this profile's stacks and those `carry_caches`
@@ -300,17 +368,31 @@ impl Profile {
         carry_caches(&mut carry);
     }
 
-    /// Adds an owned stack, interning its frames.
+    /// Adds an owned stack, interning its frames: `count` samples of one period each.
     pub fn add(&mut self, key: StackKey, count: u64) {
+        let weight = Weight { samples: count, ns: count * self.period_ns() };
+        self.add_weighted(key, weight);
+    }
+
+    /// Adds an owned stack with its weight, interning its frames.
+    pub fn add_weighted(&mut self, key: StackKey, weight: Weight) {
         let frames: Vec<FrameId> = key.frames.into_iter().map(|frame| self.frames.intern(frame)).collect();
-        let sample = SampleStack { pid: key.pid, tid: key.tid, comm: &key.comm, frames: &frames, truncated: key.truncated, labels: key.labels.as_ref() };
-        self.add_sample(sample, count);
+        let sample = SampleStack {
+            pid: key.pid,
+            tid: key.tid,
+            comm: &key.comm,
+            frames: &frames,
+            truncated: key.truncated,
+            labels: key.labels.as_ref(),
+            state: key.state,
+        };
+        self.add_sample(sample, weight);
     }
 
     /// Adds a resolved sample; allocates only for a stack not seen before.
-    pub fn add_sample(&mut self, sample: SampleStack<'_>, count: u64) {
+    pub fn add_sample(&mut self, sample: SampleStack<'_>, weight: Weight) {
         if let Some(total) = self.counts.get_mut(&sample) {
-            *total += count;
+            *total += weight;
             return;
         }
         let stored = StoredStack {
@@ -320,13 +402,14 @@ impl Profile {
             frames: sample.frames.into(),
             truncated: sample.truncated,
             labels: sample.labels.cloned(),
+            state: sample.state,
         };
-        self.counts.insert(stored, count);
+        self.counts.insert(stored, weight);
     }
 
-    /// Every aggregated stack with its count, in no particular order.
-    pub fn stacks(&self) -> impl Iterator<Item = (Stack<'_>, u64)> {
-        self.counts.iter().map(|(stored, &count)| {
+    /// Every aggregated stack with its weight, in no particular order.
+    pub fn stacks(&self) -> impl Iterator<Item = (Stack<'_>, Weight)> {
+        self.counts.iter().map(|(stored, &weight)| {
             let stack = Stack {
                 pid: stored.pid,
                 tid: stored.tid,
@@ -334,8 +417,9 @@ impl Profile {
                 frames: Frames { ids: &stored.frames, table: &self.frames },
                 truncated: stored.truncated,
                 labels: stored.labels.as_deref(),
+                state: stored.state,
             };
-            (stack, count)
+            (stack, weight)
         })
     }
 
@@ -354,7 +438,12 @@ impl Profile {
     }
 
     pub fn total_samples(&self) -> u64 {
-        self.counts.values().sum()
+        self.counts.values().map(|weight| weight.samples).sum()
+    }
+
+    /// The time every stack stands for, in nanoseconds.
+    pub fn total_ns(&self) -> u64 {
+        self.counts.values().map(|weight| weight.ns).fold(0, u64::saturating_add)
     }
 
     /// Distinct processes sampled.
@@ -370,10 +459,11 @@ impl Profile {
             start_unix_ns: self.start_unix_ns,
             duration_ns: self.duration_ns,
             group_by_container: self.group_by_container,
+            mode: self.mode,
             ..Default::default()
         };
         let mut ids = Vec::new();
-        for (stored, &count) in &self.counts {
+        for (stored, &weight) in &self.counts {
             ids.clear();
             for &id in &stored.frames {
                 let mut frame = self.frames.frame(id).clone();
@@ -382,7 +472,7 @@ impl Profile {
                 }
                 ids.push(merged.frames.intern(frame));
             }
-            merged.add_sample(SampleStack { frames: &ids, ..stored.as_sample() }, count);
+            merged.add_sample(SampleStack { frames: &ids, ..stored.as_sample() }, weight);
         }
         merged
     }
@@ -398,21 +488,37 @@ mod tests {
 
     #[test]
     fn by_function_merges_stacks_that_differ_only_in_lines() {
-        let key = |line| StackKey { pid: 1, tid: 1, comm: "python3".into(), frames: vec![python(line), python(20)], truncated: false, labels: None };
+        let key = |line| StackKey {
+            pid: 1,
+            tid: 1,
+            comm: "python3".into(),
+            frames: vec![python(line), python(20)],
+            truncated: false,
+            labels: None,
+            state: ThreadState::OnCpu,
+        };
         let mut profile = Profile::new(99);
         profile.add(key(4), 2);
         profile.add(key(5), 3);
         let merged = profile.by_function();
         assert_eq!(merged.frequency_hz, 99);
         assert_eq!(merged.len(), 1);
-        let (key, count) = merged.stacks().next().unwrap();
-        assert_eq!(count, 5);
+        let (key, weight) = merged.stacks().next().unwrap();
+        assert_eq!(weight, Weight { samples: 5, ns: 5 * merged.period_ns() });
         assert!(key.frames.iter().all(|f| matches!(f, Frame::Python(p) if p.line == 0 && p.first_line == 3)));
     }
 
     #[test]
     fn renewed_frames_keep_the_stacks_and_what_is_carried_and_drop_the_rest() {
-        let key = |line| StackKey { pid: 1, tid: 1, comm: "python3".into(), frames: vec![python(line), python(20)], truncated: false, labels: None };
+        let key = |line| StackKey {
+            pid: 1,
+            tid: 1,
+            comm: "python3".into(),
+            frames: vec![python(line), python(20)],
+            truncated: false,
+            labels: None,
+            state: ThreadState::OnCpu,
+        };
         let mut profile = Profile::new(99);
         profile.add(key(4), 2);
         let cached = profile.frames.intern(python(30));
@@ -423,8 +529,8 @@ mod tests {
         assert_ne!(profile.frames.generation(), generation);
         assert_eq!(profile.frames.len(), 3, "the two stack frames and the carried one");
         assert_eq!(profile.frames.frame(carried.unwrap()), &python(30));
-        let (stack, count) = profile.stacks().next().unwrap();
-        assert_eq!(count, 2);
+        let (stack, weight) = profile.stacks().next().unwrap();
+        assert_eq!(weight.samples, 2);
         assert_eq!(stack.frames.iter().cloned().collect::<Vec<_>>(), vec![python(4), python(20)]);
         // Interning again finds the carried frames rather than adding them twice.
         assert_eq!(profile.frames.intern(python(20)), profile.frames.intern(python(20)));

@@ -50,6 +50,22 @@ pub struct Stats {
     /// Stack bytes copied, and CPU time spent unwinding them in userspace (reading files included).
     pub stack_bytes: u64,
     pub unwind_ns: u64,
+    /// `--mode wall` and `off-cpu`.
+    pub off_cpu: OffCpuTotals,
+}
+
+/// Off-CPU intervals of a recording.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct OffCpuTotals {
+    /// Captured with their stacks (those still open at the end included).
+    pub intervals: u64,
+    /// Threads still off CPU when the recording ended, counted up to its end.
+    pub open_at_end: u64,
+    /// Shorter than `--off-cpu-min`: summed in the kernel, without stacks.
+    pub short_intervals: u64,
+    pub short_ns: u64,
+    /// Ended by another system call than the one they began in: not captured.
+    pub unmatched: u64,
 }
 
 /// Processes of unsupported CPythons named in the summary at most.

@@ -4,8 +4,9 @@ use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::sync::Arc;
 
+use crate::cli::Mode;
 use crate::stack::{Frame, Profile};
-use crate::stats::Stats;
+use crate::stats::{OffCpuTotals, Stats};
 
 /// How many Python functions the summary lists.
 const TOP: usize = 5;
@@ -17,7 +18,8 @@ pub struct Function {
     pub filename: Arc<str>,
 }
 
-/// A function's samples: as the innermost Python frame (own) and anywhere on the stack (total).
+/// A function's time in nanoseconds: as the innermost Python frame (own) and anywhere on the
+/// stack (total).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FunctionTime {
     pub function: Function,
@@ -34,12 +36,15 @@ const MAX_RUN_FUNCTIONS: usize = 50_000;
 pub struct RunTotals {
     pub profiles: usize,
     pub samples: u64,
+    /// The time the samples stand for, in nanoseconds.
+    pub ns: u64,
     pub duration_ns: i64,
     pub frequency_hz: u64,
+    pub mode: Mode,
     pids: HashSet<u32>,
-    /// Own and total samples per function.
+    /// Own and total nanoseconds per function.
     functions: HashMap<Function, (u64, u64)>,
-    /// Samples whose innermost function came after [`MAX_RUN_FUNCTIONS`] others.
+    /// Nanoseconds whose innermost function came after [`MAX_RUN_FUNCTIONS`] others.
     uncounted: u64,
     unresolved: u64,
 }
@@ -54,10 +59,12 @@ impl RunTotals {
     pub fn add(&mut self, profile: &Profile) {
         self.profiles += 1;
         self.samples += profile.total_samples();
+        self.ns = self.ns.saturating_add(profile.total_ns());
         self.duration_ns += profile.duration_ns;
         self.frequency_hz = profile.frequency_hz;
+        self.mode = profile.mode;
         self.pids.extend(profile.stacks().map(|(key, _)| key.pid));
-        self.unresolved += profile.stacks().filter(|(key, _)| key.frames.is_empty()).map(|(_, count)| count).sum::<u64>();
+        self.unresolved += profile.stacks().filter(|(key, _)| key.frames.is_empty()).map(|(_, weight)| weight.samples).sum::<u64>();
         self.uncounted += add_python_functions(profile, &mut self.functions, MAX_RUN_FUNCTIONS);
     }
 
@@ -70,13 +77,18 @@ impl RunTotals {
 pub struct Summary {
     pub duration_s: f64,
     pub samples: u64,
+    /// Nanoseconds the samples stand for: the whole of the shares.
+    pub ns: u64,
     pub frequency_hz: u64,
+    pub mode: Mode,
     pub processes: usize,
     pub python_processes: u64,
-    /// The hottest Python functions by own samples (those with any), at most [`TOP`].
+    /// The hottest Python functions by own time (those with any), at most [`TOP`].
     pub top: Vec<FunctionTime>,
-    /// Samples in functions the summary had no room for (a run naming more than [`MAX_RUN_FUNCTIONS`]).
+    /// Nanoseconds in functions the summary had no room for (a run naming more than [`MAX_RUN_FUNCTIONS`]).
     pub uncounted: u64,
+    /// Off-CPU intervals: captured with stacks, and summed without (shorter than `--off-cpu-min`).
+    pub off_cpu: OffCpuTotals,
     pub lost: u64,
     /// Python stacks cut where the chain could not be proven.
     pub truncated: u64,
@@ -95,7 +107,10 @@ impl Summary {
         Summary {
             duration_s: totals.duration_ns as f64 / 1e9,
             samples: totals.samples,
+            ns: totals.ns,
             frequency_hz: totals.frequency_hz,
+            mode: totals.mode,
+            off_cpu: stats.off_cpu,
             processes: totals.processes(),
             python_processes: stats.python_processes,
             top: sorted_functions(totals.functions).into_iter().filter(|time| time.own > 0).take(TOP).collect(),
@@ -111,13 +126,14 @@ impl Summary {
     }
 }
 
-/// Adds the profile's samples to each Python function's own samples (as the innermost Python
-/// frame) and total (anywhere on the stack; a recursive function counts once per sample), counting
-/// at most `max` functions; returns the samples whose innermost function found no room.
+/// Adds the profile's time to each Python function's own time (as the innermost Python frame) and
+/// total (anywhere on the stack; a recursive function counts once per sample), counting at most
+/// `max` functions; returns the nanoseconds whose innermost function found no room.
 fn add_python_functions(profile: &Profile, times: &mut HashMap<Function, (u64, u64)>, max: usize) -> u64 {
     let mut uncounted = 0;
     let mut seen = HashSet::new();
-    for (key, count) in profile.stacks() {
+    for (key, weight) in profile.stacks() {
+        let count = weight.ns;
         seen.clear();
         let mut innermost = true;
         for frame in key.frames.iter() {
@@ -169,24 +185,42 @@ impl fmt::Display for Summary {
             "  {:.1} s at {} Hz, {} samples, {} processes ({} Python)",
             self.duration_s, self.frequency_hz, self.samples, self.processes, self.python_processes
         )?;
+        if self.mode != Mode::Cpu {
+            writeln!(f, "  {}: {:.3} s in all", self.mode.measures(), self.ns as f64 / 1e9)?;
+        }
+        if self.mode.counts_waits() {
+            let o = &self.off_cpu;
+            writeln!(
+                f,
+                "  off CPU: {} intervals with stacks ({} still waiting at the end), {} shorter than --off-cpu-min summed without ({:.3} s)",
+                o.intervals,
+                o.open_at_end,
+                o.short_intervals,
+                o.short_ns as f64 / 1e9
+            )?;
+        }
         if self.top.is_empty() {
             writeln!(f, "  no Python frames were sampled")?;
-        } else {
+        } else if self.mode == Mode::Cpu {
             writeln!(f, "  top Python functions by own time (share of all samples):")?;
+        } else {
+            writeln!(f, "  top Python functions by own {} (share of all of it):", self.mode.measures())?;
+        }
+        if !self.top.is_empty() {
             writeln!(f, "     own   total  function")?;
             for time in &self.top {
                 writeln!(
                     f,
                     "  {:>5.1}%  {:>5.1}%  {} ({})",
-                    share(time.own, self.samples),
-                    share(time.total, self.samples),
+                    share(time.own, self.ns),
+                    share(time.total, self.ns),
                     time.function.qualname,
                     time.function.filename
                 )?;
             }
         }
         if self.uncounted > 0 {
-            writeln!(f, "  ({} samples are in functions beyond the first {MAX_RUN_FUNCTIONS} and not listed)", self.uncounted)?;
+            writeln!(f, "  ({:.3} s are in functions beyond the first {MAX_RUN_FUNCTIONS} and not listed)", self.uncounted as f64 / 1e9)?;
         }
         if !self.unsupported_pythons.is_empty() {
             let more = match self.more_unsupported_pythons {
@@ -208,6 +242,9 @@ mod tests {
     use super::*;
     use crate::output::test_profile::{key, python, sample_profile};
 
+    /// Nanoseconds of one sample at the test profiles' 100 Hz.
+    const PERIOD: u64 = 10_000_000;
+
     #[test]
     fn own_time_is_the_innermost_python_frame_and_total_counts_recursion_once() {
         let mut profile = sample_profile();
@@ -215,11 +252,11 @@ mod tests {
         let frames = vec![python("helper", "/w.py", 1, 2), python("work", "/w.py", 5, 6), python("work", "/w.py", 5, 7)];
         profile.add(key(300, 300, "py", frames), 4);
         let functions = sorted_functions(RunTotals::of(&profile).functions);
-        let find = |name: &str| functions.iter().find(|f| &*f.function.qualname == name).unwrap().clone();
-        assert_eq!((find("Worker.compute").own, find("Worker.compute").total), (10, 10));
-        assert_eq!((find("main").own, find("main").total), (0, 10));
-        assert_eq!((find("helper").own, find("helper").total), (4, 4));
-        assert_eq!((find("work").own, find("work").total), (0, 4));
+        let find = |name: &str| functions.iter().find(|f| &*f.function.qualname == name).map(|f| (f.own / PERIOD, f.total / PERIOD)).unwrap();
+        assert_eq!(find("Worker.compute"), (10, 10));
+        assert_eq!(find("main"), (0, 10));
+        assert_eq!(find("helper"), (4, 4));
+        assert_eq!(find("work"), (0, 4));
         assert_eq!(&*functions[0].function.qualname, "Worker.compute");
     }
 
@@ -232,7 +269,7 @@ mod tests {
         totals.add(&second);
         assert_eq!((totals.profiles, totals.samples, totals.duration_ns, totals.processes()), (2, 21, 3_000_000_000, 3));
         let functions = sorted_functions(std::mem::take(&mut totals.functions));
-        let times: Vec<(&str, u64, u64)> = functions.iter().map(|f| (&*f.function.qualname, f.own, f.total)).collect();
+        let times: Vec<(&str, u64, u64)> = functions.iter().map(|f| (&*f.function.qualname, f.own / PERIOD, f.total / PERIOD)).collect();
         assert_eq!(times, [("Worker.compute", 10, 10), ("late", 6, 6), ("main", 0, 16)]);
 
         // Room for one function: `late` is new and innermost, so its samples are counted apart;
@@ -241,9 +278,9 @@ mod tests {
         first.add(key(300, 300, "py", vec![python("main", "/srv/work.py", 30, 33)]), 1);
         let mut bounded = HashMap::new();
         assert_eq!(add_python_functions(&first, &mut bounded, 1), 0);
-        assert_eq!(add_python_functions(&second, &mut bounded, 1), 6);
+        assert_eq!(add_python_functions(&second, &mut bounded, 1), 6 * PERIOD);
         assert_eq!(bounded.len(), 1);
-        assert_eq!(bounded[&Function { qualname: "main".into(), filename: "/srv/work.py".into() }], (1, 7));
+        assert_eq!(bounded[&Function { qualname: "main".into(), filename: "/srv/work.py".into() }], (PERIOD, 7 * PERIOD));
     }
 
     #[test]

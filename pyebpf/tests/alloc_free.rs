@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use pyebpf::bpf::{Sampler, SamplerOptions};
-use pyebpf::cli::UnwindMode;
+use pyebpf::cli::{Mode, UnwindMode};
 use pyebpf::filter::SampleFilter;
 use pyebpf::python_sampling::SamplingOptions;
 use pyebpf::reader::{Record, RecordBatch};
@@ -128,7 +128,7 @@ fn replay(marker: bool, keep: impl Fn(&SampleRecord) -> bool) -> (u64, usize, Pr
     let deep = Deep::start();
     let pid = deep.child.id();
     let options = SamplingOptions { marker, read_only: false, max_frames: 512 };
-    let mut resolver = SampleResolver::new(options, false, SampleFilter::default(), UnwindMode::Auto);
+    let mut resolver = SampleResolver::new(options, false, SampleFilter::default(), UnwindMode::Auto, Mode::Cpu, true);
     let mut stats = Stats::default();
     let mut sampler = resolver
         .start_sampler(
@@ -140,6 +140,8 @@ fn replay(marker: bool, keep: impl Fn(&SampleRecord) -> bool) -> (u64, usize, Pr
                 ring_buffer_kb: 4096,
                 program_stats: false,
                 snapshot_all: false,
+                gil: false,
+                off_cpu_min: None,
             },
             &mut stats,
         )

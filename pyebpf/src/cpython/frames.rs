@@ -3,6 +3,8 @@
 
 use std::collections::HashSet;
 
+use pyebpf_common::PyFrameRecord;
+
 use crate::chain::{FrameLink, LinkReader};
 use crate::stack::PythonFrame;
 
@@ -99,6 +101,39 @@ impl<M: ReadMemory> PyProcess<M> {
             walk.links.push(link);
         }
         Ok(walk)
+    }
+}
+
+impl<M: ReadMemory> PyProcess<M> {
+    /// The chain from `frame` as the eBPF program records it (raw fields, each code object's
+    /// identity read now) into `out`, innermost first; returns the frames written and whether the
+    /// chain ended within them. For a thread that cannot have run since (off CPU throughout).
+    pub fn frame_records(&mut self, frame: u64, out: &mut [PyFrameRecord]) -> Result<(usize, bool), PyError> {
+        let o = &self.offsets;
+        let mut seen = HashSet::new();
+        let mut addr = frame;
+        for (written, slot) in out.iter_mut().enumerate() {
+            if addr == 0 {
+                return Ok((written, true));
+            }
+            if !seen.insert(addr) {
+                return Err(PyError::Chain(format!("frame chain loops back to frame {addr:#x}")));
+            }
+            let buf = self.mem.read_vec(addr, self.frame_read_len())?;
+            let byte = |at: u64| usize::try_from(at).ok().and_then(|at| buf.get(at)).copied().unwrap_or(0);
+            let entry = o.frame_is_entry.is_some_and(|at| byte(at) != 0);
+            let owner = o.frame_owner.map_or(0, byte) & 7 | if entry { pyebpf_common::ENTRY_FLAG } else { 0 };
+            let code = field_u64(&buf, o.frame_executable) & !o.executable_tag_mask;
+            *slot = PyFrameRecord {
+                addr_owner: addr | u64::from(owner),
+                code,
+                instr_ptr: field_u64(&buf, o.frame_instr_ptr),
+                code_version: if code == 0 { 0 } else { self.code_version(code)? },
+                _pad: 0,
+            };
+            addr = field_u64(&buf, o.frame_previous);
+        }
+        Ok((out.len(), addr == 0))
     }
 }
 

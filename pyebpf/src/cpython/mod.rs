@@ -326,7 +326,10 @@ impl<M: ReadMemory> PyProcess<M> {
             code_version,
             code_fingerprint,
             str_hash,
-            _pad: 0,
+            runtime_gil_holder: o.runtime_gil_holder.map_or(0, |at| self.runtime.wrapping_add(at)),
+            interp_ceval_gil: if o.runtime_gil_holder.is_some() { NO_OFFSET } else { narrow(o.interp_ceval_gil) },
+            gil_locked: narrow(o.gil_locked),
+            gil_holder: narrow(o.gil_holder),
             frame_window: narrow(
                 o.frame_previous
                     .max(o.frame_executable)

@@ -1,12 +1,13 @@
 //! Collapsed stacks, the input of flamegraph.pl and inferno: one line per distinct stack,
-//! `ROOT;...;LEAF COUNT`, with the root frame `COMM (PID)`.
+//! `ROOT;...;LEAF VALUE`, with the root frame `COMM (PID)`. The value is a sample count, or with
+//! `--mode wall` and `off-cpu` microseconds, and off-CPU stacks end in `[off-cpu REASON]`.
 
 use std::collections::BTreeMap;
 use std::io::{self, Write};
 
 use crate::stack::{Profile, Stack};
 
-use super::{frame_name, process_frame, thread_frame, TRUNCATED_FRAME};
+use super::{frame_name, process_frame, state_frame, text_value, thread_frame, TRUNCATED_FRAME};
 
 pub(super) fn write(profile: &Profile, threads: bool, out: &mut impl Write) -> io::Result<()> {
     for (stack, count) in merged_lines(profile, threads) {
@@ -15,11 +16,15 @@ pub(super) fn write(profile: &Profile, threads: bool, out: &mut impl Write) -> i
     Ok(())
 }
 
-/// Rendered stacks with their counts; unless `threads`, threads of one process that share a stack
+/// Rendered stacks with their values; unless `threads`, threads of one process that share a stack
 /// become one line. Sorted, so equal profiles give byte-equal files.
 pub(super) fn merged_lines(profile: &Profile, threads: bool) -> BTreeMap<String, u64> {
     let mut lines = BTreeMap::new();
-    for (key, count) in profile.stacks() {
+    for (key, weight) in profile.stacks() {
+        let count = text_value(profile, weight);
+        if count == 0 {
+            continue;
+        }
         let mut line = render_stack(&key, threads);
         if profile.group_by_container {
             line.insert_str(0, &format!("{};", sanitize(&container_frame(&key))));
@@ -50,6 +55,10 @@ fn render_stack(key: &Stack<'_>, threads: bool) -> String {
     for frame in key.frames.iter().rev() {
         line.push(';');
         line.push_str(&sanitize(&frame_name(frame)));
+    }
+    if let Some(state) = state_frame(key.state) {
+        line.push(';');
+        line.push_str(&state);
     }
     line
 }

@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 use thiserror::Error;
 
 use crate::cli::OutputFormat;
-use crate::stack::{Frame, KernelFrame, NativeFrame, Profile, PythonFrame, Stack};
+use crate::stack::{Frame, KernelFrame, NativeFrame, Profile, PythonFrame, Stack, ThreadState, Weight};
 
 use destination::{Destination, STDOUT};
 
@@ -54,6 +54,31 @@ pub struct Rendering {
 
 /// Stands right under the process (and thread) in stacks whose Python chain was cut, so they stay apart.
 pub(crate) const TRUNCATED_FRAME: &str = "[truncated]";
+
+/// The leaf of an off-CPU stack: why the thread waited (`[off-cpu lock]`), so waits stand apart
+/// from the time on CPU in flame graphs.
+pub(crate) fn state_frame(state: ThreadState) -> Option<String> {
+    state.off_cpu().then(|| format!("[off-cpu {}]", state.name()))
+}
+
+/// A stack's value in the text formats (collapsed, SVG): samples where the profile measures CPU
+/// time, microseconds where it measures waits too (they are not samples of one period).
+pub(crate) fn text_value(profile: &Profile, weight: Weight) -> u64 {
+    if profile.mode.counts_waits() {
+        (weight.ns + 500) / 1000
+    } else {
+        weight.samples
+    }
+}
+
+/// The unit of [`text_value`].
+pub(crate) fn text_unit(profile: &Profile) -> &'static str {
+    if profile.mode.counts_waits() {
+        "microseconds"
+    } else {
+        "samples"
+    }
+}
 
 /// The root frame of a process's stacks.
 pub(crate) fn process_frame(key: &Stack<'_>) -> String {
@@ -286,7 +311,7 @@ pub(crate) mod test_profile {
     }
 
     pub fn key(pid: u32, tid: u32, comm: &str, frames: Vec<Frame>) -> StackKey {
-        StackKey { pid, tid, comm: comm.into(), frames, truncated: false, labels: None }
+        StackKey { pid, tid, comm: comm.into(), frames, truncated: false, labels: None, state: crate::stack::ThreadState::OnCpu }
     }
 
     /// Process `app` (pid 100, two threads) runs Python over native code and the kernel; the

@@ -3,7 +3,9 @@
 //! Each sample carries its process and thread as labels (`pid`, `tid`, `comm`), so the `COMM (PID)`
 //! root frame of the collapsed format is not needed. Python frames become locations without a
 //! mapping, one per (code object, line); kernel frames live in a `[kernel.kallsyms]` mapping and are
-//! named `SYMBOL_[k]` so they stand out in `-top` and `-traces`.
+//! named `SYMBOL_[k]` so they stand out in `-top` and `-traces`. Outside `--mode cpu`, each sample
+//! is also labelled with its `thread_state` (on-cpu, or why it waited), and carries the time it
+//! stands for as `cpu`, `off_cpu` and (wall mode) `wall` nanoseconds.
 
 use std::collections::HashMap;
 use std::io::{self, Write};
@@ -13,7 +15,8 @@ use flate2::write::GzEncoder;
 use flate2::Compression;
 use prost::Message;
 
-use crate::stack::{Frame, KernelFrame, Module, NativeFrame, Profile, PythonFrame, Stack};
+use crate::cli::Mode;
+use crate::stack::{Frame, KernelFrame, Module, NativeFrame, Profile, PythonFrame, Stack, Weight};
 
 use super::{kernel_name, native_name};
 
@@ -38,15 +41,19 @@ fn build(profile: &Profile) -> proto::Profile {
     let mut builder = Builder::default();
     // Index 0 of the string table must be the empty string.
     builder.string("");
-    let samples = builder.value_type("samples", "count");
+    let values = Values::of(profile.mode);
+    let sample_type: Vec<proto::ValueType> = values.types().iter().map(|(kind, unit)| builder.value_type(kind, unit)).collect();
     let cpu = builder.value_type("cpu", "nanoseconds");
     let period = to_i64(profile.period_ns());
     let mut keys: Vec<_> = profile.stacks().collect();
     // A stable sample order keeps the file the same for the same profile.
-    keys.sort_by_key(|(key, _)| (key.pid, key.tid));
-    let sample = keys.into_iter().map(|(key, count)| builder.sample(&key, count, period)).collect();
+    keys.sort_by_key(|(key, _)| (key.pid, key.tid, key.state));
+    let sample = keys.into_iter().map(|(key, weight)| builder.sample(&key, values.of_sample(&key, weight), profile.mode != Mode::Cpu)).collect();
+    // Readers show the last sample type unless told: wall time in wall mode.
+    let default_sample_type = sample_type.last().map_or(0, |last| last.r#type);
     proto::Profile {
-        sample_type: vec![samples, cpu],
+        sample_type,
+        default_sample_type,
         sample,
         time_nanos: profile.start_unix_ns,
         duration_nanos: profile.duration_ns,
@@ -57,6 +64,44 @@ fn build(profile: &Profile) -> proto::Profile {
         function: builder.functions,
         string_table: builder.strings,
         ..Default::default()
+    }
+}
+
+/// The values each sample carries, by mode: `samples/count` and the time it stands for.
+enum Values {
+    /// `cpu/nanoseconds` (cpu and gil modes).
+    Cpu,
+    /// `off_cpu/nanoseconds`.
+    OffCpu,
+    /// `cpu`, `off_cpu` and `wall` nanoseconds: a sample counts in cpu and wall, an off-CPU
+    /// interval in off_cpu and wall, so each thread's wall time is its cpu plus off_cpu time.
+    Wall,
+}
+
+impl Values {
+    fn of(mode: Mode) -> Values {
+        match mode {
+            Mode::Cpu | Mode::Gil => Values::Cpu,
+            Mode::OffCpu => Values::OffCpu,
+            Mode::Wall => Values::Wall,
+        }
+    }
+
+    fn types(&self) -> &'static [(&'static str, &'static str)] {
+        match self {
+            Values::Cpu => &[("samples", "count"), ("cpu", "nanoseconds")],
+            Values::OffCpu => &[("samples", "count"), ("off_cpu", "nanoseconds")],
+            Values::Wall => &[("samples", "count"), ("cpu", "nanoseconds"), ("off_cpu", "nanoseconds"), ("wall", "nanoseconds")],
+        }
+    }
+
+    fn of_sample(&self, key: &Stack<'_>, weight: Weight) -> Vec<i64> {
+        let (samples, ns) = (to_i64(weight.samples), to_i64(weight.ns));
+        match self {
+            Values::Cpu | Values::OffCpu => vec![samples, ns],
+            Values::Wall if key.state.off_cpu() => vec![samples, 0, ns, ns],
+            Values::Wall => vec![samples, ns, 0, ns],
+        }
     }
 }
 
@@ -122,9 +167,8 @@ impl Builder {
         proto::ValueType { r#type: self.string(kind), unit: self.string(unit) }
     }
 
-    fn sample(&mut self, key: &Stack<'_>, count: u64, period: i64) -> proto::Sample {
+    fn sample(&mut self, key: &Stack<'_>, value: Vec<i64>, state_label: bool) -> proto::Sample {
         let location_id = key.frames.iter().map(|frame| self.location(frame)).collect();
-        let count = to_i64(count);
         let mut label = vec![self.number_label("pid", key.pid.into()), self.number_label("tid", key.tid.into()), self.string_label("comm", key.comm)];
         if let Some(labels) = key.labels {
             if let Some(ns_pid) = labels.ns_pid {
@@ -138,7 +182,10 @@ impl Builder {
             // The Python chain was cut where it could not be proven: callers beyond are missing.
             label.push(self.string_label("python_chain", "truncated"));
         }
-        proto::Sample { location_id, value: vec![count, count.saturating_mul(period)], label }
+        if state_label {
+            label.push(self.string_label("thread_state", key.state.name()));
+        }
+        proto::Sample { location_id, value, label }
     }
 
     fn number_label(&mut self, name: &str, num: i64) -> proto::Label {

@@ -9,7 +9,7 @@ use serde::Serialize;
 
 use crate::stack::{Frame, Profile, Stack};
 
-use super::{frame_name, process_frame, thread_frame, Rendering, TRUNCATED_FRAME};
+use super::{frame_name, process_frame, state_frame, thread_frame, Rendering, TRUNCATED_FRAME};
 
 const SCHEMA: &str = "https://www.speedscope.app/file-format-schema.json";
 
@@ -66,20 +66,19 @@ fn file(profile: &Profile, rendering: &Rendering) -> File {
     let mut frames = FrameTable::default();
     // (pid, tid or 0) -> profile name and samples per stack; sorted, so output is stable.
     let mut grouped: BTreeMap<(u32, u32), (String, StackCounts)> = BTreeMap::new();
-    for (key, count) in profile.stacks() {
+    for (key, weight) in profile.stacks() {
         let (group, name) = if rendering.threads {
             ((key.pid, key.tid), format!("{} {}", process_frame(&key), thread_frame(key.tid)))
         } else {
             ((key.pid, 0), process_frame(&key))
         };
         let stacks = &mut grouped.entry(group).or_insert_with(|| (name, BTreeMap::new())).1;
-        *stacks.entry(frames.stack(&key)).or_insert(0) += count;
+        *stacks.entry(frames.stack(&key)).or_insert(0) += weight.ns;
     }
-    let period = profile.period_ns();
     let profiles: Vec<SampledProfile> = grouped
         .into_values()
         .map(|(name, stacks)| {
-            let (samples, weights): (Vec<_>, Vec<_>) = stacks.into_iter().map(|(stack, count)| (stack, count * period)).unzip();
+            let (samples, weights): (Vec<_>, Vec<_>) = stacks.into_iter().unzip();
             let end_value = weights.iter().sum();
             SampledProfile { kind: "sampled", name, unit: "nanoseconds", start_value: 0, end_value, samples, weights }
         })
@@ -119,6 +118,9 @@ impl FrameTable {
             stack.push(self.intern(FrameEntry { name: TRUNCATED_FRAME.to_string(), file: None, line: None }));
         }
         stack.extend(key.frames.iter().rev().map(|frame| self.intern(entry(frame))));
+        if let Some(state) = state_frame(key.state) {
+            stack.push(self.intern(FrameEntry { name: state, file: None, line: None }));
+        }
         stack
     }
 }
@@ -152,6 +154,7 @@ mod tests {
             frames: stack.frames.iter().cloned().collect(),
             truncated: true,
             labels: stack.labels.cloned().map(Arc::new),
+            state: stack.state,
         };
         profile.add(truncated, 1);
         let mut out = Vec::new();

@@ -11,7 +11,7 @@ use inferno::flamegraph::{self, Options};
 use crate::stack::{Frame, Profile};
 
 use super::collapsed::{merged_lines, sanitize};
-use super::{frame_name, process_frame, thread_frame, Rendering, TRUNCATED_FRAME};
+use super::{frame_name, process_frame, state_frame, text_unit, thread_frame, Rendering, TRUNCATED_FRAME};
 
 pub(super) fn write(profile: &Profile, rendering: &Rendering, out: &mut dyn Write) -> io::Result<()> {
     let lines = merged_lines(profile, rendering.threads);
@@ -20,7 +20,7 @@ pub(super) fn write(profile: &Profile, rendering: &Rendering, out: &mut dyn Writ
     let mut options = Options::default();
     options.title = rendering.title.clone();
     options.subtitle = Some(subtitle(profile));
-    options.count_name = "samples".to_string();
+    options.count_name = text_unit(profile).to_string();
     options.palette_map = Some(&mut palette);
     options.deterministic = true;
     flamegraph::from_lines(&mut options, rendered.iter().map(String::as_str), out)
@@ -28,10 +28,12 @@ pub(super) fn write(profile: &Profile, rendering: &Rendering, out: &mut dyn Writ
 
 fn subtitle(profile: &Profile) -> String {
     format!(
-        "{:.1} s, {} samples at {} Hz. Python frames blue, native red, kernel orange",
+        "{}: {:.1} s, {} samples at {} Hz{}. Python frames blue, native red, kernel orange",
+        profile.mode.measures(),
         profile.duration_ns as f64 / 1e9,
         profile.total_samples(),
-        profile.frequency_hz
+        profile.frequency_hz,
+        if profile.mode.counts_waits() { " and off-CPU intervals, widths in microseconds" } else { "" }
     )
 }
 
@@ -55,6 +57,9 @@ fn palette(profile: &Profile, threads: bool) -> PaletteMap {
     add(TRUNCATED_FRAME.to_string(), Kind::Grouping);
     for (key, _) in profile.stacks() {
         add(sanitize(&process_frame(&key)), Kind::Grouping);
+        if let Some(state) = state_frame(key.state) {
+            add(state, Kind::Grouping);
+        }
         if threads {
             add(thread_frame(key.tid), Kind::Grouping);
         }

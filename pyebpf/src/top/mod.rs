@@ -11,7 +11,7 @@ use anyhow::{Context, Result};
 use ratatui::crossterm::event::{Event, KeyCode, KeyEvent, KeyEventKind, KeyModifiers};
 
 use crate::bpf::{check_privileges, SamplerOptions};
-use crate::cli::{TopArgs, UnwindMode, DEFAULT_MAX_PYTHON_FRAMES, DEFAULT_RING_BUFFER_KB};
+use crate::cli::{Mode, TopArgs, UnwindMode, DEFAULT_MAX_PYTHON_FRAMES, DEFAULT_RING_BUFFER_KB};
 use crate::process::{self, Watched};
 use crate::python_sampling::SamplingOptions;
 use crate::reader::RecordBatch;
@@ -100,7 +100,8 @@ pub fn run(args: TopArgs) -> Result<()> {
 async fn top(args: &TopArgs) -> Result<()> {
     let mut stops = StopSignals::new().context("read stop signals")?;
     let options = SamplingOptions { marker: true, read_only: args.read_only, max_frames: DEFAULT_MAX_PYTHON_FRAMES };
-    let mut resolver = SampleResolver::new(options, false, args.filter.sample_filter(), UnwindMode::Auto);
+    let mode = args.mode.mode;
+    let mut resolver = SampleResolver::new(options, false, args.filter.sample_filter(), UnwindMode::Auto, mode, false);
     let mut stats = Stats::default();
     let targets = (!args.pid.is_empty()).then(|| args.pid.clone());
     let sampler_options = SamplerOptions {
@@ -111,6 +112,8 @@ async fn top(args: &TopArgs) -> Result<()> {
         ring_buffer_kb: DEFAULT_RING_BUFFER_KB,
         program_stats: false,
         snapshot_all: false,
+        gil: mode == Mode::Gil,
+        off_cpu_min: mode.counts_waits().then(|| std::time::Duration::from_micros(args.mode.off_cpu_min_us)),
     };
     let mut sampler = resolver.start_sampler(&sampler_options, &mut stats)?;
     // The screen is taken only once sampling runs, so a failure to load says so on the normal screen.
@@ -119,6 +122,9 @@ async fn top(args: &TopArgs) -> Result<()> {
     let mut view = View::new(args.frequency, describe_targets(args));
     screen.draw(&view)?;
     let mut tally = Tally::default();
+    // A sample stands for one period; the next windows keep the frequency and mode.
+    tally.window_mut().frequency_hz = args.frequency;
+    tally.window_mut().mode = mode;
     let mut refresh = tokio::time::interval_at(tokio::time::Instant::now() + REFRESH, REFRESH);
     let mut upkeep = tokio::time::interval(TICK);
     let mut batch = RecordBatch::default();

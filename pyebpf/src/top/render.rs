@@ -74,25 +74,20 @@ fn draw_table(frame: &mut Frame, area: Rect, view: &View) {
         }
     }))
     .bold();
-    let seconds_per_sample = 1.0 / view.frequency_hz.max(1) as f64;
-    let rows = view
-        .shown
-        .rows(view.frames)
-        .iter()
-        .take(area.height.saturating_sub(1) as usize)
-        .map(|row| table_row(row, view.shown.samples, seconds_per_sample, location_width));
+    let rows = view.shown.rows(view.frames).iter().take(area.height.saturating_sub(1) as usize).map(|row| table_row(row, view.shown.ns, location_width));
     frame.render_widget(Table::new(rows, widths).header(header).column_spacing(1), area);
 }
 
-fn table_row(row: &Row, samples: u64, seconds_per_sample: f64, location_width: usize) -> TableRow<'static> {
-    let share = |count: u64| if samples == 0 { 0.0 } else { 100.0 * count as f64 / samples as f64 };
+fn table_row(row: &Row, window_ns: u64, location_width: usize) -> TableRow<'static> {
+    let share = |ns: u64| if window_ns == 0 { 0.0 } else { 100.0 * ns as f64 / window_ns as f64 };
+    let seconds = |ns: u64| ns as f64 / 1e9;
     let function = &row.function;
     let name = Cell::from(function.name.to_string()).style(if function.python { Style::new().fg(Color::Cyan) } else { Style::new() });
     TableRow::new([
         Cell::from(format!("{:>5.1}", share(row.own))),
         Cell::from(format!("{:>5.1}", share(row.total))),
-        Cell::from(format!("{:>7.2}", row.own_so_far as f64 * seconds_per_sample)),
-        Cell::from(format!("{:>7.2}", row.total_so_far as f64 * seconds_per_sample)),
+        Cell::from(format!("{:>7.2}", seconds(row.own_so_far))),
+        Cell::from(format!("{:>7.2}", seconds(row.total_so_far))),
         name,
         Cell::from(keep_end(&function.location, location_width)),
         Cell::from(format!("{} {}", function.comm, function.pid)),

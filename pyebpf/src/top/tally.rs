@@ -73,7 +73,8 @@ impl Function {
     }
 }
 
-/// A function's samples in the window just ended, and since top started.
+/// A function's time in nanoseconds (samples on CPU, intervals off it) in the window just ended,
+/// and since top started.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Row {
     pub function: Function,
@@ -86,8 +87,9 @@ pub struct Row {
 /// What one window gave, in both frame views, so switching views needs no new window.
 #[derive(Clone, Debug, Default)]
 pub struct Snapshot {
-    /// Every sample the window kept, with or without rows.
+    /// Every sample the window kept, with or without rows, and the nanoseconds they stand for.
     pub samples: u64,
+    pub ns: u64,
     /// Indexed by [`FrameView::index`].
     rows: [Vec<Row>; 2],
 }
@@ -139,7 +141,7 @@ impl Tally {
         self.windows += 1;
         let next = self.window.next_period();
         let mut window = std::mem::replace(&mut self.window, next);
-        let mut snapshot = Snapshot { samples: window.total_samples(), rows: Default::default() };
+        let mut snapshot = Snapshot { samples: window.total_samples(), ns: window.total_ns(), rows: Default::default() };
         for view in [FrameView::Merged, FrameView::PythonOnly] {
             let counts = window_counts(&window, view);
             let so_far = &mut self.so_far[view.index()];
@@ -165,11 +167,12 @@ impl Tally {
     }
 }
 
-/// Own and total samples per function of one window, in one view.
+/// Own and total nanoseconds per function of one window, in one view.
 fn window_counts(window: &Profile, view: FrameView) -> HashMap<Function, (u64, u64)> {
     let mut counts: HashMap<Function, (u64, u64)> = HashMap::new();
     let mut seen = HashSet::new();
-    for (stack, count) in window.stacks() {
+    for (stack, weight) in window.stacks() {
+        let count = weight.ns;
         seen.clear();
         let frames = stack.frames.iter().filter(|frame| view == FrameView::Merged || matches!(frame, Frame::Python(_)));
         for (depth, frame) in frames.enumerate() {
@@ -201,8 +204,11 @@ mod tests {
         }
     }
 
-    fn find<'a>(rows: &'a [Row], name: &str) -> &'a Row {
-        rows.iter().find(|row| &*row.function.name == name).unwrap_or_else(|| panic!("no row {name}: {rows:?}"))
+    /// The row of `name`, its times in samples (a test window's sample stands for a second).
+    fn find(rows: &[Row], name: &str) -> Row {
+        let row = rows.iter().find(|row| &*row.function.name == name).unwrap_or_else(|| panic!("no row {name}: {rows:?}"));
+        let samples = |ns: u64| ns / 1_000_000_000;
+        Row { own: samples(row.own), total: samples(row.total), own_so_far: samples(row.own_so_far), total_so_far: samples(row.total_so_far), ..row.clone() }
     }
 
     /// 6 samples in `leaf` (under a native eval frame, called by `main`, recursion counted once),
@@ -249,7 +255,7 @@ mod tests {
             tally.end_window();
         }
         add(&mut tally, vec![python("main", "/w.py", 8, 9)], 1);
-        let main = tally.end_window().rows(FrameView::PythonOnly)[0].clone();
+        let main = find(tally.end_window().rows(FrameView::PythonOnly), "main");
         assert_eq!((main.own_so_far, main.total_so_far), (1, 1), "main was forgotten after idling");
     }
 
@@ -261,7 +267,7 @@ mod tests {
         assert_eq!(names(&snapshot), ["leaf", "main"]);
         snapshot.sort(SortBy::Total);
         assert_eq!(names(&snapshot), ["main", "leaf"]);
-        let merged: Vec<_> = snapshot.rows(FrameView::Merged).iter().map(|row| (row.function.name.to_string(), row.total)).collect();
+        let merged: Vec<_> = snapshot.rows(FrameView::Merged).iter().map(|row| (row.function.name.to_string(), row.total / 1_000_000_000)).collect();
         assert_eq!(&merged[..2], [("_PyEval_EvalFrameDefault".to_string(), 9), ("main".to_string(), 9)]);
     }
 

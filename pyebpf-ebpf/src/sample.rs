@@ -1,0 +1,23 @@
+//! The perf-event sampler: on every CPU, a sample of whatever thread runs there.
+
+use aya_ebpf::{helpers::bpf_get_current_pid_tgid, macros::perf_event, programs::PerfEventContext};
+use pyebpf_common::{config_flags, origin};
+
+use crate::capture::{capture_and_emit, Origin};
+use crate::{CONFIG, TARGETS};
+
+#[perf_event]
+pub fn sample(ctx: PerfEventContext) -> u32 {
+    let pid_tgid = bpf_get_current_pid_tgid();
+    let tgid = (pid_tgid >> 32) as u32;
+    let Some(config) = CONFIG.get(0) else { return 0 };
+    if tgid == 0 || tgid == config.own_tgid {
+        return 0;
+    }
+    if config.flags & config_flags::FILTER_TARGETS != 0 && TARGETS.get_ptr(tgid).is_none() {
+        return 0;
+    }
+    let on_cpu = Origin { origin: origin::ON_CPU, weight_ns: 0, wait_state: 0, wait_syscall: 0, scratch_half: 0, interrupted_regs: true };
+    capture_and_emit(&ctx, config, tgid, pid_tgid as u32, &on_cpu, config.flags & config_flags::KERNEL_STACK != 0);
+    0
+}

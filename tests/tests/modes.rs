@@ -1,0 +1,137 @@
+//! `record --mode wall|off-cpu|gil` against workloads whose true split is known: a thread that
+//! sleeps 7 ms and spins 3 ms every 10 ms beside one blocked on a lock throughout, and two threads
+//! that hold the GIL in turns for 1 ms and 3 ms beside one hashing without it.
+
+use std::collections::HashMap;
+use std::process::Command;
+use std::time::Duration;
+
+use pyebpf_tests::{debian_python, pyebpf, pyenv_python, record_collapsed as record, stacks_of, start_ready, Killed, Stack};
+
+/// A waits.py workload with its threads' ids by name; killed when dropped.
+struct Workload {
+    child: Killed,
+    _dir: tempfile::TempDir,
+    tids: HashMap<String, u32>,
+}
+
+impl Workload {
+    fn start(python: &std::path::Path, args: &[&str]) -> Workload {
+        let (child, dir) = start_ready(python, "waits.py", args);
+        let ready = std::fs::read_to_string(dir.path().join("ready")).unwrap();
+        let tids = ready.lines().filter_map(|line| line.split_once(' ')).map(|(tid, name)| (name.to_string(), tid.parse().unwrap())).collect();
+        std::thread::sleep(Duration::from_millis(200));
+        Workload { child, _dir: dir, tids }
+    }
+
+    fn pid(&self) -> String {
+        self.child.pid().to_string()
+    }
+
+    /// The stacks of thread `name` (collapsed output with `--threads`), without the thread frame.
+    fn thread(&self, stacks: &[Stack], name: &str) -> Vec<Stack> {
+        let frame = format!("thread {}", self.tids[name]);
+        stacks.iter().filter(|(frames, _)| frames.first() == Some(&frame)).map(|(frames, n)| (frames[1..].to_vec(), *n)).collect()
+    }
+}
+
+fn has_function(frames: &[String], qualname: &str) -> bool {
+    frames.iter().any(|f| f.starts_with(&format!("{qualname} (")))
+}
+
+/// Microseconds of `stacks` that pass `keep`.
+fn weight(stacks: &[Stack], keep: impl Fn(&[String]) -> bool) -> u64 {
+    stacks.iter().filter(|(frames, _)| keep(frames)).map(|(_, n)| n).sum()
+}
+
+fn share(part: u64, whole: u64) -> f64 {
+    100.0 * part as f64 / whole.max(1) as f64
+}
+
+#[test]
+fn wall_mode_splits_a_thread_between_its_sleep_and_its_work_and_counts_a_lock_waiter_throughout() {
+    let workload = Workload::start(&debian_python("3.15"), &[]);
+    let (collapsed, stderr) = record(&["-p", &workload.pid(), "--mode", "wall", "-F", "199", "-d", "4", "--threads"]);
+    let stacks = stacks_of(&collapsed, workload.child.pid());
+    let serve = workload.thread(&stacks, "serve");
+    let serve_total = weight(&serve, |_| true);
+    // Each thread's wall time is the recording's (4 s, in microseconds), within what starting takes.
+    assert!((3_600_000..=4_600_000).contains(&serve_total), "serving thread has {serve_total} us of a 4 s recording: {stderr}");
+    let wait_io = weight(&serve, |frames| has_function(frames, "wait_io"));
+    let compute = weight(&serve, |frames| has_function(frames, "compute"));
+    assert!((share(wait_io, serve_total) - 70.0).abs() <= 3.0, "wait_io {:.1}% of the serving thread: {stderr}", share(wait_io, serve_total));
+    assert!((share(compute, serve_total) - 30.0).abs() <= 3.0, "compute {:.1}% of the serving thread: {stderr}", share(compute, serve_total));
+    let asleep = weight(&serve, |frames| has_function(frames, "wait_io") && frames.last().is_some_and(|f| f == "[off-cpu sleep]"));
+    assert!(asleep * 100 >= wait_io * 95, "wait_io is not labelled a sleep: {asleep} of {wait_io} us");
+
+    let waiter = workload.thread(&stacks, "lock_waiter");
+    let waiter_total = weight(&waiter, |_| true);
+    let locked = weight(&waiter, |frames| has_function(frames, "lock_waiter") && frames.last().is_some_and(|f| f == "[off-cpu lock]"));
+    assert!((3_600_000..=4_600_000).contains(&waiter_total), "lock waiter has {waiter_total} us of a 4 s recording: {stderr}");
+    assert!(share(locked, waiter_total) >= 97.0, "lock waiter: {locked} of {waiter_total} us labelled a lock wait: {collapsed}");
+    assert!(stderr.contains("still waiting at the end"), "{stderr}");
+}
+
+#[test]
+fn off_cpu_mode_has_only_the_waits() {
+    let workload = Workload::start(&debian_python("3.15"), &[]);
+    let (collapsed, stderr) = record(&["-p", &workload.pid(), "--mode", "off-cpu", "-F", "199", "-d", "3", "--threads"]);
+    let stacks = stacks_of(&collapsed, workload.child.pid());
+    let serve = workload.thread(&stacks, "serve");
+    let serve_total = weight(&serve, |_| true);
+    let wait_io = weight(&serve, |frames| has_function(frames, "wait_io"));
+    assert!(serve_total > 1_500_000, "serving thread off CPU for {serve_total} us of 3 s: {stderr}");
+    assert!(share(wait_io, serve_total) >= 95.0, "wait_io {:.1}% of the serving thread's off-CPU time: {collapsed}", share(wait_io, serve_total));
+    let on_cpu = weight(&stacks, |frames| !frames.last().is_some_and(|f| f.starts_with("[off-cpu ")));
+    assert_eq!(on_cpu, 0, "off-cpu mode has on-CPU stacks: {collapsed}");
+}
+
+fn check_gil_split(python: &std::path::Path) {
+    let workload = Workload::start(python, &["gil"]);
+    let (collapsed, stderr) = record(&["-p", &workload.pid(), "--mode", "gil", "-F", "499", "-d", "4", "--threads"]);
+    let stacks = stacks_of(&collapsed, workload.child.pid());
+    let quarter = weight(&workload.thread(&stacks, "quarter"), |_| true);
+    let three_quarters = weight(&workload.thread(&stacks, "three_quarters"), |_| true);
+    let holders = quarter + three_quarters;
+    assert!(holders > 800, "too few samples holding the GIL ({holders}): {stderr}");
+    assert!(
+        (share(quarter, holders) - 25.0).abs() <= 3.0,
+        "{}: quarter held {:.1}% ({quarter} of {holders}): {stderr}",
+        python.display(),
+        share(quarter, holders)
+    );
+    // The hashing thread runs about as much as the two, but without the GIL.
+    let hashing = weight(&stacks, |frames| has_function(frames, "no_gil"));
+    assert!(hashing * 20 < holders, "{}: {hashing} samples of the thread without the GIL, {holders} of holders", python.display());
+}
+
+#[test]
+fn gil_mode_keeps_only_the_holders_3_15() {
+    check_gil_split(&debian_python("3.15"));
+}
+
+#[test]
+fn gil_mode_keeps_only_the_holders_3_11() {
+    check_gil_split(&pyenv_python("3.11.7"));
+}
+
+#[test]
+fn wall_mode_profiles_are_weighted_in_nanoseconds_in_pprof() {
+    let workload = Workload::start(&debian_python("3.15"), &[]);
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("wall.pb.gz");
+    let status = Command::new(pyebpf()).args(["record", "-p", &workload.pid(), "--mode", "wall", "-d", "2", "-o"]).arg(&out).status().unwrap();
+    assert!(status.success());
+    let top = |index: &str| {
+        let output = Command::new("go").args(["tool", "pprof", "-top", &format!("-sample_index={index}")]).arg(&out).output().unwrap();
+        assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+        String::from_utf8_lossy(&output.stdout).into_owned()
+    };
+    let wall = top("wall");
+    // Three threads for 2 s: about 6 s of wall time in all.
+    let total = wall.lines().find_map(|line| line.split("of ").nth(1)?.split(' ').next().map(str::to_string)).unwrap_or_default();
+    let seconds: f64 = total.trim_end_matches('s').parse().unwrap_or_else(|_| panic!("no total in {wall}"));
+    assert!((5.0..7.5).contains(&seconds), "wall total {seconds} s: {wall}");
+    assert!(top("off_cpu").contains("lock_waiter"), "{}", top("off_cpu"));
+    assert!(top("cpu").contains("spin_for"), "{}", top("cpu"));
+}
