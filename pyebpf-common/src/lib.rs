@@ -53,13 +53,10 @@ pub mod programs {
     /// `sched_process_exec` and `sched_process_exit`: a process's state ends.
     pub const PROCESS_EXEC: &str = "process_exec";
     pub const PROCESS_EXIT: &str = "process_exit";
-    /// `sched_switch`: a thread of a watched process leaves the CPU (its off-CPU interval starts).
-    pub const SWITCH_OUT: &str = "switch_out";
-    /// `sys_exit` (it runs in the thread that comes back, before it returns to user code): the
-    /// interval ends, and the thread's stacks, unchanged since it left, are captured and sent
-    /// weighted by it.
-    pub const SWITCH_IN: &str = "switch_in";
-    pub const ALL: [&str; 6] = [SAMPLE, FOLLOW_FORK, PROCESS_EXEC, PROCESS_EXIT, SWITCH_OUT, SWITCH_IN];
+    /// `sched_switch`: a thread of a watched process leaves the CPU (its stacks are captured as it
+    /// leaves) or comes back (the interval's length is sent).
+    pub const SWITCH: &str = "switch";
+    pub const ALL: [&str; 5] = [SAMPLE, FOLLOW_FORK, PROCESS_EXEC, PROCESS_EXIT, SWITCH];
 }
 
 /// Bits of [`Config::flags`].
@@ -103,8 +100,12 @@ pub struct Config {
     /// never shares a record with a sample on its CPU).
     pub cpus: u32,
     pub _pad: u32,
-    /// Off-CPU intervals shorter than this are only summed in `SHORT_WAITS`, without stacks.
+    /// A thread's stacks are captured as it leaves the CPU at most once per this many nanoseconds;
+    /// intervals that begin without a capture are only summed in `SHORT_WAITS`.
     pub off_cpu_min_ns: u64,
+    /// Byte offset of `pid` (the thread id) in `struct task_struct` (from the kernel's BTF).
+    pub task_pid_offset: u32,
+    pub _pad2: u32,
 }
 
 /// Bits of [`PyCapture::status`].
@@ -204,32 +205,54 @@ pub mod record_kind {
     pub const EXEC: u32 = 2;
     /// The process's main thread exited; the record is a [`super::ProcessEvent`].
     pub const EXIT: u32 = 3;
+    /// A thread whose stacks were captured as it left the CPU came back; the record is a
+    /// [`super::OffCpuEnd`].
+    pub const OFF_CPU_END: u32 = 4;
+}
+
+/// The end of an off-CPU interval whose capture was sent when it began.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct OffCpuEnd {
+    /// [`record_kind::OFF_CPU_END`].
+    pub kind: u32,
+    pub tid: u32,
+    /// The capture's `time_ns`: which capture of the thread this ends.
+    pub start_ns: u64,
+    /// How long the thread was off CPU.
+    pub away_ns: u64,
 }
 
 /// What a [`SampleRecord`] stands for ([`SampleRecord::origin`]).
 pub mod origin {
     /// A sample of a thread on CPU (the perf event).
     pub const ON_CPU: u32 = 1;
-    /// A thread that was off CPU for [`super::SampleRecord::weight_ns`], with the stacks it left
-    /// the CPU with, captured when it came back.
+    /// A thread leaving the CPU, captured as it left; an [`super::OffCpuEnd`] with the same tid and
+    /// `time_ns` follows when it comes back, with the interval's length.
     pub const OFF_CPU: u32 = 2;
 }
 
-/// A thread of a watched process that left the CPU in a system call: the value of `OFF_CPU` (keyed
-/// by tid). The call, its user instruction and stack pointer tell that the `sys_exit` that ends the
-/// interval is that call's.
+/// A thread of a watched process, the value of `OFF_CPU` (keyed by tid): when it last left the
+/// CPU, whether its stacks were captured then, and what it may still capture.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct OffCpuStart {
-    /// `bpf_ktime_get_ns()` when it left the CPU.
+    /// `bpf_ktime_get_ns()` when it left the CPU; 0 while it is on it.
     pub start_ns: u64,
-    /// Its task state then (`prev_state`).
+    /// `start_ns` if its stacks were captured as it left, else 0.
+    pub captured_ns: u64,
+    /// Captures it may make now (at most [`OFF_CPU_BURST`]); one more is earned every
+    /// `off_cpu_min_ns` since `earned_ns`.
+    pub tokens: u64,
+    pub earned_ns: u64,
+    /// Its task state when it left (`prev_state`; 0: preempted, still runnable).
     pub state: u32,
     pub tgid: u32,
-    pub syscall: u64,
-    pub user_ip: u64,
-    pub user_sp: u64,
 }
+
+/// Captures a thread may make in a row as it leaves the CPU before it is held to one per
+/// `--off-cpu-min`: a thread preempted just before it sleeps still has its sleep captured.
+pub const OFF_CPU_BURST: u64 = 16;
 
 /// An exec or exit of a (targeted) process, as sent through the `SAMPLES` ring buffer.
 #[repr(C)]
@@ -273,11 +296,12 @@ pub struct SampleRecord {
     pub stack_len: u32,
     /// [`origin`] constant.
     pub origin: u32,
-    /// Off CPU: nanoseconds the thread was away; 0 for an on-CPU sample (it stands for a period).
+    /// Nanoseconds the record stands for, where known when it is sent: 0 for a sample (it stands
+    /// for a period) and for a capture as a thread leaves the CPU (its [`OffCpuEnd`] says).
     pub weight_ns: u64,
-    /// Off CPU: the task state the thread left the CPU in, and the system call it waited in.
+    /// Off CPU: the task state the thread left the CPU in (0: preempted, still runnable).
     pub wait_state: u32,
-    pub wait_syscall: u32,
+    pub _pad2: u32,
     /// Return addresses, innermost first.
     pub user_stack: [u64; MAX_USER_FRAMES],
     /// The frame pointer of each user frame, innermost first: entry `i` is the frame base of the

@@ -15,13 +15,13 @@ use crate::python::capture_python;
 use crate::user_stack::{copy_stack, stack_len, user_regs, walk_user_stack, wants_snapshot};
 use crate::{BPF_RB_AVAIL_DATA, BPF_RB_FORCE_WAKEUP, BPF_RB_NO_WAKEUP, LOST, SAMPLES, SCRATCH};
 
-/// What a capture stands for: its [`pyebpf_common::origin`], its weight in nanoseconds (0 for a
-/// sample, which stands for one period) and, off CPU, the state the thread left the CPU in.
+/// What a capture stands for: its [`pyebpf_common::origin`], when it is (0: now) and, off CPU,
+/// the state the thread left the CPU in. A capture's weight is a period (a sample) or comes later
+/// (an off-CPU interval).
 pub struct Origin {
     pub origin: u32,
-    pub weight_ns: u64,
+    pub time_ns: u64,
     pub wait_state: u32,
-    pub wait_syscall: u32,
     /// Which half of `SCRATCH` the capture builds its record in: 0 for samples, 1 for switches,
     /// so neither overwrites the other's record on one CPU.
     pub scratch_half: u32,
@@ -43,12 +43,11 @@ pub fn capture_and_emit<C: EbpfContext>(ctx: &C, config: &Config, tgid: u32, tid
         (*record).tgid = tgid;
         (*record).tid = tid;
         (*record).cpu = cpu;
-        (*record).time_ns = bpf_ktime_get_ns();
+        (*record).time_ns = if origin.time_ns == 0 { bpf_ktime_get_ns() } else { origin.time_ns };
         (*record).comm = bpf_get_current_comm().unwrap_or([0; 16]);
         (*record).origin = origin.origin;
-        (*record).weight_ns = origin.weight_ns;
+        (*record).weight_ns = 0;
         (*record).wait_state = origin.wait_state;
-        (*record).wait_syscall = origin.wait_syscall;
         capture_python(ctx, tgid, tid, config.flags & config_flags::GIL != 0, &mut (*record).py, &mut (*record).py_frames);
         let (ip, sp, bp) = user_regs(ctx, origin.interrupted_regs);
         (*record).user_sp = sp;

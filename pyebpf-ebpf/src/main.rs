@@ -14,7 +14,7 @@ mod user_stack;
 
 use aya_ebpf::{
     macros::map,
-    maps::{Array, HashMap, LruHashMap, PerCpuArray, RingBuf},
+    maps::{Array, HashMap, PerCpuArray, RingBuf},
 };
 use pyebpf_common::{Config, MarkerChain, OffCpuStart, PyProcConfig, PyThreadEntry, SampleRecord, MAX_SNAPSHOT_PROCS};
 
@@ -58,16 +58,16 @@ static SCRATCH: Array<SampleRecord> = Array::with_max_entries(1, 0);
 #[map]
 static WAIT_PROCS: HashMap<u32, u8> = HashMap::with_max_entries(65536, 0);
 
-/// Threads of `WAIT_PROCS` now off CPU, by tid. LRU: an entry whose thread never came back (it
-/// exited some way the switch hook did not see) makes room rather than fill the map.
+/// Threads of `WAIT_PROCS`, by tid: when each left the CPU and whether it was captured. A plain
+/// hash, updated in place (an LRU map's look-ups write, and every switch on the host looks up);
+/// an exiting thread's entry goes with its last switch, those of forgotten processes with userspace.
 #[map]
-static OFF_CPU: LruHashMap<u32, OffCpuStart> = LruHashMap::with_max_entries(65536, 0);
+static OFF_CPU: HashMap<u32, OffCpuStart> = HashMap::with_max_entries(65536, 0);
 
-/// Off-CPU intervals not captured: slot 0 sums the nanoseconds of those shorter than
-/// `--off-cpu-min` and slot 1 counts them; slot 2 counts those that did not end in the call they
-/// began in.
+/// Off-CPU intervals that began without a capture (the thread's last one was more recent than
+/// `--off-cpu-min`): slot 0 sums their nanoseconds, slot 1 counts them.
 #[map]
-static SHORT_WAITS: PerCpuArray<u64> = PerCpuArray::with_max_entries(3, 0);
+static SHORT_WAITS: PerCpuArray<u64> = PerCpuArray::with_max_entries(2, 0);
 
 const BPF_F_NO_PREALLOC: u32 = 1;
 const BPF_RB_NO_WAKEUP: u64 = 1;

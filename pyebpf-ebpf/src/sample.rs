@@ -17,7 +17,7 @@ pub fn sample(ctx: PerfEventContext) -> u32 {
     if config.flags & config_flags::FILTER_TARGETS != 0 && TARGETS.get_ptr(tgid).is_none() {
         return 0;
     }
-    let on_cpu = Origin { origin: origin::ON_CPU, weight_ns: 0, wait_state: 0, wait_syscall: 0, scratch_half: 0, interrupted_regs: true };
+    let on_cpu = Origin { origin: origin::ON_CPU, time_ns: 0, wait_state: 0, scratch_half: 0, interrupted_regs: true };
     capture_and_emit(&ctx, config, tgid, pid_tgid as u32, &on_cpu, config.flags & config_flags::KERNEL_STACK != 0);
     0
 }

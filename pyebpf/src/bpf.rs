@@ -185,8 +185,19 @@ impl Sampler {
         } else {
             0
         };
+        let task_pid_offset = if options.off_cpu_min.is_some() { kernel_btf.member_offset("task_struct", "pid")? } else { 0 };
         let off_cpu_min_ns = options.off_cpu_min.map_or(0, |min| min.as_nanos().try_into().unwrap_or(u64::MAX));
-        let config = Config { own_tgid: std::process::id(), flags, task_tgid_offset, wakeup_bytes: kb * 1024 / 4, cpus, _pad: 0, off_cpu_min_ns };
+        let config = Config {
+            own_tgid: std::process::id(),
+            flags,
+            task_tgid_offset,
+            wakeup_bytes: kb * 1024 / 4,
+            cpus,
+            _pad: 0,
+            off_cpu_min_ns,
+            task_pid_offset,
+            _pad2: 0,
+        };
         let mut config_map: Array<_, Config> =
             Array::try_from(ebpf.map_mut(maps::CONFIG).ok_or(BpfError::StaleObject(maps::CONFIG))?).map_err(map_error(maps::CONFIG))?;
         config_map.set(0, config, 0).map_err(map_error(maps::CONFIG))?;
@@ -203,7 +214,10 @@ impl Sampler {
             program.attach().map_err(BpfError::Program)?;
         }
         if options.off_cpu_min.is_some() {
-            attach_switch_hooks(&mut ebpf, &aya_btf)?;
+            // BTF-typed: no kprobes (these kernels have none) or tracefs are needed.
+            let program: &mut BtfTracePoint = program_mut(&mut ebpf, programs::SWITCH)?;
+            program.load("sched_switch", &aya_btf).map_err(BpfError::Program)?;
+            program.attach().map_err(BpfError::Program)?;
         }
         let program_stats = options.program_stats.then(|| aya::sys::enable_stats(aya::sys::Stats::RunTime).ok()).flatten();
         let program: &mut PerfEvent = program_mut(&mut ebpf, programs::SAMPLE)?;
@@ -282,8 +296,8 @@ impl Sampler {
     }
 
     /// Time the sampler program ran in the kernel and how often, with `program_stats`.
-    pub fn program_run_time(&self) -> Option<(std::time::Duration, u64)> {
-        let info = self.ebpf.program("sample")?.info().ok()?;
+    pub fn program_run_time(&self, name: &str) -> Option<(std::time::Duration, u64)> {
+        let info = self.ebpf.program(name)?.info().ok()?;
         Some((info.run_time(), info.run_count()))
     }
 
@@ -348,40 +362,28 @@ impl Sampler {
 
     pub fn stop_watching_waits(&mut self, tgid: u32) {
         let _ = self.wait_procs.remove(&tgid);
+        let threads: Vec<u32> = self.off_cpu.iter().filter_map(Result::ok).filter(|(_, entry)| entry.tgid == tgid).map(|(tid, _)| tid).collect();
+        for tid in threads {
+            let _ = self.off_cpu.remove(&tid);
+        }
     }
 
-    /// Threads of watched processes off CPU now, with when they left it.
-    pub fn threads_off_cpu(&self) -> Vec<(u32, OffCpuStart)> {
+    /// Threads of watched processes the switch hook has seen leave the CPU (those off it now have
+    /// a `start_ns`).
+    pub fn watched_threads(&self) -> Vec<(u32, OffCpuStart)> {
         self.off_cpu.iter().filter_map(Result::ok).collect()
     }
 
-    /// When thread `tid` left the CPU, if it is still off it.
-    pub fn off_cpu_since(&self, tid: u32) -> Option<OffCpuStart> {
-        self.off_cpu.get(&tid, 0).ok()
-    }
-
-    /// Off-CPU intervals not captured: how many were shorter than `--off-cpu-min` and their
-    /// nanoseconds, and how many did not end in the system call they began in.
-    pub fn short_waits(&self) -> (u64, u64, u64) {
+    /// Off-CPU intervals that began without a capture: how many, and their nanoseconds.
+    pub fn short_waits(&self) -> (u64, u64) {
         let sum = |slot: u32| self.short_waits.get(&slot, 0).map(|per_cpu| per_cpu.iter().sum()).unwrap_or(0);
-        (sum(1), sum(0), sum(2))
+        (sum(1), sum(0))
     }
 
     /// Tells the eBPF program the marker chain userspace established for `tid`.
     pub fn set_marker_chain(&mut self, tid: u32, chain: &MarkerChain) -> Result<(), BpfError> {
         self.py_markers.insert(tid, chain, 0).map_err(map_error(maps::PY_MARKERS))
     }
-}
-
-/// Attaches `sched_switch` and `sys_exit` (BTF-typed: no kprobes or tracefs are needed).
-fn attach_switch_hooks(ebpf: &mut Ebpf, btf: &aya::Btf) -> Result<(), BpfError> {
-    let program: &mut BtfTracePoint = program_mut(ebpf, programs::SWITCH_OUT)?;
-    program.load("sched_switch", btf).map_err(BpfError::Program)?;
-    program.attach().map_err(BpfError::Program)?;
-    let program: &mut BtfTracePoint = program_mut(ebpf, programs::SWITCH_IN)?;
-    program.load("sys_exit", btf).map_err(BpfError::Program)?;
-    program.attach().map_err(BpfError::Program)?;
-    Ok(())
 }
 
 #[cfg(test)]

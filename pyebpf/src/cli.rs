@@ -45,12 +45,14 @@ pub fn write_man_pages(dir: &std::path::Path) -> std::io::Result<()> {
 
 const TOP_ABOUT: &str = "Live view of the hottest functions on the host, refreshed every second.\n\n\
     Samples every process (or those of -p/--comm/--python-only) with the same sampler as `record` and \
-    shows one row per function and process: OWN% (samples whose innermost frame is the function) and \
-    TOTAL% (samples with the function anywhere on the stack), both shares of the last second's \
-    samples; OWN s and TOTAL s, the CPU seconds accumulated since top started; the function; for \
+    shows one row per function and process: OWN% (time whose innermost frame is the function) and \
+    TOTAL% (time with the function anywhere on the stack), both shares of the last second's time; \
+    OWN s and TOTAL s, the seconds accumulated since top started. The time is what --mode measures: \
+    CPU time (the default), wall-clock or off-CPU time, or time holding the GIL; the function; for \
     Python frames file:line (the line where the function starts), for native frames the module; and \
     the process (COMM PID).\n\n\
-    Keys: o sort by own time, t sort by total time, p switch between Python frames only and merged \
+    Keys: o sort by own time, t sort by total time, m switch to the next mode (cpu, wall, off-cpu, \
+    gil; the sampler starts again), p switch between Python frames only and merged \
     native + Python frames, space pause the display (sampling goes on), q, Esc or Ctrl-C quit.\n\n\
     Needs a terminal of at least 60x10 on standard output.\n\n\
     SIGINT, SIGTERM and SIGHUP quit, as for `record`.";
@@ -89,14 +91,14 @@ pub struct ModeArgs {
     /// What to measure: `cpu` (time on CPU), `wall` (on CPU plus every wait off CPU, so each
     /// thread adds up to its wall-clock time), `off-cpu` (waits only), `gil` (Python threads
     /// holding the GIL). Off-CPU stacks are labelled with why the thread waited (sleep, lock, io,
-    /// gil, other) and weighted in nanoseconds; only waits in system calls are off-CPU time (a
-    /// thread preempted while runnable is not waiting)
+    /// gil, runqueue: preempted, waiting for a CPU; other) and weighted in nanoseconds
     #[arg(long = "mode", value_enum, default_value = "cpu")]
     pub mode: Mode,
 
-    /// With --mode wall or off-cpu: off-CPU intervals shorter than this many microseconds are
-    /// only summed (in the summary), without their stacks; a thread switching tens of thousands
-    /// of times a second then costs little
+    /// With --mode wall or off-cpu: a thread's stacks are captured as it leaves the CPU, after a
+    /// burst of 16, at most once per this many microseconds; the waits that begin without a
+    /// capture (a thread switching tens of thousands of times a second has many) are only summed,
+    /// in the summary
     #[arg(long = "off-cpu-min", value_name = "MICROSECONDS", default_value_t = DEFAULT_OFF_CPU_MIN_US, allow_negative_numbers = true,
           value_parser = clap::value_parser!(u64).range(0..=MAX_SECONDS * 1_000_000))]
     pub off_cpu_min_us: u64,

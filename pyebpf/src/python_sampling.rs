@@ -277,6 +277,15 @@ impl PythonSampling {
         process.refresh_threads(sampler);
     }
 
+    /// Forgets what was registered with a sampler that is gone (its threads and their marker
+    /// chains): [`Self::register_all`] tells the next one afresh.
+    pub fn forget_registrations(&mut self) {
+        for process in self.processes.values_mut() {
+            process.threads.clear();
+            process.not_python.clear();
+        }
+    }
+
     /// Re-reads thread lists now and then; forgets processes that have exited.
     pub fn upkeep(&mut self, sampler: &mut Sampler) {
         let mut exited = Vec::new();

@@ -14,7 +14,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use aya::maps::{MapData, RingBuf};
-use pyebpf_common::{record_kind, ProcessEvent, PyFrameRecord, SampleRecord, STACK_SNAPSHOT_MAX};
+use pyebpf_common::{record_kind, OffCpuEnd, ProcessEvent, PyFrameRecord, SampleRecord, STACK_SNAPSHOT_MAX};
 
 /// How long samples may wait in the ring buffer before the reader looks: the kernel wakes the
 /// reader only once a quarter of the buffer is pending.
@@ -211,7 +211,7 @@ impl Reader {
         let drops = &self.shared.drops;
         drops.batches.fetch_add(1, Ordering::Relaxed);
         for record in batch.records() {
-            let counter = if kind(record) == Some(record_kind::SAMPLE) { &drops.samples } else { &drops.events };
+            let counter = if matches!(kind(record), Some(record_kind::SAMPLE | record_kind::OFF_CPU_END)) { &drops.samples } else { &drops.events };
             counter.fetch_add(1, Ordering::Relaxed);
         }
     }
@@ -247,6 +247,8 @@ fn kind(item: &[u8]) -> Option<u32> {
 pub enum Record<'a> {
     Sample(&'a SampleRecord),
     Event(ProcessEvent),
+    /// A thread captured as it left the CPU came back.
+    OffCpuEnd(OffCpuEnd),
 }
 
 /// The records the consumer took in one read, decoded one at a time into a reused sample.
@@ -296,8 +298,13 @@ impl RecordBatch {
                     return Some(Record::Sample(&self.sample));
                 }
                 Some(record_kind::EXEC | record_kind::EXIT) => {
-                    if let Some(event) = decode_event(item) {
+                    if let Some(event) = decode_plain::<ProcessEvent>(item) {
                         return Some(Record::Event(event));
+                    }
+                }
+                Some(record_kind::OFF_CPU_END) => {
+                    if let Some(end) = decode_plain::<OffCpuEnd>(item) {
+                        return Some(Record::OffCpuEnd(end));
                     }
                 }
                 _ => {}
@@ -306,12 +313,13 @@ impl RecordBatch {
     }
 }
 
-fn decode_event(item: &[u8]) -> Option<ProcessEvent> {
-    if item.len() != size_of::<ProcessEvent>() {
+/// A fixed-size record (`ProcessEvent`, `OffCpuEnd`: plain data of which any bit pattern is valid).
+fn decode_plain<T: Copy>(item: &[u8]) -> Option<T> {
+    if item.len() != size_of::<T>() {
         return None;
     }
-    // SAFETY: exactly one ProcessEvent's bytes; it is plain data, any bit pattern is valid.
-    Some(unsafe { std::ptr::read_unaligned(item.as_ptr() as *const ProcessEvent) })
+    // SAFETY: exactly one T's bytes; callers pass only plain-data record types.
+    Some(unsafe { std::ptr::read_unaligned(item.as_ptr() as *const T) })
 }
 
 /// A sample as sent: the fixed part, then as many Python frames as it says, then the stack copy it

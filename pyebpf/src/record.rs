@@ -7,8 +7,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result};
-use hashbrown::HashSet;
-use pyebpf_common::{origin, py_status, user_status, OffCpuStart, ProcessEvent, SampleRecord};
+use hashbrown::{HashMap, HashSet};
+use pyebpf_common::{origin, py_status, user_status, OffCpuEnd, OffCpuStart, ProcessEvent, SampleRecord};
 
 use crate::bpf::{check_privileges, Sampler, SamplerOptions};
 use crate::cli::{GroupBy, Mode, RecordArgs, UnwindMode};
@@ -22,7 +22,7 @@ use crate::progress::Progress;
 use crate::python_sampling::{PyItem, PythonSampling, SamplingOptions};
 use crate::reader::{Record, RecordBatch};
 use crate::report;
-use crate::stack::{Frame, FrameCarry, FrameId, Profile, SampleStack, ThreadState, Weight};
+use crate::stack::{Frame, FrameCarry, FrameId, ProcessLabels, Profile, SampleStack, ThreadState, Weight};
 use crate::stats::Stats;
 use crate::stop_signals::StopSignals;
 use crate::summary::{RunTotals, Summary};
@@ -57,6 +57,50 @@ pub struct SampleResolver {
     watching_waits: HashSet<u32>,
     /// Their threads' context switches when the hooks began watching them.
     baseline: SwitchBaseline,
+    /// Threads captured as they left the CPU, waiting for their interval's end, by tid.
+    pending_waits: HashMap<u32, PendingWait>,
+    /// `CLOCK_MONOTONIC` when the recording started: waits count from then on.
+    recording_start_ns: u64,
+}
+
+/// An off-CPU capture, resolved, until its thread comes back.
+struct PendingWait {
+    /// The capture's time: which interval of the thread it is.
+    start_ns: u64,
+    pid: u32,
+    tid: u32,
+    comm: Arc<str>,
+    frames: Vec<FrameId>,
+    truncated: bool,
+    labels: Option<Arc<ProcessLabels>>,
+    state: ThreadState,
+}
+
+impl PendingWait {
+    fn new(start_ns: u64, sample: &SampleStack<'_>) -> Self {
+        PendingWait {
+            start_ns,
+            pid: sample.pid,
+            tid: sample.tid,
+            comm: sample.comm.clone(),
+            frames: sample.frames.to_vec(),
+            truncated: sample.truncated,
+            labels: sample.labels.cloned(),
+            state: sample.state,
+        }
+    }
+
+    fn stack(&self) -> SampleStack<'_> {
+        SampleStack {
+            pid: self.pid,
+            tid: self.tid,
+            comm: &self.comm,
+            frames: &self.frames,
+            truncated: self.truncated,
+            labels: self.labels.as_ref(),
+            state: self.state,
+        }
+    }
 }
 
 /// Buffers reused from sample to sample, so a sample seen before allocates nothing.
@@ -87,7 +131,30 @@ impl SampleResolver {
             kernel,
             watching_waits: HashSet::new(),
             baseline: SwitchBaseline::default(),
+            pending_waits: HashMap::new(),
+            recording_start_ns: 0,
         }
+    }
+
+    /// Measures `mode` from now on, with a sampler started afresh ([`Self::start_sampler`]): what
+    /// the old sampler's maps held is gone with it.
+    pub fn set_mode(&mut self, mode: Mode) {
+        self.mode = mode;
+        self.watching_waits.clear();
+        self.pending_waits.clear();
+        self.copying_stacks.clear();
+        self.baseline = SwitchBaseline::default();
+        self.python.forget_registrations();
+    }
+
+    /// The recording starts now: off-CPU time before is not its.
+    pub fn start_recording(&mut self) {
+        self.recording_start_ns = monotonic_ns();
+    }
+
+    /// Nanoseconds of an interval from `start_ns` to `end_ns` within the recording.
+    fn within_recording(&self, start_ns: u64, end_ns: u64) -> u64 {
+        end_ns.saturating_sub(start_ns.max(self.recording_start_ns))
     }
 
     /// Has the switch hooks capture `pid`'s off-CPU intervals, in the modes that count them.
@@ -113,6 +180,9 @@ impl SampleResolver {
     pub fn carry_frames(&mut self, carry: &mut FrameCarry<'_>) {
         self.native.carry_frames(carry);
         self.python.carry_frames(carry);
+        for id in self.pending_waits.values_mut().flat_map(|pending| pending.frames.iter_mut()) {
+            *id = carry.carry(*id);
+        }
         self.frames_generation = carry.new_generation();
     }
 
@@ -123,6 +193,7 @@ impl SampleResolver {
             // A table the caches were not carried into: their ids would name other frames there.
             self.native.clear();
             self.python.clear_frame_ids();
+            self.pending_waits.clear();
             self.frames_generation = profile.frames.generation();
         }
         let comm = self.names.name(record.tgid, &record.comm);
@@ -186,43 +257,76 @@ impl SampleResolver {
                 }
             }
         }
-        let (state, weight) = if off_cpu {
-            let state = wait_reason(record.wait_syscall, frames.iter().map(|&id| profile.frames.frame(id)));
-            if !self.kernel {
-                frames.retain(|&id| !matches!(profile.frames.frame(id), Frame::Kernel(_)));
-            }
-            stats.off_cpu.intervals += 1;
-            (state, Weight { samples: 1, ns: record.weight_ns })
-        } else {
-            (ThreadState::OnCpu, Weight { samples: 1, ns: profile.period_ns() })
-        };
+        let state = if off_cpu { wait_reason(record.wait_state, frames.iter().map(|&id| profile.frames.frame(id))) } else { ThreadState::OnCpu };
+        if off_cpu && !self.kernel {
+            frames.retain(|&id| !matches!(profile.frames.frame(id), Frame::Kernel(_)));
+        }
         let sample =
             SampleStack { pid: record.tgid, tid: record.tid, comm: &comm, frames, truncated: truncated.unwrap_or(false), labels: Some(&labels), state };
-        profile.add_sample(sample, weight);
+        if !off_cpu {
+            profile.add_sample(sample, Weight { samples: 1, ns: profile.period_ns() });
+            return true;
+        }
+        if record.weight_ns != 0 {
+            stats.off_cpu.intervals += 1;
+            profile.add_sample(sample, Weight { samples: 1, ns: record.weight_ns });
+        } else {
+            // Its length comes when the thread is back (`end_wait`).
+            self.pending_waits.insert(record.tid, PendingWait::new(record.time_ns, &sample));
+        }
         true
     }
 
-    /// Counts the threads of watched processes that are still off CPU (a thread blocked on a lock
-    /// since before the end), each up to now, with the stacks it waits in: read now, and kept only
-    /// if the thread is proven not to have run meanwhile (it is still off CPU since the same time).
+    /// A thread captured as it left the CPU came back: its stacks count for the time it was away.
+    pub fn end_wait(&mut self, end: &OffCpuEnd, stats: &mut Stats, profile: &mut Profile) {
+        let Some(pending) = self.pending_waits.get(&end.tid) else { return };
+        if pending.start_ns != end.start_ns {
+            return;
+        }
+        let pending = self.pending_waits.remove(&end.tid).expect("looked up above");
+        stats.off_cpu.intervals += 1;
+        let ns = self.within_recording(end.start_ns, end.start_ns.saturating_add(end.away_ns));
+        profile.add_sample(pending.stack(), Weight { samples: 1, ns });
+    }
+
+    /// Counts the threads of watched processes that are still off CPU at the end, each up to now:
+    /// those captured as they left with the stacks captured then; those blocked since before the
+    /// switch hook watched them with stacks read now, kept only if their context-switch count
+    /// proves they have not run meanwhile.
     pub fn count_open_waits(&mut self, sampler: &mut Sampler, stats: &mut Stats, profile: &mut Profile) {
-        let mut open: Vec<(u32, OffCpuStart)> = sampler.threads_off_cpu().into_iter().filter(|(_, start)| self.watching_waits.contains(&start.tgid)).collect();
-        // Threads the hooks never saw leave: blocked since before they watched, and still.
-        let seen: HashSet<u32> = open.iter().map(|(tid, _)| *tid).collect();
+        let now = monotonic_ns();
+        let watched = sampler.watched_threads();
+        for (tid, entry) in &watched {
+            if entry.start_ns == 0 || !self.watching_waits.contains(&entry.tgid) {
+                continue;
+            }
+            match self.pending_waits.remove(tid) {
+                Some(pending) if pending.start_ns == entry.start_ns => {
+                    stats.off_cpu.intervals += 1;
+                    stats.off_cpu.open_at_end += 1;
+                    profile.add_sample(pending.stack(), Weight { samples: 1, ns: self.within_recording(entry.start_ns, now) });
+                }
+                _ if entry.captured_ns != entry.start_ns => {
+                    stats.off_cpu.short_intervals += 1;
+                    stats.off_cpu.short_ns += self.within_recording(entry.start_ns, now);
+                }
+                _ => {}
+            }
+        }
+        // Threads the hook never saw leave: blocked since before it watched, and still.
+        let seen: HashSet<u32> = watched.iter().map(|(tid, _)| *tid).collect();
         let throughout: Vec<(u32, OffCpuStart)> = self.baseline.blocked_throughout().into_iter().filter(|(tid, _)| !seen.contains(tid)).collect();
-        let from_hooks = open.len();
-        open.extend(throughout);
-        if open.is_empty() {
+        if throughout.is_empty() {
             return;
         }
         let kernel_symbols = KernelSymbols::read();
-        for (at, (tid, start)) in open.into_iter().enumerate() {
+        for (tid, mut start) in throughout {
+            start.start_ns = start.start_ns.max(self.recording_start_ns);
             let Some(mut record) = waiting_record(tid, &start, monotonic_ns(), &kernel_symbols) else { continue };
             if !self.python.capture_waiting(start.tgid, tid, &mut record) {
                 record.py = Default::default();
             }
-            let still = if at < from_hooks { sampler.off_cpu_since(tid) == Some(start) } else { self.baseline.unchanged(start.tgid, tid) };
-            if !still {
+            if !self.baseline.unchanged(start.tgid, tid) {
                 continue;
             }
             if self.resolve(&record, sampler, stats, profile) {
@@ -459,6 +563,7 @@ async fn record(args: &RecordArgs, watched: &Watched, sink: &Arc<ProfileSink>) -
         sampler.add_target(std::process::id())?;
         Some(Launched::start(&args.command, output::is_stdout(&args.output))?)
     };
+    resolver.start_recording();
     let mut profile = Profile::new(args.frequency);
     profile.mode = mode;
     profile.group_by_container = args.group_by == GroupBy::Container;
@@ -509,9 +614,15 @@ async fn record(args: &RecordArgs, watched: &Watched, sink: &Arc<ProfileSink>) -
     resolver.finish(&mut stats);
     stats.lost_samples = sampler.lost_samples();
     (stats.reader_dropped_batches, stats.reader_dropped_samples) = sampler.reader_drops();
-    (stats.program_run_time_ns, stats.program_runs) = sampler.program_run_time().map_or((0, 0), |(time, runs)| (time.as_nanos() as u64, runs));
+    let run_time = |name| sampler.program_run_time(name).map_or((0, 0), |(time, runs): (Duration, u64)| (time.as_nanos() as u64, runs));
+    (stats.program_run_time_ns, stats.program_runs) = run_time(pyebpf_common::programs::SAMPLE);
+    if mode.counts_waits() {
+        (stats.switch_run_time_ns, stats.switch_runs) = run_time(pyebpf_common::programs::SWITCH);
+    }
     stats.own_cpu_ns = own_cpu_ns();
-    (stats.off_cpu.short_intervals, stats.off_cpu.short_ns, stats.off_cpu.unmatched) = sampler.short_waits();
+    let (short_intervals, short_ns) = sampler.short_waits();
+    stats.off_cpu.short_intervals += short_intervals;
+    stats.off_cpu.short_ns += short_ns;
     profile.duration_ns = started.elapsed().as_nanos() as i64;
     Ok((profile, stats, periods))
 }
@@ -528,6 +639,7 @@ pub fn add_samples(batch: &mut RecordBatch, resolver: &mut SampleResolver, sampl
                 resolver.resolve(record, sampler, stats, profile);
             }
             Record::Event(event) => resolver.process_event(&event, sampler),
+            Record::OffCpuEnd(end) => resolver.end_wait(&end, stats, profile),
         }
     }
 }

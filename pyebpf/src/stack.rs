@@ -61,12 +61,14 @@ pub enum Frame {
     Python(PythonFrame),
 }
 
-/// What a thread was doing: running, or off CPU and why (from the system call it waited in and
-/// the native frames around it).
+/// What a thread was doing: running, or off CPU and why (from the task state it left the CPU in
+/// and the kernel and native frames it waited in).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum ThreadState {
     #[default]
     OnCpu,
+    /// Preempted while runnable: waiting for a CPU.
+    Runqueue,
     Sleep,
     /// A futex or another lock.
     Lock,
@@ -74,7 +76,7 @@ pub enum ThreadState {
     Io,
     /// Waiting to take the GIL.
     Gil,
-    /// Off CPU for another reason (waiting for a child or a signal, another call).
+    /// Off CPU for another reason (waiting for a child or a signal, a page fault).
     Other,
 }
 
@@ -83,6 +85,7 @@ impl ThreadState {
     pub fn name(self) -> &'static str {
         match self {
             ThreadState::OnCpu => "on-cpu",
+            ThreadState::Runqueue => "runqueue",
             ThreadState::Sleep => "sleep",
             ThreadState::Lock => "lock",
             ThreadState::Io => "io",

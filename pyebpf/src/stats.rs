@@ -42,6 +42,9 @@ pub struct Stats {
     /// (every tick of every CPU, also those it drops at once).
     pub program_run_time_ns: u64,
     pub program_runs: u64,
+    /// The same for the switch hook (`--mode wall`, `off-cpu`): every context switch on the host.
+    pub switch_run_time_ns: u64,
+    pub switch_runs: u64,
     /// Samples unwound from a stack copy (`--unwind dwarf|auto`), and those whose unwind stopped
     /// before the stack's root (of them, those whose copy had reached its size limit).
     pub unwound_samples: u64,
@@ -61,11 +64,10 @@ pub struct OffCpuTotals {
     pub intervals: u64,
     /// Threads still off CPU when the recording ended, counted up to its end.
     pub open_at_end: u64,
-    /// Shorter than `--off-cpu-min`: summed in the kernel, without stacks.
+    /// Begun without a capture (the thread's last one was more recent than `--off-cpu-min`):
+    /// summed in the kernel, without stacks.
     pub short_intervals: u64,
     pub short_ns: u64,
-    /// Ended by another system call than the one they began in: not captured.
-    pub unmatched: u64,
 }
 
 /// Processes of unsupported CPythons named in the summary at most.
@@ -120,6 +122,15 @@ impl fmt::Display for Stats {
             per(self.program_run_time_ns, self.samples) / 1e3,
             per(self.program_run_time_ns, self.program_runs) / 1e3
         )?;
+        if self.switch_runs > 0 {
+            writeln!(
+                f,
+                "switch hook time:           {:.1} ms ({:.0} ns per context switch, {} switches)",
+                self.switch_run_time_ns as f64 / 1e6,
+                per(self.switch_run_time_ns, self.switch_runs),
+                self.switch_runs
+            )?;
+        }
         let unwound = self.unwound_samples;
         writeln!(
             f,

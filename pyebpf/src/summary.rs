@@ -192,7 +192,7 @@ impl fmt::Display for Summary {
             let o = &self.off_cpu;
             writeln!(
                 f,
-                "  off CPU: {} intervals with stacks ({} still waiting at the end), {} shorter than --off-cpu-min summed without ({:.3} s)",
+                "  off CPU: {} intervals with stacks ({} still waiting at the end), {} begun without a capture (see --off-cpu-min) summed without stacks ({:.3} s)",
                 o.intervals,
                 o.open_at_end,
                 o.short_intervals,

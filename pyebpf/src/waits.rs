@@ -16,43 +16,47 @@ const GIL_WAITS: [&str; 6] = ["take_gil", "PyEval_RestoreThread", "PyEval_Acquir
 /// Native functions that sleep: `time.sleep` (`pysleep`) waits in `select` before 3.11.
 const SLEEPS: [&str; 2] = ["pysleep", "time_sleep"];
 
-/// x86-64 system calls by what waiting in them means.
-const LOCK_CALLS: [u32; 2] = [202, 449]; // futex, futex_waitv
-const SLEEP_CALLS: [u32; 2] = [35, 230]; // nanosleep, clock_nanosleep
-const IO_CALLS: [u32; 25] = [
-    0, 1, 7, 17, 18, 19, 20, 23, // read, write, poll, pread64, pwrite64, readv, writev, select
-    40, 42, 43, 44, 45, 46, 47, // sendfile, connect, accept, sendto, recvfrom, sendmsg, recvmsg
-    232, 270, 271, 275, 281, 288, 295, 296, 426,
-    441, // epoll_wait, pselect6, ppoll, splice, epoll_pwait, accept4, preadv, pwritev, io_uring_enter, epoll_pwait2
-];
+/// Parts of kernel function names by what waiting under them means.
+const KERNEL_SLEEPS: [&str; 1] = ["nanosleep"];
+const KERNEL_LOCKS: [&str; 3] = ["futex", "rwsem", "mutex_lock"];
+const KERNEL_IO: [&str; 12] = ["poll", "select", "pipe_", "sock_", "tcp_", "udp_", "unix_", "wait_woken", "io_schedule", "vfs_read", "vfs_write", "n_tty_"];
 
-/// Why a thread was off CPU: waiting for the GIL, sleeping, on a lock, on I/O; from the system
-/// call it waited in and the functions of its stack.
-pub fn wait_reason<'a>(syscall: u32, frames: impl Iterator<Item = &'a Frame> + Clone) -> ThreadState {
+/// Why a thread was off CPU: preempted (waiting for a CPU), waiting for the GIL, sleeping, on a
+/// lock, on I/O; from the task state it left the CPU in (0: still runnable) and the functions of
+/// its stack.
+pub fn wait_reason<'a>(state: u32, frames: impl Iterator<Item = &'a Frame> + Clone) -> ThreadState {
+    if state == 0 {
+        return ThreadState::Runqueue;
+    }
     let native = |names: &[&str]| {
         frames.clone().any(|frame| matches!(frame, Frame::Native(native) if native.symbol.as_deref().is_some_and(|symbol| names.contains(&symbol))))
     };
+    let kernel = |parts: &[&str]| {
+        frames.clone().any(
+            |frame| matches!(frame, Frame::Kernel(kernel) if kernel.symbol.as_deref().is_some_and(|symbol| parts.iter().any(|part| symbol.contains(part)))),
+        )
+    };
     if native(&GIL_WAITS) {
         ThreadState::Gil
-    } else if SLEEP_CALLS.contains(&syscall) || native(&SLEEPS) {
+    } else if native(&SLEEPS) || kernel(&KERNEL_SLEEPS) {
         ThreadState::Sleep
-    } else if LOCK_CALLS.contains(&syscall) {
+    } else if kernel(&KERNEL_LOCKS) {
         ThreadState::Lock
-    } else if IO_CALLS.contains(&syscall) {
+    } else if kernel(&KERNEL_IO) {
         ThreadState::Io
     } else {
         ThreadState::Other
     }
 }
 
-/// Builds the record of a thread that is still off CPU at the end of a recording, as the switch
-/// hook would have when it came back: weighted from when it left the CPU to `now_ns`, with its
-/// kernel stack (`/proc/.../stack`, named symbols resolved through `kernel_symbols`), its system
-/// call and user registers (`/proc/.../syscall`) and a copy of its user stack for CFI unwinding.
-/// The Python part is the caller's. None when the thread is gone or not in a system call.
+/// Builds the record of a thread off CPU since before the switch hook watched it, as the hook
+/// would have captured it: weighted from `start` to `now_ns`, with its kernel stack
+/// (`/proc/.../stack`, named symbols resolved through `kernel_symbols`), its user registers
+/// (`/proc/.../syscall`) and a copy of its user stack for CFI unwinding. The Python part is the
+/// caller's. None when the thread is gone or not in a system call.
 pub fn waiting_record(tid: u32, start: &OffCpuStart, now_ns: u64, kernel_symbols: &KernelSymbols) -> Option<Box<SampleRecord>> {
     let task = format!("/proc/{}/task/{tid}", start.tgid);
-    let (syscall, sp, pc) = syscall_registers(&std::fs::read_to_string(format!("{task}/syscall")).ok()?)?;
+    let (sp, pc) = syscall_registers(&std::fs::read_to_string(format!("{task}/syscall")).ok()?)?;
     // SAFETY: all-zero bytes are a valid SampleRecord (plain data).
     let mut record = unsafe { Box::<SampleRecord>::new_zeroed().assume_init() };
     record.kind = pyebpf_common::record_kind::SAMPLE;
@@ -62,7 +66,6 @@ pub fn waiting_record(tid: u32, start: &OffCpuStart, now_ns: u64, kernel_symbols
     record.time_ns = now_ns;
     record.weight_ns = now_ns.saturating_sub(start.start_ns);
     record.wait_state = start.state;
-    record.wait_syscall = syscall;
     let comm = std::fs::read(format!("{task}/comm")).unwrap_or_default();
     let comm = comm.strip_suffix(b"\n").unwrap_or(&comm);
     let len = comm.len().min(record.comm.len());
@@ -79,15 +82,15 @@ pub fn waiting_record(tid: u32, start: &OffCpuStart, now_ns: u64, kernel_symbols
     Some(record)
 }
 
-/// The system call and the stack and instruction pointers of a thread blocked in one, from its
+/// The stack and instruction pointers of a thread blocked in a system call, from its
 /// `/proc/PID/task/TID/syscall` (`NR ARG1 ... ARG6 SP PC`); None when it is running or not in one.
-fn syscall_registers(text: &str) -> Option<(u32, u64, u64)> {
+fn syscall_registers(text: &str) -> Option<(u64, u64)> {
     let fields: Vec<&str> = text.split_whitespace().collect();
     if fields.len() != 9 {
         return None;
     }
     let hex = |field: &str| u64::from_str_radix(field.strip_prefix("0x")?, 16).ok();
-    Some((fields[0].parse().ok()?, hex(fields[7])?, hex(fields[8])?))
+    Some((hex(fields[7])?, hex(fields[8])?))
 }
 
 /// Copies the stack from `sp` up, page by page, until `out` is full or a page cannot be read;
@@ -212,24 +215,26 @@ mod tests {
     }
 
     #[test]
-    fn waits_are_told_apart_by_call_and_frames() {
-        let reason = |syscall: u32, frames: &[Frame]| wait_reason(syscall, frames.iter());
-        assert_eq!(reason(202, &[native("sem_clockwait"), native("PyThread_acquire_lock_timed")]), ThreadState::Lock);
-        let gil = [native("pthread_cond_timedwait"), native("take_gil"), native("PyEval_RestoreThread")];
-        assert_eq!(reason(202, &gil), ThreadState::Gil);
-        assert_eq!(reason(230, &[native("clock_nanosleep")]), ThreadState::Sleep);
+    fn waits_are_told_apart_by_state_and_frames() {
+        const INTERRUPTIBLE: u32 = 1;
+        let reason = |state: u32, frames: &[Frame]| wait_reason(state, frames.iter());
+        let futex = [kernel("futex_wait_queue"), kernel("do_futex"), native("sem_clockwait")];
+        assert_eq!(reason(INTERRUPTIBLE, &futex), ThreadState::Lock);
+        assert_eq!(reason(0, &futex), ThreadState::Runqueue);
+        let gil = [kernel("futex_wait_queue"), native("pthread_cond_timedwait"), native("take_gil"), native("PyEval_RestoreThread")];
+        assert_eq!(reason(INTERRUPTIBLE, &gil), ThreadState::Gil);
+        assert_eq!(reason(INTERRUPTIBLE, &[kernel("do_nanosleep"), kernel("hrtimer_nanosleep")]), ThreadState::Sleep);
         // time.sleep before 3.11 waits in select().
-        assert_eq!(reason(23, &[native("select"), native("pysleep")]), ThreadState::Sleep);
-        assert_eq!(reason(23, &[native("select")]), ThreadState::Io);
-        assert_eq!(reason(0, &[kernel("pipe_read")]), ThreadState::Io);
-        assert_eq!(reason(232, &[]), ThreadState::Io);
-        assert_eq!(reason(61, &[]), ThreadState::Other);
+        assert_eq!(reason(INTERRUPTIBLE, &[kernel("do_select"), native("select"), native("pysleep")]), ThreadState::Sleep);
+        assert_eq!(reason(INTERRUPTIBLE, &[kernel("do_select"), native("select")]), ThreadState::Io);
+        assert_eq!(reason(INTERRUPTIBLE, &[kernel("pipe_read"), kernel("vfs_read")]), ThreadState::Io);
+        assert_eq!(reason(INTERRUPTIBLE, &[kernel("do_wait")]), ThreadState::Other);
     }
 
     #[test]
     fn blocked_threads_give_their_registers_and_kernel_frames() {
         let syscall = "202 0x7f0d2c0b0910 0x189 0x0 0x0 0x0 0xffffffff 0x7ffc6a3e8f18 0x7f0d2c9a4d36\n";
-        assert_eq!(syscall_registers(syscall), Some((202, 0x7ffc6a3e8f18, 0x7f0d2c9a4d36)));
+        assert_eq!(syscall_registers(syscall), Some((0x7ffc6a3e8f18, 0x7f0d2c9a4d36)));
         assert_eq!(syscall_registers("running\n"), None);
         assert_eq!(syscall_registers("-1 0x7ffc6a3e8f18 0x7f0d2c9a4d36\n"), None);
         let symbols = KernelSymbols::parse("ffffffff81200000 T do_futex\nffffffff81300000 t futex_wait_queue\n");

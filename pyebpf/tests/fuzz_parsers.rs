@@ -17,7 +17,7 @@ use pyebpf::cpython::runtime::runtime_in_elf;
 use pyebpf::kernel_btf::Btf;
 use pyebpf::reader::{Record, RecordBatch};
 use pyebpf::unwind::{unwind_in_image, Snapshot};
-use pyebpf_common::{record_kind, ProcessEvent, SampleRecord, MAX_USER_FRAMES};
+use pyebpf_common::{record_kind, OffCpuEnd, ProcessEvent, SampleRecord, MAX_USER_FRAMES};
 
 fn cases() -> u32 {
     std::env::var("PYEBPF_FUZZ_CASES").ok().and_then(|n| n.parse().ok()).unwrap_or(800_000)
@@ -70,7 +70,7 @@ fn sample_bytes(frames: usize, frames_len: u32) -> Vec<u8> {
 /// sample always has as many frames as its length holds.
 #[test]
 fn ring_buffer_records_never_panic_and_decode_consistently() {
-    let kinds = prop_oneof![Just(record_kind::SAMPLE), Just(record_kind::EXEC), Just(record_kind::EXIT), any::<u32>()];
+    let kinds = prop_oneof![Just(record_kind::SAMPLE), Just(record_kind::EXEC), Just(record_kind::EXIT), Just(record_kind::OFF_CPU_END), any::<u32>()];
     let arbitrary = (kinds, prop::collection::vec(any::<u8>(), 0..size_of::<SampleRecord>() + 64)).prop_map(|(kind, mut bytes)| {
         if bytes.len() >= 4 {
             bytes[..4].copy_from_slice(&kind.to_ne_bytes());
@@ -85,9 +85,13 @@ fn ring_buffer_records_never_panic_and_decode_consistently() {
             bytes
         },
     );
-    let decoded: [Cell<u64>; 3] = Default::default();
+    let end = prop::collection::vec(any::<u8>(), size_of::<OffCpuEnd>()).prop_map(|mut bytes| {
+        bytes[..4].copy_from_slice(&record_kind::OFF_CPU_END.to_ne_bytes());
+        bytes
+    });
+    let decoded: [Cell<u64>; 4] = Default::default();
     runner(cases() / 4)
-        .run(&prop_oneof![arbitrary, shaped, event], |bytes| {
+        .run(&prop_oneof![arbitrary, shaped, event, end], |bytes| {
             let mut batch = RecordBatch::from_items([&bytes[..]]);
             match batch.next() {
                 Some(Record::Sample(sample)) => {
@@ -99,14 +103,19 @@ fn ring_buffer_records_never_panic_and_decode_consistently() {
                     prop_assert!(event.kind == record_kind::EXEC || event.kind == record_kind::EXIT);
                     decoded[1].set(decoded[1].get() + 1);
                 }
+                Some(Record::OffCpuEnd(end)) => {
+                    prop_assert_eq!(end.kind, record_kind::OFF_CPU_END);
+                    prop_assert_eq!(bytes.len(), size_of::<OffCpuEnd>());
+                    decoded[3].set(decoded[3].get() + 1);
+                }
                 None => decoded[2].set(decoded[2].get() + 1),
             }
             Ok(())
         })
         .unwrap();
     let decoded = decoded.map(Cell::into_inner);
-    eprintln!("records: {} samples, {} events, {} rejected", decoded[0], decoded[1], decoded[2]);
-    assert!(decoded.iter().all(|&n| n > 0), "the generator never reached both outcomes: {decoded:?}");
+    eprintln!("records: {} samples, {} events, {} interval ends, {} rejected", decoded[0], decoded[1], decoded[3], decoded[2]);
+    assert!(decoded.iter().all(|&n| n > 0), "the generator never reached every outcome: {decoded:?}");
     // A sample of every frame count the program sends decodes.
     for frames in [0, 1, pyebpf_common::MAX_PY_FRAMES] {
         let bytes = sample_bytes(frames, frames as u32);

@@ -1,15 +1,19 @@
 """Known splits of wall-clock time, for --mode wall, off-cpu and gil.
 
-Usage: python waits.py READY_FILE [gil]
+Usage: python waits.py READY_FILE [gil | SLEEP_MS SPIN_MS]
 
-Without `gil`: a serving thread sleeps 7 ms in `wait_io`, then spins 3 ms in `compute`, every 10 ms
-(70% and 30% of its time), beside a thread blocked on a lock throughout (`lock_waiter`).
+Without `gil`: a serving thread sleeps 7 ms (SLEEP_MS) in `wait_io`, then spins 3 ms (SPIN_MS) in
+`compute`, every 10 ms (70% and 30% of its time), beside a thread blocked on a lock throughout
+(`lock_waiter`).
 
 With `gil`: two threads take turns holding the GIL, `quarter` for 1 ms, `three_quarters` for 3 ms
-(25% and 75% of the time the GIL is held by either), beside a thread that spins in `hashlib`
-without the GIL (`no_gil`), which `--mode gil` leaves out.
+(25% and 75% of the time the GIL is held by either), beside a thread that hashes in `hashlib`
+without the GIL half of the time (`no_gil`), which `--mode gil` leaves out.
 
-READY_FILE receives `TID NAME` lines, one per thread, once every thread runs."""
+READY_FILE receives `TID NAME` lines, one per thread, once every thread runs. READY_FILE.truth
+holds the seconds the serving thread has spent in `wait_io` and in `compute` so far, rewritten
+every 20 rounds: on a busy host a sleep ends late and work waits for a CPU, so this is the split
+to compare with."""
 import hashlib
 import os
 import sys
@@ -18,6 +22,7 @@ import time
 
 ready_file = sys.argv[1]
 gil = len(sys.argv) > 2 and sys.argv[2] == "gil"
+sleep_ms, spin_ms = (float(sys.argv[2]), float(sys.argv[3])) if len(sys.argv) > 3 else (7.0, 3.0)
 tids = {}
 started = threading.Barrier(3)
 
@@ -34,18 +39,29 @@ def spin_for(seconds):
 
 
 def wait_io():
-    time.sleep(0.007)
+    time.sleep(sleep_ms / 1000)
 
 
 def compute():
-    spin_for(0.003)
+    spin_for(spin_ms / 1000)
 
 
 def serve():
     announce("serve")
+    waited = computed = 0.0
+    rounds = 0
     while True:
+        start = time.perf_counter()
         wait_io()
+        woke = time.perf_counter()
         compute()
+        waited += woke - start
+        computed += time.perf_counter() - woke
+        rounds += 1
+        if rounds % 20 == 0:
+            with open(ready_file + ".truth.tmp", "w") as out:
+                out.write(f"{waited} {computed}\n")
+            os.replace(ready_file + ".truth.tmp", ready_file + ".truth")
 
 
 lock = threading.Lock()
@@ -80,10 +96,12 @@ def three_quarters():
 
 
 def no_gil():
-    # sha256 of a large buffer releases the GIL while it hashes.
-    data = b"x" * (8 << 20)
+    # sha256 of a large buffer releases the GIL while it hashes; the pauses leave the two GIL
+    # holders a CPU (a holder preempted holds the GIL off CPU, where no sample sees it).
+    data = b"x" * (4 << 20)
     while True:
         hashlib.sha256(data).digest()
+        time.sleep(0.01)
 
 
 if gil:

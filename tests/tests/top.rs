@@ -187,7 +187,45 @@ fn help_explains_the_view_and_its_keys() {
     let output = pyebpf_command().args(["top", "--help"]).output().unwrap();
     assert!(output.status.success());
     let help = String::from_utf8_lossy(&output.stdout);
-    for text in ["OWN%", "TOTAL%", "file:line", "o sort by own", "t sort by total", "p switch", "space pause", "Ctrl-C quit", "--comm", "--python-only", "-F"] {
+    for text in [
+        "OWN%",
+        "TOTAL%",
+        "file:line",
+        "o sort by own",
+        "t sort by total",
+        "m switch",
+        "p switch",
+        "space pause",
+        "Ctrl-C quit",
+        "--comm",
+        "--python-only",
+        "-F",
+        "--mode",
+    ] {
         assert!(help.contains(text), "--help lacks {text}: {help}");
     }
+}
+
+/// The TOTAL% of `function`'s row on a screen of top.
+fn total_share(screen: &str, function: &str) -> Option<f64> {
+    let row = screen.lines().find(|line| line.split_whitespace().nth(4) == Some(function))?;
+    row.split_whitespace().nth(1)?.parse().ok()
+}
+
+#[test]
+fn m_switches_to_wall_clock_time_where_waits_show() {
+    let (python, _ready) = start_ready(&debian_python("3.15"), "waits.py", &[]);
+    let dir = tempfile::tempdir().unwrap();
+    let modes = dir.path().join("modes");
+    let started = Instant::now();
+    let tmux = Tmux::start(&top_script(&format!("-p {}", python.pid()), &modes), 160, 45);
+    let screen = wait_for_hot_function(&tmux, started, "spin_for");
+    assert!(screen.contains("[CPU time]"), "{screen}");
+    // On CPU, wait_io only enters and leaves its sleep; in wall-clock time it is 70% of its thread.
+    assert!(total_share(&screen, "wait_io").is_none_or(|share| share < 20.0), "{screen}");
+    tmux.run(&["send-keys", "m"]);
+    tmux.wait_for(Duration::from_secs(10), |screen| screen.contains("[wall-clock time]") && total_share(screen, "wait_io").is_some_and(|share| share >= 40.0))
+        .unwrap_or_else(|| panic!("m did not show wall-clock time with the sleeping function: {}", tmux.screen()));
+    tmux.run(&["send-keys", "q"]);
+    assert_restored(&tmux, &modes, "0");
 }

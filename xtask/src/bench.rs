@@ -14,6 +14,7 @@
 mod fidelity;
 mod measure;
 mod report;
+mod waits;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
@@ -90,7 +91,21 @@ pub fn bench(root: &Path, pyebpf: PathBuf, pythons: &Path) -> Result<()> {
     results["fidelity"] = fidelity::fidelity(&bench)?;
     eprintln!("bench: scale");
     results["scale"] = bench.scale()?;
+    eprintln!("bench: off-CPU time");
+    results["waits"] = waits::waits(&bench)?;
     results["machine"]["bench_seconds"] = json!(started.elapsed().as_secs_f64().round());
+    report::write(&bench, &results)
+}
+
+/// Runs only the off-CPU part and puts its figures into the last run's (`--only waits`).
+pub fn waits_only(root: &Path, pyebpf: PathBuf, pythons: &Path) -> Result<()> {
+    let bench = Bench { root: root.to_path_buf(), pyebpf, py_spy: ensure_py_spy(root)?, pythons: pythons.to_path_buf(), out: root.join("target/bench") };
+    std::fs::create_dir_all(&bench.out)?;
+    bench.check_competitors()?;
+    let mut results: Value = serde_json::from_str(&std::fs::read_to_string(root.join("bench/results.json")).context("read bench/results.json")?)?;
+    eprintln!("bench: off-CPU time");
+    results["waits"] = waits::waits(&bench)?;
+    results["machine"]["waits_commit"] = report::machine(&bench)?["pyebpf_commit"].clone();
     report::write(&bench, &results)
 }
 

@@ -38,6 +38,9 @@ enum Task {
         /// Only rewrite bench/RESULTS.md and the README's tables from bench/results.json
         #[arg(long)]
         report_only: bool,
+        /// Only measure the off-CPU part (`waits`), keeping the other figures of bench/results.json
+        #[arg(long, value_parser = ["waits"])]
+        only: Option<String>,
     },
     /// Build what is shipped into dist/: a static binary, a Python wheel and a Debian package
     Dist,
@@ -64,8 +67,12 @@ fn main() -> Result<()> {
             dist::dist(&root)?;
         }
         Task::Test { filter } => test(&root, &filter)?,
-        Task::Bench { report_only: true } => bench::report_only(&root)?,
-        Task::Bench { report_only: false } => {
+        Task::Bench { report_only: true, .. } => bench::report_only(&root)?,
+        Task::Bench { report_only: false, only: Some(_) } => {
+            let pythons = pythons::ensure_installed()?;
+            bench::waits_only(&root, build(&root, true)?, &pythons)?;
+        }
+        Task::Bench { report_only: false, only: None } => {
             let pythons = pythons::ensure_installed()?;
             bench::bench(&root, build(&root, true)?, &pythons)?;
         }

@@ -220,19 +220,36 @@ impl<M: ReadMemory> PyProcess<M> {
     /// id ([`offsets::PTHREAD_TID_OFFSETS`]: glibc's, musl's) that names the process's threads is kept.
     pub fn check_table(mut self) -> Result<Self, PyError> {
         if self.offsets.pthread_tid.is_none() {
-            self.prove_table()?;
+            self.prove_table_again()?;
             return Ok(self);
         }
         let mut refused = None;
         for at in offsets::PTHREAD_TID_OFFSETS {
             self.offsets.pthread_tid = Some(at);
-            match self.prove_table() {
+            match self.prove_table_again() {
                 Ok(()) => return Ok(self),
                 Err(err @ PyError::TableMismatch { .. }) => refused = refused.or(Some(err)),
                 Err(err) => return Err(err),
             }
         }
         Err(refused.expect("at least one place was tried"))
+    }
+
+    /// [`Self::prove_table`], tried again after a mismatch: the threads run while their frames are
+    /// read, and a frame read as it is pushed or popped can name no code object yet. A wrong table
+    /// fails every time.
+    fn prove_table_again(&mut self) -> Result<(), PyError> {
+        const ATTEMPTS: usize = 3;
+        let mut attempt = 1;
+        loop {
+            match self.prove_table() {
+                Err(PyError::TableMismatch { .. }) if attempt < ATTEMPTS => {
+                    attempt += 1;
+                    std::thread::sleep(std::time::Duration::from_millis(5));
+                }
+                proven => return proven,
+            }
+        }
     }
 
     fn prove_table(&mut self) -> Result<(), PyError> {

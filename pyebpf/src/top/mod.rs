@@ -40,6 +40,8 @@ pub struct View {
     frequency_hz: u64,
     /// Which processes are sampled, in words.
     targets: String,
+    /// What the rows measure.
+    mode: Mode,
 }
 
 /// What a key asks for.
@@ -48,12 +50,14 @@ enum Action {
     Redraw,
     Quit,
     Nothing,
+    /// Sample in the next mode (`m`): the sampler starts again with it.
+    NextMode,
 }
 
 impl View {
     /// The view as top starts: sorted by own time, merged frames, nothing shown yet.
-    fn new(frequency_hz: u64, targets: String) -> View {
-        View { sort: SortBy::Own, frames: FrameView::Merged, paused: false, shown: Snapshot::default(), windows: 0, lost: 0, frequency_hz, targets }
+    fn new(frequency_hz: u64, targets: String, mode: Mode) -> View {
+        View { sort: SortBy::Own, frames: FrameView::Merged, paused: false, shown: Snapshot::default(), windows: 0, lost: 0, frequency_hz, targets, mode }
     }
 
     fn key(&mut self, key: KeyEvent) -> Action {
@@ -68,6 +72,12 @@ impl View {
             KeyCode::Char('t') => self.sort = SortBy::Total,
             KeyCode::Char('p') => self.frames = self.frames.toggled(),
             KeyCode::Char(' ') => self.paused = !self.paused,
+            KeyCode::Char('m') => {
+                self.mode = next_mode(self.mode);
+                self.shown = Snapshot::default();
+                self.windows = 0;
+                return Action::NextMode;
+            }
             _ => return Action::Nothing,
         }
         self.shown.sort(self.sort);
@@ -97,34 +107,54 @@ pub fn run(args: TopArgs) -> Result<()> {
     runtime.block_on(top(&args))
 }
 
+/// The mode `m` switches to.
+fn next_mode(mode: Mode) -> Mode {
+    match mode {
+        Mode::Cpu => Mode::Wall,
+        Mode::Wall => Mode::OffCpu,
+        Mode::OffCpu => Mode::Gil,
+        Mode::Gil => Mode::Cpu,
+    }
+}
+
+/// What the sampler loads for `mode`.
+fn sampler_options(args: &TopArgs, mode: Mode) -> SamplerOptions {
+    SamplerOptions {
+        frequency_hz: args.frequency,
+        kernel_stacks: false,
+        targets: (!args.pid.is_empty()).then(|| args.pid.clone()),
+        follow_forks: false,
+        ring_buffer_kb: DEFAULT_RING_BUFFER_KB,
+        program_stats: false,
+        snapshot_all: false,
+        gil: mode == Mode::Gil,
+        off_cpu_min: mode.counts_waits().then(|| Duration::from_micros(args.mode.off_cpu_min_us)),
+    }
+}
+
+/// A tally whose samples stand for one period and whose rows measure `mode` (the next windows
+/// keep both).
+fn tally_for(args: &TopArgs, mode: Mode) -> Tally {
+    let mut tally = Tally::default();
+    tally.window_mut().frequency_hz = args.frequency;
+    tally.window_mut().mode = mode;
+    tally
+}
+
 async fn top(args: &TopArgs) -> Result<()> {
     let mut stops = StopSignals::new().context("read stop signals")?;
     let options = SamplingOptions { marker: true, read_only: args.read_only, max_frames: DEFAULT_MAX_PYTHON_FRAMES };
     let mode = args.mode.mode;
     let mut resolver = SampleResolver::new(options, false, args.filter.sample_filter(), UnwindMode::Auto, mode, false);
     let mut stats = Stats::default();
-    let targets = (!args.pid.is_empty()).then(|| args.pid.clone());
-    let sampler_options = SamplerOptions {
-        frequency_hz: args.frequency,
-        kernel_stacks: false,
-        targets,
-        follow_forks: false,
-        ring_buffer_kb: DEFAULT_RING_BUFFER_KB,
-        program_stats: false,
-        snapshot_all: false,
-        gil: mode == Mode::Gil,
-        off_cpu_min: mode.counts_waits().then(|| std::time::Duration::from_micros(args.mode.off_cpu_min_us)),
-    };
-    let mut sampler = resolver.start_sampler(&sampler_options, &mut stats)?;
+    let mut sampler = resolver.start_sampler(&sampler_options(args, mode), &mut stats)?;
+    resolver.start_recording();
     // The screen is taken only once sampling runs, so a failure to load says so on the normal screen.
     let mut screen = Screen::open()?;
     let mut keys = terminal::read_keys();
-    let mut view = View::new(args.frequency, describe_targets(args));
+    let mut view = View::new(args.frequency, describe_targets(args), mode);
     screen.draw(&view)?;
-    let mut tally = Tally::default();
-    // A sample stands for one period; the next windows keep the frequency and mode.
-    tally.window_mut().frequency_hz = args.frequency;
-    tally.window_mut().mode = mode;
+    let mut tally = tally_for(args, mode);
     let mut refresh = tokio::time::interval_at(tokio::time::Instant::now() + REFRESH, REFRESH);
     let mut upkeep = tokio::time::interval(TICK);
     let mut batch = RecordBatch::default();
@@ -137,7 +167,7 @@ async fn top(args: &TopArgs) -> Result<()> {
             }
             _ = refresh.tick() => {
                 let snapshot = tally.end_window();
-                if tally.windows() % RENEW_FRAMES_WINDOWS == 0 {
+                if tally.windows().is_multiple_of(RENEW_FRAMES_WINDOWS) {
                     tally.window_mut().renew_frames(|carry| resolver.carry_frames(carry));
                 }
                 view.window_ended(snapshot, sampler.lost_samples())
@@ -158,6 +188,16 @@ async fn top(args: &TopArgs) -> Result<()> {
         match action {
             Action::Quit => return Ok(()),
             Action::Redraw => screen.draw(&view)?,
+            Action::NextMode => {
+                // The programs of the old mode go first (dropping the sampler detaches them).
+                drop(sampler);
+                resolver.set_mode(view.mode);
+                sampler = resolver.start_sampler(&sampler_options(args, view.mode), &mut stats)?;
+                resolver.start_recording();
+                tally = tally_for(args, view.mode);
+                batch = RecordBatch::default();
+                screen.draw(&view)?;
+            }
             Action::Nothing => {}
         }
     }
@@ -182,7 +222,18 @@ mod tests {
     use super::*;
 
     fn view() -> View {
-        View::new(99, String::new())
+        View::new(99, String::new(), Mode::Cpu)
+    }
+
+    #[test]
+    fn m_cycles_through_the_modes() {
+        let mut view = view();
+        let mut seen = Vec::new();
+        for _ in 0..4 {
+            assert_eq!(press(&mut view, KeyCode::Char('m'), KeyModifiers::NONE), Action::NextMode);
+            seen.push(view.mode);
+        }
+        assert_eq!(seen, [Mode::Wall, Mode::OffCpu, Mode::Gil, Mode::Cpu]);
     }
 
     fn press(view: &mut View, code: KeyCode, modifiers: KeyModifiers) -> Action {

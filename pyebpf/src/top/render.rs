@@ -33,6 +33,7 @@ fn status_line(view: &View) -> String {
         0 => line.push_str("  collecting the first second..."),
         _ => line.push_str(&format!("  {} samples in the last second at {} Hz, {} lost", view.shown.samples, view.frequency_hz, view.lost)),
     }
+    line.push_str(&format!("  [{}]", view.mode.measures()));
     if view.paused {
         line.push_str("  [PAUSED]");
     }
@@ -49,7 +50,7 @@ fn keys_line(view: &View) -> Line<'static> {
         FrameView::PythonOnly => "Python only",
     };
     let pause = if view.paused { "resume" } else { "pause" };
-    Line::from(format!(" sorted by {sort} (o/t)  frames: {frames} (p)  space: {pause}  q: quit"))
+    Line::from(format!(" sorted by {sort} (o/t)  frames: {frames} (p)  mode (m)  space: {pause}  q: quit"))
 }
 
 fn draw_table(frame: &mut Frame, area: Rect, view: &View) {

@@ -52,7 +52,7 @@ fn stacks(collapsed: &str) -> impl Iterator<Item = (Vec<&str>, f64)> {
     })
 }
 
-fn holds(frames: &[&str], function: &str) -> bool {
+pub fn holds(frames: &[&str], function: &str) -> bool {
     frames.iter().any(|f| f.split(|c: char| !(c.is_alphanumeric() || c == '_')).any(|w| w == function))
 }
 

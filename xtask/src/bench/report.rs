@@ -170,6 +170,44 @@ fn scale_table(results: &Value) -> String {
     md
 }
 
+fn waits_tables(results: &Value) -> String {
+    let waits = &results["waits"];
+    if waits.is_null() {
+        return "(not measured in this run)\n".to_string();
+    }
+    let mut md = format!(
+        "The switch hook's own time, from the kernel's BPF statistics (`record --stats`, which add clock reads of their own) while pyebpf profiled other processes: {} ns per context switch (median of the runs). \
+         On this virtual machine a switch-heavy program's throughput is ruled by how fast idle CPUs wake: any other load keeps them awake and makes it faster, \
+         so the ratios below say more about that than about the hook.\n\n\
+         | program | runs | round trips/s (median) | share of alone |\n|---|---|---|---|\n",
+        num(&waits["switch_hook_ns_median"])
+    );
+    for row in waits["throughput"].as_array().into_iter().flatten() {
+        let _ = writeln!(
+            md,
+            "| {} | {} | {} | {:.1}% |",
+            row["program"].as_str().unwrap_or("pingpong.py"),
+            row["setting"].as_str().unwrap_or("?"),
+            num(&row["round_trips_per_s"]),
+            row["share_of_alone"].as_f64().unwrap_or(f64::NAN) * 100.0
+        );
+    }
+    md.push_str("\n| profiler (wall-clock mode) | Hz | `wait_io` (true: 70%) | `compute` (true: 30%) | lock waiter, as a share of the serving thread (true: 100%) | profiler CPU (s) for 4 s |\n|---|---|---|---|---|---|\n");
+    for row in waits["shares"].as_array().into_iter().flatten() {
+        let _ = writeln!(
+            md,
+            "| {} | {} | {:.1}% | {:.1}% | {:.1}% | {} |",
+            row["profiler"].as_str().unwrap_or("?"),
+            row["hz"].as_str().unwrap_or("99"),
+            row["wait_io_percent"].as_f64().unwrap_or(f64::NAN),
+            row["compute_percent"].as_f64().unwrap_or(f64::NAN),
+            row["lock_waiter_percent_of_serving"].as_f64().unwrap_or(f64::NAN),
+            num(&row["cpu_s"]),
+        );
+    }
+    md
+}
+
 /// Each target of the performance issue beside the figure measured for it.
 fn targets_table(results: &Value) -> String {
     let cpu = &results["cpu_per_sample"];
@@ -229,6 +267,11 @@ pub fn tables(results: &Value) -> String {
          In-kernel time per sample (`record --stats`, from the kernel's BPF run-time statistics) and remote reads per Python sample, `record -p PID -F 999 -d 3`:\n\n{}\n\
          Fidelity at 999 Hz on Python {fidelity_versions} (3.11 and 3.12 are pyenv's 3.11.7 and 3.12.1; Tachyon attaches only to 3.15), {runs} runs of {secs} s per profiler: the largest error of the three functions' shares, and the share of samples of the alternating workload whose stack mixes both paths:\n\n{}\n\
          Host-wide: `record -a -d {secs_attach}` with N spinning Python processes ({versions} in turn), steady CPU measured as above:\n\n{}\n\
+         Off-CPU time (`--mode wall`): switch-heavy programs (`pingpong.py {pingpong_s}` on Python 3.15, two processes bouncing a byte over pipes, and `perf bench sched pipe -l {perf_loops}`) alone and under each profiler at {waits_hz} Hz, median of {waits_rounds} interleaved rounds \
+         (\"profiling other processes\": `record -a --mode wall --comm` naming none, so every switch on the host runs the hook); \
+         then `waits.py` (a thread sleeping 7 ms in `wait_io` and spinning 3 ms in `compute` every 10 ms, beside a thread blocked on a lock) profiled for {share_s} s in each profiler's wall-clock mode \
+         (`pyebpf record --mode wall`, `py-spy record --idle`, `profiling.sampling attach --mode wall -a`), at 99 Hz and at 97 Hz \
+         (the workload's cycle is close to 99 Hz's period: a sampling clock locked to it samples one phase of the cycle):\n\n{}\n\
          Targets:\n\n{}\n\
          Where pyebpf's time goes: `perf record -F 4999 -g` of `pyebpf record -p PID -F 999 -d {secs_attach}` on the 3.15 workload 100 deep, \
          own time per thread, library and symbol (`perf report --no-children --sort comm,dso,sym`, entries of 1.5% or more; start-up included):\n\n```\n{}\n```\n",
@@ -237,6 +280,7 @@ pub fn tables(results: &Value) -> String {
         kernel_table(results),
         fidelity_table(results),
         scale_table(results),
+        waits_tables(results),
         targets_table(results),
         results["profile"].as_array().into_iter().flatten().filter_map(Value::as_str).collect::<Vec<_>>().join("\n"),
         secs_attach = super::ATTACH_S,
@@ -247,6 +291,11 @@ pub fn tables(results: &Value) -> String {
         runs = super::fidelity::RUNS,
         fidelity_versions = super::fidelity::VERSIONS.join(", "),
         secs = super::fidelity::SECONDS,
+        pingpong_s = super::waits::PINGPONG_S,
+        perf_loops = super::waits::PERF_LOOPS,
+        waits_hz = super::waits::HZ,
+        waits_rounds = super::waits::ROUNDS,
+        share_s = super::waits::SHARE_SECONDS,
     )
 }
 

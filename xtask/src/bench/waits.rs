@@ -1,0 +1,249 @@
+//! Off-CPU time: what `--mode wall` costs switch-heavy programs (a Python pipe ping-pong, and
+//! `perf bench sched pipe`), when pyebpf profiles them and when pyebpf runs host-wide but profiles
+//! other processes, beside py-spy `--idle` and Tachyon `--mode wall` (Python only); and the shares
+//! each profiler gives on waits.py, whose serving thread sleeps 70% and computes 30% of its time
+//! beside a thread blocked on a lock throughout.
+
+use std::process::Command;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use serde_json::{json, Value};
+
+use super::fidelity::holds;
+use super::measure::{figure_before, median, run_measured, stat_line, Measured};
+use super::{Bench, Profiler, PROFILERS};
+
+pub const ROUNDS: usize = 5;
+/// `perf bench sched pipe` round trips per run.
+pub const PERF_LOOPS: &str = "300000";
+/// Seconds each ping-pong runs.
+pub const PINGPONG_S: &str = "4";
+pub const HZ: &str = "99";
+/// The shares are also taken at 97 Hz: waits.py's cycle (7 + 3 ms and a little) is close to 99 Hz's
+/// period, and a sampling clock locked to a workload's cycle samples one phase of it (aliasing).
+pub const SHARE_HZ: [&str; 2] = ["99", "97"];
+pub const SHARE_SECONDS: &str = "4";
+const VERSION: &str = "3.15";
+
+/// How the ping-pong runs in each setting.
+#[derive(Clone, Copy)]
+enum Setting {
+    Alone,
+    /// `record -a --comm` naming no process, in cpu mode: what sampling the host costs alone.
+    PyebpfOthersCpu,
+    /// `record -a --mode wall --comm` naming no process: every switch goes through the hook.
+    PyebpfOthers,
+    PyebpfProfiling,
+    PySpyIdle,
+    TachyonWall,
+}
+
+const SETTINGS: [Setting; 6] =
+    [Setting::Alone, Setting::PyebpfOthersCpu, Setting::PyebpfOthers, Setting::PyebpfProfiling, Setting::PySpyIdle, Setting::TachyonWall];
+/// Those that apply to a native program.
+const NATIVE_SETTINGS: [Setting; 4] = [Setting::Alone, Setting::PyebpfOthersCpu, Setting::PyebpfOthers, Setting::PyebpfProfiling];
+
+/// The switch-heavy programs.
+#[derive(Clone, Copy)]
+enum Program {
+    PythonPingPong,
+    PerfPipe,
+}
+
+impl Program {
+    fn name(self) -> &'static str {
+        match self {
+            Program::PythonPingPong => "pingpong.py",
+            Program::PerfPipe => "perf bench sched pipe",
+        }
+    }
+
+    fn settings(self) -> &'static [Setting] {
+        match self {
+            Program::PythonPingPong => &SETTINGS,
+            Program::PerfPipe => &NATIVE_SETTINGS,
+        }
+    }
+
+    /// The command line, and how its round trips per second are read from its output.
+    fn command(self, bench: &Bench) -> Vec<std::ffi::OsString> {
+        match self {
+            Program::PythonPingPong => vec![bench.python(VERSION).into(), bench.script("pingpong.py").into(), PINGPONG_S.into()],
+            Program::PerfPipe => ["perf", "bench", "sched", "pipe", "-l", PERF_LOOPS].map(Into::into).to_vec(),
+        }
+    }
+
+    fn round_trips_per_s(self, measured: &Measured) -> Result<f64> {
+        match self {
+            Program::PythonPingPong => measured.workload_seconds(),
+            Program::PerfPipe => {
+                let line = measured.stdout.lines().find(|line| line.contains("usecs/op")).with_context(|| format!("no usecs/op in {:?}", measured.stdout))?;
+                let usecs: f64 = line.split_whitespace().next().and_then(|n| n.parse().ok()).with_context(|| format!("no figure in {line:?}"))?;
+                Ok(1e6 / usecs)
+            }
+        }
+    }
+}
+
+impl Setting {
+    fn name(self) -> &'static str {
+        match self {
+            Setting::Alone => "alone",
+            Setting::PyebpfOthersCpu => "pyebpf record -a --mode cpu, profiling other processes",
+            Setting::PyebpfOthers => "pyebpf record -a --mode wall, profiling other processes",
+            Setting::PyebpfProfiling => "pyebpf record --mode wall, profiling it",
+            Setting::PySpyIdle => "py-spy record --idle --subprocesses",
+            Setting::TachyonWall => "Tachyon run --mode wall -a",
+        }
+    }
+}
+
+pub fn waits(bench: &Bench) -> Result<Value> {
+    let mut throughput = Vec::new();
+    let mut hook_ns = Vec::new();
+    for program in [Program::PythonPingPong, Program::PerfPipe] {
+        let settings = program.settings();
+        let mut rates: Vec<Vec<f64>> = vec![Vec::new(); settings.len()];
+        for _ in 0..ROUNDS {
+            for (at, setting) in settings.iter().enumerate() {
+                let (rate, hook) = switch_heavy(bench, program, *setting)?;
+                eprintln!("  {} {}: {rate:.0} round trips/s", program.name(), setting.name());
+                rates[at].push(rate);
+                hook_ns.extend(hook);
+            }
+        }
+        let alone = median(&mut rates[0].clone());
+        for (setting, rates) in settings.iter().zip(&rates) {
+            let rate = median(&mut rates.clone());
+            throughput.push(
+                json!({ "program": program.name(), "setting": setting.name(), "round_trips_per_s": rate, "share_of_alone": rate / alone, "runs": rates }),
+            );
+        }
+    }
+    let target = bench.spawn_ready(VERSION, "waits.py", &[])?;
+    let mut shares = Vec::new();
+    for hz in SHARE_HZ {
+        for profiler in PROFILERS {
+            let run = wall_profile(bench, profiler, target.pid(), hz)?;
+            let mut row = shares_of(profiler, &run)?;
+            row["hz"] = json!(hz);
+            eprintln!("  {row}");
+            shares.push(row);
+        }
+    }
+    let switch_hook_ns = (!hook_ns.is_empty()).then(|| median(&mut hook_ns.clone()));
+    Ok(json!({ "throughput": throughput, "shares": shares, "switch_hook_ns_median": switch_hook_ns, "switch_hook_ns": hook_ns }))
+}
+
+/// Round trips per second of one run of `program` in `setting`, and with pyebpf host-wide in wall
+/// mode, the switch hook's time per context switch (`--stats`, from the kernel's BPF statistics).
+fn switch_heavy(bench: &Bench, program: Program, setting: Setting) -> Result<(f64, Option<f64>)> {
+    let argv = program.command(bench);
+    let out = bench.out.join("waits-switch-heavy.txt");
+    let mut command = match setting {
+        Setting::Alone | Setting::PyebpfOthersCpu | Setting::PyebpfOthers => {
+            let mut c = Command::new(&argv[0]);
+            c.args(&argv[1..]);
+            c
+        }
+        Setting::PyebpfProfiling => {
+            let mut c = Command::new(&bench.pyebpf);
+            c.args(["record", "--mode", "wall", "-F", HZ, "-o"]).arg(&out).arg("--").args(&argv);
+            c
+        }
+        Setting::PySpyIdle => {
+            let mut c = Command::new(&bench.py_spy);
+            c.args(["record", "--idle", "--subprocesses", "--format", "raw", "--rate", HZ, "-o"]).arg(&out).arg("--").args(&argv);
+            c
+        }
+        Setting::TachyonWall => {
+            let mut c = Command::new(&argv[0]);
+            c.args(["-m", "profiling.sampling", "run", "--mode", "wall", "-a", "--collapsed", "-r", HZ, "-o"]).arg(&out).args(&argv[1..]);
+            c
+        }
+    };
+    // Host-wide, for as long as the ping-pong runs (after a second to load and attach).
+    let host_wide_mode = match setting {
+        Setting::PyebpfOthersCpu => Some("cpu"),
+        Setting::PyebpfOthers => Some("wall"),
+        _ => None,
+    };
+    let host_wide = match host_wide_mode {
+        Some(mode) => Some(
+            Command::new(&bench.pyebpf)
+                .args(["record", "-a", "--stats", "--mode", mode, "--comm", "^no-such-process$", "-F", HZ, "-d", "7", "-o", "/dev/null"])
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .context("start pyebpf")?,
+        ),
+        None => None,
+    };
+    if host_wide.is_some() {
+        std::thread::sleep(Duration::from_secs(2));
+    }
+    let measured = run_measured(&mut command, None)?;
+    let mut hook_ns = None;
+    if let Some(pyebpf) = host_wide {
+        let output = pyebpf.wait_with_output()?;
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        if !output.status.success() {
+            bail!("pyebpf record -a failed: {}: {stderr}", output.status);
+        }
+        hook_ns = stat_line(&stderr, "switch hook time:").and_then(|line| figure_before(&line, "ns per context switch"));
+    }
+    Ok((program.round_trips_per_s(&measured)?, hook_ns))
+}
+
+/// A wall-clock profile of `pid` by `profiler`, with its CPU cost.
+fn wall_profile(bench: &Bench, profiler: Profiler, pid: u32, hz: &str) -> Result<Measured> {
+    let out = bench.out.join(format!("waits-{}.txt", profiler.name()));
+    let _ = std::fs::remove_file(&out);
+    let pid = pid.to_string();
+    let mut command = match profiler {
+        Profiler::Pyebpf => {
+            let mut c = Command::new(&bench.pyebpf);
+            c.args(["record", "--mode", "wall", "-p", &pid, "-F", hz, "-d", SHARE_SECONDS, "-o"]).arg(&out);
+            c
+        }
+        Profiler::PySpy => {
+            let mut c = Command::new(&bench.py_spy);
+            c.args(["record", "--idle", "--format", "raw", "--pid", &pid, "--rate", hz, "--duration", SHARE_SECONDS, "-o"]).arg(&out);
+            c
+        }
+        Profiler::Tachyon => {
+            let mut c = Command::new(bench.python("3.15"));
+            c.args(["-m", "profiling.sampling", "attach", "--mode", "wall", "-a", "--collapsed", "-r", hz, "-d", SHARE_SECONDS, "-o"]).arg(&out).arg(&pid);
+            c
+        }
+    };
+    let mut measured = run_measured(&mut command, None)?;
+    measured.collapsed = std::fs::read_to_string(&out).with_context(|| format!("{} wrote no profile: {}", profiler.name(), measured.stderr))?;
+    Ok(measured)
+}
+
+/// `wait_io` and `compute` as shares of the serving thread's time, and the lock waiter's weight
+/// as a share of the serving thread's (they run equally long: about 100% when it is counted).
+fn shares_of(profiler: Profiler, run: &Measured) -> Result<Value> {
+    let weight = |function: &str| -> f64 {
+        run.collapsed
+            .lines()
+            .filter_map(|line| line.rsplit_once(' '))
+            .filter(|(stack, _)| holds(&stack.split(';').collect::<Vec<_>>(), function))
+            .filter_map(|(_, count)| count.trim().parse::<f64>().ok())
+            .sum()
+    };
+    let serve = weight("serve");
+    if serve == 0.0 {
+        bail!("{} has no stacks of the serving thread", profiler.name());
+    }
+    Ok(json!({
+        "profiler": profiler.name(),
+        "wait_io_percent": 100.0 * weight("wait_io") / serve,
+        "compute_percent": 100.0 * weight("compute") / serve,
+        "lock_waiter_percent_of_serving": 100.0 * weight("lock_waiter") / serve,
+        "cpu_s": run.cpu_s,
+        "wall_s": run.wall_s,
+    }))
+}
