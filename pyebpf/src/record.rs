@@ -375,6 +375,7 @@ impl SampleResolver {
     fn forget(&mut self, pid: u32, sampler: &mut Sampler) {
         if self.watching_waits.remove(&pid) {
             sampler.stop_watching_waits(pid);
+            self.pending_waits.retain(|_, pending| pending.pid != pid);
         }
         self.processes.forget(pid);
         self.python.forget(pid, sampler);
