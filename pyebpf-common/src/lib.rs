@@ -24,6 +24,9 @@ pub const STACK_SNAPSHOT_MAX: usize = 16 * 1024;
 pub const STACK_CHUNK: usize = 4096;
 /// Processes whose user stacks are copied at most (`--unwind auto`).
 pub const MAX_SNAPSHOT_PROCS: u32 = 16384;
+/// Words of the `WAIT_PROCS` bitmap: one bit for each tgid below the kernel's `PID_MAX_LIMIT`
+/// (4,194,304 on 64-bit).
+pub const WAIT_PROCS_WORDS: u32 = 4_194_304 / 64;
 
 /// Map names: the eBPF crate's map statics are named so (a map is named after its static), and
 /// the loader takes them by these names; a unit test checks the embedded object has every one.
@@ -103,7 +106,8 @@ pub struct Config {
     /// A thread's stacks are captured as it leaves the CPU at most once per this many nanoseconds;
     /// intervals that begin without a capture are only summed in `SHORT_WAITS`.
     pub off_cpu_min_ns: u64,
-    /// Byte offset of `pid` (the thread id) in `struct task_struct` (from the kernel's BTF).
+    /// Byte offset of `pid` (the thread id) in `struct task_struct` (from the kernel's BTF); in
+    /// off-CPU modes `tgid` follows it (`task_tgid_offset` is 4 more, as in every kernel).
     pub task_pid_offset: u32,
     pub _pad2: u32,
 }
@@ -221,6 +225,9 @@ pub struct OffCpuEnd {
     pub start_ns: u64,
     /// How long the thread was off CPU.
     pub away_ns: u64,
+    /// How long it was off CPU, since its capture before, in intervals that began without one
+    /// ([`OffCpuStart::carried_ns`]): counted with this capture's stacks.
+    pub carried_ns: u64,
 }
 
 /// What a [`SampleRecord`] stands for ([`SampleRecord::origin`]).
@@ -248,6 +255,10 @@ pub struct OffCpuStart {
     /// Its task state when it left (`prev_state`; 0: preempted, still runnable).
     pub state: u32,
     pub tgid: u32,
+    /// The length of its intervals that began without a capture, since its last capture: sent
+    /// with the end of its next captured interval, whose stacks stand for them, as a sample's
+    /// stacks stand for its period.
+    pub carried_ns: u64,
 }
 
 /// Captures a thread may make in a row as it leaves the CPU before it is held to one per

@@ -16,7 +16,7 @@ use aya_ebpf::{
     macros::map,
     maps::{Array, HashMap, PerCpuArray, RingBuf},
 };
-use pyebpf_common::{Config, MarkerChain, OffCpuStart, PyProcConfig, PyThreadEntry, SampleRecord, MAX_SNAPSHOT_PROCS};
+use pyebpf_common::{Config, MarkerChain, OffCpuStart, PyProcConfig, PyThreadEntry, SampleRecord, MAX_SNAPSHOT_PROCS, WAIT_PROCS_WORDS};
 
 /// Userspace sets the real size at load time (`--ring-buffer-kb`).
 #[map]
@@ -54,9 +54,11 @@ static SNAPSHOT_PROCS: HashMap<u32, u8> = HashMap::with_max_entries(MAX_SNAPSHOT
 #[map]
 static SCRATCH: Array<SampleRecord> = Array::with_max_entries(1, 0);
 
-/// Processes whose threads' off-CPU intervals are captured (`--mode wall`, `off-cpu`).
+/// Processes whose threads' off-CPU intervals are captured (`--mode wall`, `off-cpu`): bit
+/// `tgid % 64` of word `tgid / 64`. The verifier inlines an array's look-up, so the switch hook
+/// passes over a thread of another process without a helper call or a hash.
 #[map]
-static WAIT_PROCS: HashMap<u32, u8> = HashMap::with_max_entries(65536, 0);
+static WAIT_PROCS: Array<u64> = Array::with_max_entries(WAIT_PROCS_WORDS, 0);
 
 /// Threads of `WAIT_PROCS`, by tid: when each left the CPU and whether it was captured. A plain
 /// hash, updated in place (an LRU map's look-ups write, and every switch on the host looks up);

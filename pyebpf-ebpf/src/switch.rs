@@ -3,8 +3,10 @@
 //! (its user, Python and kernel stacks are those it waits with, until it comes back); when it comes
 //! back, the same hook (then running in another thread) sends how long it was away. A thread that
 //! switches often is captured, after a burst, at most once per `--off-cpu-min` of its time; the
-//! intervals that begin without a capture are only summed. Every switch on the host runs this
-//! hook: for threads that are not watched it is two map look-ups.
+//! intervals that begin without a capture are summed and sent with its next captured one, whose
+//! stacks stand for them (as a sample's stand for its period). Every switch on the host runs this
+//! hook: for threads that are not watched it is one read of the next thread's ids and two bits of
+//! an array.
 
 use aya_ebpf::{
     helpers::{bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_kernel},
@@ -23,19 +25,25 @@ const TASK_DEAD: u32 = 0x80;
 #[btf_tracepoint(function = "sched_switch")]
 pub fn switch(ctx: BtfTracePointContext) -> u32 {
     let Some(config) = CONFIG.get(0) else { return 0 };
-    // Argument 2 is the `task_struct` of the thread coming onto the CPU.
+    // Argument 2 is the `task_struct` of the thread coming onto the CPU; its `pid` and `tgid`
+    // are adjacent (userspace checked).
     let next: *const u8 = ctx.arg(2);
     // SAFETY: the offset comes from the kernel's BTF; the read is checked.
-    if let Ok(next_tid) = unsafe { bpf_probe_read_kernel(next.add(config.task_pid_offset as usize) as *const i32) } {
+    if let Ok([next_tid, next_tgid]) = unsafe { bpf_probe_read_kernel(next.add(config.task_pid_offset as usize) as *const [u32; 2]) } {
         // The idle task (0) is never watched.
-        if next_tid != 0 {
-            came_back(next_tid as u32);
+        if next_tid != 0 && watched(next_tgid) {
+            came_back(next_tid);
         }
     }
     // Argument 3 is `prev_state`, an unsigned int.
     let prev_state: u64 = ctx.arg(3);
     leaves(&ctx, config, prev_state as u32);
     0
+}
+
+/// Whether `tgid`'s off-CPU intervals are captured: its bit in `WAIT_PROCS`.
+fn watched(tgid: u32) -> bool {
+    WAIT_PROCS.get(tgid / 64).is_some_and(|word| word & (1u64 << (tgid % 64)) != 0)
 }
 
 /// Thread `tid` comes back onto the CPU: its interval ends.
@@ -51,15 +59,17 @@ fn came_back(tid: u32) {
     let now = unsafe { bpf_ktime_get_ns() };
     let away = now.saturating_sub(entry.start_ns);
     if entry.captured_ns == entry.start_ns {
-        let end = OffCpuEnd { kind: record_kind::OFF_CPU_END, tid, start_ns: entry.start_ns, away_ns: away };
+        let end = OffCpuEnd { kind: record_kind::OFF_CPU_END, tid, start_ns: entry.start_ns, away_ns: away, carried_ns: entry.carried_ns };
         if SAMPLES.output::<OffCpuEnd>(&end, BPF_RB_NO_WAKEUP).is_err() {
             if let Some(lost) = LOST.get_ptr_mut(0) {
                 // SAFETY: per-CPU slot; perf events do not interrupt this hook (interrupts are off).
                 unsafe { *lost += 1 };
             }
         }
+        entry.carried_ns = 0;
     } else {
         add_short(away);
+        entry.carried_ns += away;
     }
     entry.start_ns = 0;
 }
@@ -82,7 +92,7 @@ fn leaves(ctx: &BtfTracePointContext, config: &Config, state: u32) {
     let pid_tgid = bpf_get_current_pid_tgid();
     let tgid = (pid_tgid >> 32) as u32;
     let tid = pid_tgid as u32;
-    if tgid == 0 || WAIT_PROCS.get_ptr(tgid).is_none() {
+    if tgid == 0 || !watched(tgid) {
         return;
     }
     // SAFETY: no preconditions.
@@ -93,7 +103,8 @@ fn leaves(ctx: &BtfTracePointContext, config: &Config, state: u32) {
     }
     let existing = OFF_CPU.get_ptr_mut(tid);
     // SAFETY: as in came_back.
-    let (mut tokens, mut earned_ns) = existing.map_or((OFF_CPU_BURST, now), |entry| unsafe { ((*entry).tokens, (*entry).earned_ns) });
+    let (mut tokens, mut earned_ns, carried_ns) =
+        existing.map_or((OFF_CPU_BURST, now, 0), |entry| unsafe { ((*entry).tokens, (*entry).earned_ns, (*entry).carried_ns) });
     let earned = if config.off_cpu_min_ns == 0 { OFF_CPU_BURST } else { now.saturating_sub(earned_ns) / config.off_cpu_min_ns };
     if earned > 0 {
         tokens = if tokens + earned > OFF_CPU_BURST { OFF_CPU_BURST } else { tokens + earned };
@@ -103,7 +114,7 @@ fn leaves(ctx: &BtfTracePointContext, config: &Config, state: u32) {
     if capture {
         tokens -= 1;
     }
-    let entry = OffCpuStart { start_ns: now, captured_ns: if capture { now } else { 0 }, tokens, earned_ns, state, tgid };
+    let entry = OffCpuStart { start_ns: now, captured_ns: if capture { now } else { 0 }, tokens, earned_ns, state, tgid, carried_ns };
     match existing {
         // In place: a thread that switches often costs no map update.
         // SAFETY: as in came_back.

@@ -85,7 +85,7 @@ pub struct Sampler {
     py_threads: HashMap<MapData, u32, PyThreadEntry>,
     py_markers: HashMap<MapData, u32, MarkerChain>,
     snapshot_procs: HashMap<MapData, u32, u8>,
-    wait_procs: HashMap<MapData, u32, u8>,
+    wait_procs: Array<MapData, u64>,
     off_cpu: HashMap<MapData, u32, OffCpuStart>,
     short_waits: PerCpuArray<MapData, u64>,
 }
@@ -185,7 +185,7 @@ impl Sampler {
         } else {
             0
         };
-        let task_pid_offset = if options.off_cpu_min.is_some() { kernel_btf.member_offset("task_struct", "pid")? } else { 0 };
+        let task_pid_offset = if options.off_cpu_min.is_some() { kernel_btf.task_ids_offset()? } else { 0 };
         let off_cpu_min_ns = options.off_cpu_min.map_or(0, |min| min.as_nanos().try_into().unwrap_or(u64::MAX));
         let config = Config {
             own_tgid: std::process::id(),
@@ -231,7 +231,7 @@ impl Sampler {
         let py_threads = HashMap::try_from(take_map(&mut ebpf, maps::PY_THREADS)?).map_err(map_error(maps::PY_THREADS))?;
         let py_markers = HashMap::try_from(take_map(&mut ebpf, maps::PY_MARKERS)?).map_err(map_error(maps::PY_MARKERS))?;
         let snapshot_procs = HashMap::try_from(take_map(&mut ebpf, maps::SNAPSHOT_PROCS)?).map_err(map_error(maps::SNAPSHOT_PROCS))?;
-        let wait_procs = HashMap::try_from(take_map(&mut ebpf, maps::WAIT_PROCS)?).map_err(map_error(maps::WAIT_PROCS))?;
+        let wait_procs = Array::try_from(take_map(&mut ebpf, maps::WAIT_PROCS)?).map_err(map_error(maps::WAIT_PROCS))?;
         let off_cpu = HashMap::try_from(take_map(&mut ebpf, maps::OFF_CPU)?).map_err(map_error(maps::OFF_CPU))?;
         let short_waits = PerCpuArray::try_from(take_map(&mut ebpf, maps::SHORT_WAITS)?).map_err(map_error(maps::SHORT_WAITS))?;
         Ok(Sampler {
@@ -357,15 +357,27 @@ impl Sampler {
 
     /// Has the switch hooks capture the off-CPU intervals of `tgid`'s threads.
     pub fn watch_waits(&mut self, tgid: u32) -> Result<(), BpfError> {
-        self.wait_procs.insert(tgid, 1, 0).map_err(map_error(maps::WAIT_PROCS))
+        self.set_wait_bit(tgid, true)
     }
 
     pub fn stop_watching_waits(&mut self, tgid: u32) {
-        let _ = self.wait_procs.remove(&tgid);
+        let _ = self.set_wait_bit(tgid, false);
         let threads: Vec<u32> = self.off_cpu.iter().filter_map(Result::ok).filter(|(_, entry)| entry.tgid == tgid).map(|(tid, _)| tid).collect();
         for tid in threads {
             let _ = self.off_cpu.remove(&tid);
         }
+    }
+
+    /// Sets or clears `tgid`'s bit in the `WAIT_PROCS` bitmap. Only userspace writes it, so the
+    /// word read here is the word in the map.
+    fn set_wait_bit(&mut self, tgid: u32, on: bool) -> Result<(), BpfError> {
+        let (word, bit) = (tgid / 64, 1u64 << (tgid % 64));
+        let old = self.wait_procs.get(&word, 0).map_err(map_error(maps::WAIT_PROCS))?;
+        let new = if on { old | bit } else { old & !bit };
+        if new != old {
+            self.wait_procs.set(word, new, 0).map_err(map_error(maps::WAIT_PROCS))?;
+        }
+        Ok(())
     }
 
     /// Threads of watched processes the switch hook has seen leave the CPU (those off it now have

@@ -97,8 +97,8 @@ pub struct ModeArgs {
 
     /// With --mode wall or off-cpu: a thread's stacks are captured as it leaves the CPU, after a
     /// burst of 16, at most once per this many microseconds; the waits that begin without a
-    /// capture (a thread switching tens of thousands of times a second has many) are only summed,
-    /// in the summary
+    /// capture (a thread switching tens of thousands of times a second has many) are summed and
+    /// counted with the thread's next capture, whose stacks stand for them as a sample's do
     #[arg(long = "off-cpu-min", value_name = "MICROSECONDS", default_value_t = DEFAULT_OFF_CPU_MIN_US, allow_negative_numbers = true,
           value_parser = clap::value_parser!(u64).range(0..=MAX_SECONDS * 1_000_000))]
     pub off_cpu_min_us: u64,
@@ -161,7 +161,7 @@ impl Mode {
     }
 }
 
-/// `--off-cpu-min` unless given: intervals shorter than this are summed without stacks. A
+/// `--off-cpu-min` unless given: a thread is captured at most this often after its burst. A
 /// thread that blocks and wakes tens of thousands of times a second (a pipe ping-pong) then costs
 /// two map updates per switch, not a capture.
 pub const DEFAULT_OFF_CPU_MIN_US: u64 = 1000;

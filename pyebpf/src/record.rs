@@ -22,7 +22,7 @@ use crate::progress::Progress;
 use crate::python_sampling::{PyItem, PythonSampling, SamplingOptions};
 use crate::reader::{Record, RecordBatch};
 use crate::report;
-use crate::stack::{Frame, FrameCarry, FrameId, ProcessLabels, Profile, SampleStack, ThreadState, Weight};
+use crate::stack::{Frame, FrameCarry, FrameId, Profile, SampleStack, StoredStack, ThreadState, Weight};
 use crate::stats::Stats;
 use crate::stop_signals::StopSignals;
 use crate::summary::{RunTotals, Summary};
@@ -67,40 +67,7 @@ pub struct SampleResolver {
 struct PendingWait {
     /// The capture's time: which interval of the thread it is.
     start_ns: u64,
-    pid: u32,
-    tid: u32,
-    comm: Arc<str>,
-    frames: Vec<FrameId>,
-    truncated: bool,
-    labels: Option<Arc<ProcessLabels>>,
-    state: ThreadState,
-}
-
-impl PendingWait {
-    fn new(start_ns: u64, sample: &SampleStack<'_>) -> Self {
-        PendingWait {
-            start_ns,
-            pid: sample.pid,
-            tid: sample.tid,
-            comm: sample.comm.clone(),
-            frames: sample.frames.to_vec(),
-            truncated: sample.truncated,
-            labels: sample.labels.cloned(),
-            state: sample.state,
-        }
-    }
-
-    fn stack(&self) -> SampleStack<'_> {
-        SampleStack {
-            pid: self.pid,
-            tid: self.tid,
-            comm: &self.comm,
-            frames: &self.frames,
-            truncated: self.truncated,
-            labels: self.labels.as_ref(),
-            state: self.state,
-        }
-    }
+    stack: StoredStack,
 }
 
 /// Buffers reused from sample to sample, so a sample seen before allocates nothing.
@@ -180,7 +147,7 @@ impl SampleResolver {
     pub fn carry_frames(&mut self, carry: &mut FrameCarry<'_>) {
         self.native.carry_frames(carry);
         self.python.carry_frames(carry);
-        for id in self.pending_waits.values_mut().flat_map(|pending| pending.frames.iter_mut()) {
+        for id in self.pending_waits.values_mut().flat_map(|pending| pending.stack.frames_mut().iter_mut()) {
             *id = carry.carry(*id);
         }
         self.frames_generation = carry.new_generation();
@@ -272,7 +239,7 @@ impl SampleResolver {
             profile.add_sample(sample, Weight { samples: 1, ns: record.weight_ns });
         } else {
             // Its length comes when the thread is back (`end_wait`).
-            self.pending_waits.insert(record.tid, PendingWait::new(record.time_ns, &sample));
+            self.pending_waits.insert(record.tid, PendingWait { start_ns: record.time_ns, stack: StoredStack::from_sample(&sample) });
         }
         true
     }
@@ -285,8 +252,17 @@ impl SampleResolver {
         }
         let pending = self.pending_waits.remove(&end.tid).expect("looked up above");
         stats.off_cpu.intervals += 1;
-        let ns = self.within_recording(end.start_ns, end.start_ns.saturating_add(end.away_ns));
-        profile.add_sample(pending.stack(), Weight { samples: 1, ns });
+        let carried = self.carried(end.carried_ns, end.start_ns, stats);
+        let ns = self.within_recording(end.start_ns, end.start_ns.saturating_add(end.away_ns)) + carried;
+        profile.add_sample(pending.stack.as_sample(), Weight { samples: 1, ns });
+    }
+
+    /// The uncaptured off-CPU time a capture at `start_ns` stands for, counted in `stats`: it lies
+    /// before the capture, and only what the recording holds counts.
+    fn carried(&self, carried_ns: u64, start_ns: u64, stats: &mut Stats) -> u64 {
+        let carried = carried_ns.min(self.within_recording(0, start_ns));
+        stats.off_cpu.carried_ns += carried;
+        carried
     }
 
     /// Counts the threads of watched processes that are still off CPU at the end, each up to now:
@@ -304,7 +280,8 @@ impl SampleResolver {
                 Some(pending) if pending.start_ns == entry.start_ns => {
                     stats.off_cpu.intervals += 1;
                     stats.off_cpu.open_at_end += 1;
-                    profile.add_sample(pending.stack(), Weight { samples: 1, ns: self.within_recording(entry.start_ns, now) });
+                    let ns = self.within_recording(entry.start_ns, now) + self.carried(entry.carried_ns, entry.start_ns, stats);
+                    profile.add_sample(pending.stack.as_sample(), Weight { samples: 1, ns });
                 }
                 _ if entry.captured_ns != entry.start_ns => {
                     stats.off_cpu.short_intervals += 1;
@@ -375,7 +352,7 @@ impl SampleResolver {
     fn forget(&mut self, pid: u32, sampler: &mut Sampler) {
         if self.watching_waits.remove(&pid) {
             sampler.stop_watching_waits(pid);
-            self.pending_waits.retain(|_, pending| pending.pid != pid);
+            self.pending_waits.retain(|_, pending| pending.stack.as_sample().pid != pid);
         }
         self.processes.forget(pid);
         self.python.forget(pid, sampler);

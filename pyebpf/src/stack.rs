@@ -225,9 +225,10 @@ impl<'a> FrameCarry<'a> {
     }
 }
 
-/// One aggregated stack as kept: the labels plus the frames' ids, innermost first.
+/// One aggregated stack as kept (or an off-CPU capture held until its interval ends): the labels
+/// plus the frames' ids, innermost first.
 #[derive(Debug, Clone, PartialEq, Eq)]
-struct StoredStack {
+pub(crate) struct StoredStack {
     pid: u32,
     tid: u32,
     comm: Arc<str>,
@@ -270,7 +271,25 @@ impl Hash for StoredStack {
 }
 
 impl StoredStack {
-    fn as_sample(&self) -> SampleStack<'_> {
+    /// An owned copy of `sample`.
+    pub(crate) fn from_sample(sample: &SampleStack<'_>) -> Self {
+        StoredStack {
+            pid: sample.pid,
+            tid: sample.tid,
+            comm: sample.comm.clone(),
+            frames: sample.frames.into(),
+            truncated: sample.truncated,
+            labels: sample.labels.cloned(),
+            state: sample.state,
+        }
+    }
+
+    /// The frame ids, to move them into another period's frame table.
+    pub(crate) fn frames_mut(&mut self) -> &mut [FrameId] {
+        &mut self.frames
+    }
+
+    pub(crate) fn as_sample(&self) -> SampleStack<'_> {
         SampleStack {
             pid: self.pid,
             tid: self.tid,
@@ -398,16 +417,7 @@ impl Profile {
             *total += weight;
             return;
         }
-        let stored = StoredStack {
-            pid: sample.pid,
-            tid: sample.tid,
-            comm: sample.comm.clone(),
-            frames: sample.frames.into(),
-            truncated: sample.truncated,
-            labels: sample.labels.cloned(),
-            state: sample.state,
-        };
-        self.counts.insert(stored, weight);
+        self.counts.insert(StoredStack::from_sample(&sample), weight);
     }
 
     /// Every aggregated stack with its weight, in no particular order.

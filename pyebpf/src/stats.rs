@@ -68,6 +68,9 @@ pub struct OffCpuTotals {
     /// summed in the kernel, without stacks.
     pub short_intervals: u64,
     pub short_ns: u64,
+    /// The part of `short_ns` counted with the thread's next captured stacks (the rest had no
+    /// capture after it before the end).
+    pub carried_ns: u64,
 }
 
 /// Processes of unsupported CPythons named in the summary at most.

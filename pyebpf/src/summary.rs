@@ -192,11 +192,12 @@ impl fmt::Display for Summary {
             let o = &self.off_cpu;
             writeln!(
                 f,
-                "  off CPU: {} intervals with stacks ({} still waiting at the end), {} begun without a capture (see --off-cpu-min) summed without stacks ({:.3} s)",
+                "  off CPU: {} intervals with stacks ({} still waiting at the end); {} shorter ones begun without a capture (see --off-cpu-min), {:.3} s, {:.3} s of it counted with their thread's next capture",
                 o.intervals,
                 o.open_at_end,
                 o.short_intervals,
-                o.short_ns as f64 / 1e9
+                o.short_ns as f64 / 1e9,
+                o.carried_ns as f64 / 1e9
             )?;
         }
         if self.top.is_empty() {

@@ -1,10 +1,11 @@
 """Known splits of wall-clock time, for --mode wall, off-cpu and gil.
 
-Usage: python waits.py READY_FILE [gil | SLEEP_MS SPIN_MS]
+Usage: python waits.py READY_FILE [gil | SLEEP_MS SPIN_MS [PIECES]]
 
 Without `gil`: a serving thread sleeps 7 ms (SLEEP_MS) in `wait_io`, then spins 3 ms (SPIN_MS) in
 `compute`, every 10 ms (70% and 30% of its time), beside a thread blocked on a lock throughout
-(`lock_waiter`).
+(`lock_waiter`). With PIECES, `wait_io` sleeps that many times, for SLEEP_MS in all: waits far
+shorter than `--off-cpu-min`.
 
 With `gil`: two threads take turns holding the GIL, `quarter` for 1 ms, `three_quarters` for 3 ms
 (25% and 75% of the time the GIL is held by either), beside a thread that hashes in `hashlib`
@@ -23,6 +24,7 @@ import time
 ready_file = sys.argv[1]
 gil = len(sys.argv) > 2 and sys.argv[2] == "gil"
 sleep_ms, spin_ms = (float(sys.argv[2]), float(sys.argv[3])) if len(sys.argv) > 3 else (7.0, 3.0)
+pieces = int(sys.argv[4]) if len(sys.argv) > 4 else 1
 tids = {}
 started = threading.Barrier(3)
 
@@ -39,7 +41,8 @@ def spin_for(seconds):
 
 
 def wait_io():
-    time.sleep(sleep_ms / 1000)
+    for _ in range(pieces):
+        time.sleep(sleep_ms / 1000 / pieces)
 
 
 def compute():

@@ -94,6 +94,30 @@ fn wall_mode_splits_a_thread_between_its_sleep_and_its_work_and_counts_a_lock_wa
     assert!(stderr.contains("still waiting at the end"), "{stderr}");
 }
 
+/// A thread that waits 40 times per 10 ms cycle, for 0.15 ms each, is captured at most once per
+/// millisecond after its burst: most of its waits begin without a capture, and count with the
+/// next capture's stacks. Its split is what it measured of itself (its sleeps end late).
+#[test]
+fn wall_mode_counts_waits_shorter_than_off_cpu_min() {
+    let workload = Workload::start(&debian_python("3.15"), &["6", "4", "40"]);
+    let before = workload.truth();
+    let (collapsed, stderr) = record(&["-p", &workload.pid(), "--mode", "wall", "-F", "199", "-d", "4", "--threads"]);
+    let after = workload.truth();
+    let (waited, computed) = (after.0 - before.0, after.1 - before.1);
+    let true_wait = 100.0 * waited / (waited + computed);
+    let serve = workload.thread(&stacks_of(&collapsed, workload.child.pid()), "serve");
+    let serve_total = weight(&serve, |_| true);
+    let wait_io = weight(&serve, |frames| has_function(frames, "wait_io"));
+    assert!((3_600_000..=4_600_000).contains(&serve_total), "serving thread has {serve_total} us of a 4 s recording: {stderr}");
+    assert!(
+        (share(wait_io, serve_total) - true_wait).abs() <= 3.0,
+        "wait_io {:.1}% of the serving thread, where it measured {true_wait:.1}%: {stderr}",
+        share(wait_io, serve_total)
+    );
+    let short: u64 = stderr.split("still waiting at the end); ").nth(1).and_then(|rest| rest.split_whitespace().next()?.parse().ok()).unwrap_or(0);
+    assert!(short > 4000, "the waits were not shorter than --off-cpu-min: {short} begun without a capture: {stderr}");
+}
+
 #[test]
 fn off_cpu_mode_has_only_the_waits() {
     let workload = Workload::start(&debian_python("3.15"), &[]);
