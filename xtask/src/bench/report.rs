@@ -177,16 +177,19 @@ fn waits_tables(results: &Value) -> String {
     }
     let mut md = format!(
         "The switch hook's own time, from the kernel's BPF statistics (`record --stats`, which add clock reads of their own) while pyebpf profiled other processes: {} ns per context switch (median of the runs). \
-         On this virtual machine a switch-heavy program's throughput is ruled by how fast idle CPUs wake: any other load keeps them awake and makes it faster, \
-         so the ratios below say more about that than about the hook.\n\n\
-         | program | runs | round trips/s (median) | share of alone |\n|---|---|---|---|\n",
+         Idle CPUs poll rather than halt while these run (`/dev/cpu_dma_latency` held at 0): in this virtual machine waking a halted CPU goes through the hypervisor, \
+         and a profiler's own load keeps CPUs from halting, which made programs faster beside a profiler than alone. \
+         Each program runs pinned to one CPU (`taskset -c 1`), where every hop is a direct switch and the hook's cost is all that differs, and across two CPUs, \
+         where the scheduler's placement of the two ends still moves a run by ±20%.\n\n\
+         | program | CPUs | runs | round trips/s (median) | share of alone |\n|---|---|---|---|---|\n",
         num(&waits["switch_hook_ns_median"])
     );
     for row in waits["throughput"].as_array().into_iter().flatten() {
         let _ = writeln!(
             md,
-            "| {} | {} | {} | {:.1}% |",
+            "| {} | {} | {} | {} | {:.1}% |",
             row["program"].as_str().unwrap_or("pingpong.py"),
+            row["cpus"].as_str().unwrap_or("two"),
             row["setting"].as_str().unwrap_or("?"),
             num(&row["round_trips_per_s"]),
             row["share_of_alone"].as_f64().unwrap_or(f64::NAN) * 100.0

@@ -1,6 +1,8 @@
 //! Off-CPU time: what `--mode wall` costs switch-heavy programs (a Python pipe ping-pong, and
 //! `perf bench sched pipe`), when pyebpf profiles them and when pyebpf runs host-wide but profiles
-//! other processes, beside py-spy `--idle` and Tachyon `--mode wall` (Python only); and the shares
+//! other processes, beside py-spy `--idle` and Tachyon `--mode wall` (Python only). Each program
+//! runs pinned to one CPU, where every hop is a direct switch and the hook's cost is all there is
+//! to see, and across two CPUs, where idle CPUs waking dominate on a virtual machine. And the shares
 //! each profiler gives on waits.py, whose serving thread sleeps 70% and computes 30% of its time
 //! beside a thread blocked on a lock throughout.
 
@@ -59,19 +61,24 @@ impl Program {
         }
     }
 
-    fn settings(self) -> &'static [Setting] {
+    /// Tachyon's `run` starts the script itself, so it cannot pin only the program.
+    fn settings(self, pinned: bool) -> &'static [Setting] {
         match self {
+            Program::PythonPingPong if pinned => &SETTINGS[..SETTINGS.len() - 1],
             Program::PythonPingPong => &SETTINGS,
             Program::PerfPipe => &NATIVE_SETTINGS,
         }
     }
 
-    /// The command line, and how its round trips per second are read from its output.
-    fn command(self, bench: &Bench) -> Vec<std::ffi::OsString> {
+    /// The command line (pinned to CPU 1 through `taskset`, which execs it), and how its round
+    /// trips per second are read from its output.
+    fn command(self, bench: &Bench, pinned: bool) -> Vec<std::ffi::OsString> {
+        let mut argv: Vec<std::ffi::OsString> = if pinned { vec!["taskset".into(), "-c".into(), "1".into()] } else { Vec::new() };
         match self {
-            Program::PythonPingPong => vec![bench.python(VERSION).into(), bench.script("pingpong.py").into(), PINGPONG_S.into()],
-            Program::PerfPipe => ["perf", "bench", "sched", "pipe", "-l", PERF_LOOPS].map(Into::into).to_vec(),
+            Program::PythonPingPong => argv.extend([bench.python(VERSION).into(), bench.script("pingpong.py").into(), PINGPONG_S.into()]),
+            Program::PerfPipe => argv.extend(["perf", "bench", "sched", "pipe", "-l", PERF_LOOPS].map(Into::into)),
         }
+        argv
     }
 
     fn round_trips_per_s(self, measured: &Measured) -> Result<f64> {
@@ -100,24 +107,24 @@ impl Setting {
 }
 
 pub fn waits(bench: &Bench) -> Result<Value> {
+    let _polling = IdlePolling::hold();
     let mut throughput = Vec::new();
-    let mut hook_ns = Vec::new();
-    for program in [Program::PythonPingPong, Program::PerfPipe] {
-        let settings = program.settings();
+    for (program, pinned) in [(Program::PythonPingPong, true), (Program::PerfPipe, true), (Program::PythonPingPong, false), (Program::PerfPipe, false)] {
+        let settings = program.settings(pinned);
+        let cpus = if pinned { "one (pinned)" } else { "two" };
         let mut rates: Vec<Vec<f64>> = vec![Vec::new(); settings.len()];
         for _ in 0..ROUNDS {
             for (at, setting) in settings.iter().enumerate() {
-                let (rate, hook) = switch_heavy(bench, program, *setting)?;
-                eprintln!("  {} {}: {rate:.0} round trips/s", program.name(), setting.name());
+                let (rate, _) = switch_heavy(bench, program, pinned, *setting, false)?;
+                eprintln!("  {} on {cpus} CPU(s), {}: {rate:.0} round trips/s", program.name(), setting.name());
                 rates[at].push(rate);
-                hook_ns.extend(hook);
             }
         }
         let alone = median(&mut rates[0].clone());
         for (setting, rates) in settings.iter().zip(&rates) {
             let rate = median(&mut rates.clone());
             throughput.push(
-                json!({ "program": program.name(), "setting": setting.name(), "round_trips_per_s": rate, "share_of_alone": rate / alone, "runs": rates }),
+                json!({ "program": program.name(), "cpus": cpus, "setting": setting.name(), "round_trips_per_s": rate, "share_of_alone": rate / alone, "runs": rates }),
             );
         }
     }
@@ -132,14 +139,40 @@ pub fn waits(bench: &Bench) -> Result<Value> {
             shares.push(row);
         }
     }
+    // Apart from the throughput runs: the statistics add clock reads to every run of the hook.
+    let mut hook_ns = Vec::new();
+    for _ in 0..ROUNDS {
+        hook_ns.extend(switch_heavy(bench, Program::PerfPipe, true, Setting::PyebpfOthers, true)?.1);
+    }
     let switch_hook_ns = (!hook_ns.is_empty()).then(|| median(&mut hook_ns.clone()));
     Ok(json!({ "throughput": throughput, "shares": shares, "switch_hook_ns_median": switch_hook_ns, "switch_hook_ns": hook_ns }))
 }
 
+/// While held, idle CPUs poll rather than halt (a PM QoS request of 0 µs through
+/// `/dev/cpu_dma_latency`): in a virtual machine waking a halted CPU is a trip through the
+/// hypervisor, and any other load (a profiler) keeps CPUs from halting, so a switch-heavy program
+/// ran faster beside a profiler than alone.
+struct IdlePolling {
+    _request: Option<std::fs::File>,
+}
+
+impl IdlePolling {
+    fn hold() -> IdlePolling {
+        use std::io::Write;
+        let request =
+            std::fs::OpenOptions::new().write(true).open("/dev/cpu_dma_latency").and_then(|mut file| file.write_all(&0i32.to_ne_bytes()).map(|()| file));
+        if let Err(err) = &request {
+            eprintln!("  idle CPUs may halt (/dev/cpu_dma_latency: {err}): switch-heavy throughput varies with how fast they wake");
+        }
+        IdlePolling { _request: request.ok() }
+    }
+}
+
 /// Round trips per second of one run of `program` in `setting`, and with pyebpf host-wide in wall
-/// mode, the switch hook's time per context switch (`--stats`, from the kernel's BPF statistics).
-fn switch_heavy(bench: &Bench, program: Program, setting: Setting) -> Result<(f64, Option<f64>)> {
-    let argv = program.command(bench);
+/// mode and `stats`, the switch hook's time per context switch (`--stats`, from the kernel's BPF
+/// statistics).
+fn switch_heavy(bench: &Bench, program: Program, pinned: bool, setting: Setting, stats: bool) -> Result<(f64, Option<f64>)> {
+    let argv = program.command(bench, pinned);
     let out = bench.out.join("waits-switch-heavy.txt");
     let mut command = match setting {
         Setting::Alone | Setting::PyebpfOthersCpu | Setting::PyebpfOthers => {
@@ -172,7 +205,8 @@ fn switch_heavy(bench: &Bench, program: Program, setting: Setting) -> Result<(f6
     let host_wide = match host_wide_mode {
         Some(mode) => Some(
             Command::new(&bench.pyebpf)
-                .args(["record", "-a", "--stats", "--mode", mode, "--comm", "^no-such-process$", "-F", HZ, "-d", "7", "-o", "/dev/null"])
+                .args(["record", "-a", "--mode", mode, "--comm", "^no-such-process$", "-F", HZ, "-d", "7", "-o", "/dev/null"])
+                .args(stats.then_some("--stats"))
                 .stdout(std::process::Stdio::null())
                 .stderr(std::process::Stdio::piped())
                 .spawn()
