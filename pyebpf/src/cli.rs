@@ -351,6 +351,16 @@ pub struct DumpArgs {
     /// Print JSON instead of tracebacks
     #[arg(long = "json")]
     pub json: bool,
+
+    /// List the asyncio tasks of every thread's event loop instead of the threads' stacks: each
+    /// task's name, state and coroutine stack, as a tree of who awaits whom (CPython 3.14+)
+    #[arg(long = "async")]
+    pub async_tasks: bool,
+
+    /// With --async: read at most this many tasks (the rest are counted and the cut is shown)
+    #[arg(long = "max-tasks", value_name = "N", default_value_t = 1000, requires = "async_tasks",
+          value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    pub max_tasks: u64,
 }
 
 /// A `--comm` pattern; regex's own errors span several lines (the pattern with a caret under it),

@@ -13,9 +13,10 @@ use std::sync::Arc;
 use anyhow::{Context, Result};
 use serde::Serialize;
 
+use super::asyncio::{self, Task, TaskList, TaskReader, TaskState};
 use super::memory::ReadMemory;
 use super::threads::current_states;
-use super::{runtime, PyError, PyProcess, PyThread, MAX_DEPTH};
+use super::{runtime, PyError, PyProcess, PyThread, ResolvedFrame, MAX_DEPTH};
 use crate::cli::DumpArgs;
 
 #[derive(Serialize)]
@@ -49,11 +50,30 @@ struct FrameDump {
     end_column: Option<u32>,
 }
 
+impl From<ResolvedFrame> for FrameDump {
+    fn from(resolved: ResolvedFrame) -> Self {
+        FrameDump {
+            qualname: resolved.frame.qualname,
+            filename: resolved.frame.filename,
+            line: resolved.frame.line,
+            end_line: resolved.location.end_line,
+            column: resolved.location.column,
+            end_column: resolved.location.end_column,
+        }
+    }
+}
+
 pub fn run(args: DumpArgs) -> Result<()> {
     let pid = args.pid;
     let mut process = PyProcess::attach(pid).with_context(|| format!("cannot read process {pid}"))?;
     let mut out = io::BufWriter::new(io::stdout().lock());
-    dump(&mut process, args.json, &mut out).map_err(|err| {
+    let dumped = if args.async_tasks {
+        // Bounded by the option's range.
+        dump_tasks(&mut process, args.json, args.max_tasks as usize, &mut out)
+    } else {
+        dump(&mut process, args.json, &mut out)
+    };
+    dumped.map_err(|err| {
         // A process that exits while it is read fails at whatever read came next: say what happened.
         let gone = err.chain().any(|cause| cause.downcast_ref::<PyError>().is_some_and(PyError::process_gone));
         if gone || runtime::has_exited(pid) {
@@ -147,14 +167,7 @@ fn thread_frames<M: ReadMemory>(process: &mut PyProcess<M>, current_frame: u64) 
     let mut frames = Vec::with_capacity(walk.links.len());
     for link in &walk.links {
         match process.frame_info(link) {
-            Ok(Some(resolved)) => frames.push(FrameDump {
-                qualname: resolved.frame.qualname,
-                filename: resolved.frame.filename,
-                line: resolved.frame.line,
-                end_line: resolved.location.end_line,
-                column: resolved.location.column,
-                end_column: resolved.location.end_column,
-            }),
+            Ok(Some(resolved)) => frames.push(FrameDump::from(resolved)),
             Ok(None) => {}
             Err(err) => return (frames, walk.truncated, Some(err)),
         }
@@ -177,6 +190,191 @@ fn print_traceback(thread: &ThreadDump, several_interpreters: bool, out: &mut im
     }
     for frame in thread.frames.iter().rev() {
         writeln!(out, "  File \"{}\", line {}, in {}", frame.filename, frame.line, frame.qualname)?;
+    }
+    Ok(())
+}
+
+/// One thread's tasks (or, with no `tid`, those left by threads that are gone).
+#[derive(Serialize)]
+struct TasksDump {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tid: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    name: Option<String>,
+    loop_running: bool,
+    /// The task the thread's loop runs now.
+    running_task: Option<String>,
+    /// Tasks in the list: counted up to `asyncio::MAX_COUNTED` past those read.
+    tasks_total: usize,
+    /// The list went on past what was counted.
+    tasks_uncounted: bool,
+    tasks: Vec<TaskDump>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    error: Option<String>,
+}
+
+#[derive(Serialize)]
+struct TaskDump {
+    /// The task object's address, which `awaited_by` and `awaits` name tasks by.
+    id: String,
+    name: String,
+    state: TaskState,
+    /// Innermost first, as a thread's frames.
+    frames: Vec<FrameDump>,
+    awaited_by: Vec<String>,
+    awaits: Vec<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    error: Option<String>,
+}
+
+fn task_id(addr: u64) -> String {
+    format!("{addr:#x}")
+}
+
+impl TasksDump {
+    fn new(thread: Option<(&PyThread, Option<String>)>, list: Result<TaskList, PyError>) -> Self {
+        let (tid, name) = thread.map_or((None, None), |(thread, name)| (Some(thread.tid), name));
+        let list = match list {
+            Ok(list) => list,
+            Err(err) => {
+                let error = Some(err.to_string());
+                return TasksDump { tid, name, loop_running: false, running_task: None, tasks_total: 0, tasks_uncounted: false, tasks: Vec::new(), error };
+            }
+        };
+        let awaits = asyncio::awaits(&list.tasks);
+        let ids = |addrs: &[u64]| addrs.iter().copied().map(task_id).collect();
+        let tasks = list
+            .tasks
+            .into_iter()
+            .map(|task: Task| TaskDump {
+                id: task_id(task.addr),
+                awaits: awaits.get(&task.addr).map_or_else(Vec::new, |addrs| ids(addrs)),
+                awaited_by: ids(&task.awaited_by),
+                name: task.name,
+                state: task.state,
+                frames: task.frames.into_iter().rev().map(FrameDump::from).collect(),
+                error: task.error,
+            })
+            .collect();
+        TasksDump {
+            tid,
+            name,
+            loop_running: list.loop_running,
+            running_task: list.running.map(task_id),
+            tasks_total: list.total,
+            tasks_uncounted: list.more,
+            tasks,
+            error: None,
+        }
+    }
+}
+
+/// `dump --async`: the tasks of every thread, then those of threads that are gone; at most
+/// `max_tasks` read in all.
+fn dump_tasks<M: ReadMemory>(process: &mut PyProcess<M>, json: bool, max_tasks: usize, out: &mut impl Write) -> Result<()> {
+    let pid = process.pid();
+    let version = process.version().to_string();
+    let table = asyncio::find_asyncio_offsets(pid, process.memory()).with_context(|| format!("cannot read the asyncio table of process {pid}"))?;
+    let threads = process.threads().with_context(|| format!("cannot list the threads of process {pid}"))?;
+    let names: Vec<Option<String>> = threads.iter().map(|thread| process.thread_name(thread.tid)).collect();
+    let mut reader = TaskReader::new(process, table, max_tasks)?;
+    let mut dumps = Vec::with_capacity(threads.len() + 1);
+    for (thread, name) in threads.iter().zip(names) {
+        let list = reader.thread_tasks(thread.tstate);
+        if let Err(err) = &list {
+            if err.process_gone() {
+                anyhow::bail!("process {pid} exited during the dump");
+            }
+        }
+        dumps.push(TasksDump::new(Some((thread, name)), list));
+    }
+    let left = TasksDump::new(None, reader.interpreter_tasks());
+    if json {
+        let threads: Vec<&TasksDump> = dumps.iter().collect();
+        let dump = serde_json::json!({ "pid": pid, "python": version, "max_tasks": max_tasks, "threads": threads, "tasks_of_exited_threads": left });
+        writeln!(out, "{}", serde_json::to_string_pretty(&dump)?)?;
+        return Ok(());
+    }
+    writeln!(out, "Process {pid}: CPython {version}")?;
+    for dump in dumps.iter().chain((!left.tasks.is_empty() || left.error.is_some()).then_some(&left)) {
+        print_tasks(dump, max_tasks, out)?;
+    }
+    Ok(())
+}
+
+fn print_tasks(dump: &TasksDump, max_tasks: usize, out: &mut impl Write) -> io::Result<()> {
+    match dump.tid {
+        Some(tid) => {
+            let name = dump.name.as_deref().unwrap_or("?");
+            let event_loop = if dump.loop_running { "event loop running" } else { "no event loop running" };
+            writeln!(out, "\nThread {tid} ({name}): {event_loop}, {} tasks", count(dump))?;
+        }
+        None => writeln!(out, "\nTasks of threads that have exited: {}", count(dump))?,
+    }
+    if let Some(error) = &dump.error {
+        return writeln!(out, "  <tasks unreadable: {error}>");
+    }
+    let by_id: std::collections::HashMap<&str, &TaskDump> = dump.tasks.iter().map(|task| (task.id.as_str(), task)).collect();
+    let mut shown = std::collections::HashSet::new();
+    // Roots first (tasks no task awaits), then whatever a cycle left unshown.
+    let roots = dump.tasks.iter().filter(|task| task.awaited_by.is_empty()).chain(dump.tasks.iter());
+    for task in roots {
+        print_task(task, &by_id, &mut shown, 1, out)?;
+    }
+    let read = dump.tasks.len();
+    if dump.tasks_uncounted || dump.tasks_total > read {
+        let more = if dump.tasks_uncounted { "more than " } else { "" };
+        writeln!(out, "  ... {more}{} more tasks not read (at most {max_tasks} are: see --max-tasks)", dump.tasks_total - read)?;
+    }
+    Ok(())
+}
+
+fn count(dump: &TasksDump) -> String {
+    if dump.tasks_uncounted {
+        format!("more than {}", dump.tasks_total)
+    } else {
+        dump.tasks_total.to_string()
+    }
+}
+
+/// Levels of tasks awaiting tasks indented.
+const MAX_TREE_DEPTH: usize = 64;
+
+/// A task, its coroutine stack (outermost first, as a traceback), then the tasks it awaits,
+/// indented under it; a task already shown (awaited by several) is named only.
+fn print_task(
+    task: &TaskDump,
+    by_id: &std::collections::HashMap<&str, &TaskDump>,
+    shown: &mut std::collections::HashSet<String>,
+    depth: usize,
+    out: &mut impl Write,
+) -> io::Result<()> {
+    let indent = "  ".repeat(depth);
+    if depth > MAX_TREE_DEPTH {
+        // Shown at the top level instead, after the roots.
+        return writeln!(out, "{indent}... (tasks awaited deeper are listed below)");
+    }
+    if !shown.insert(task.id.clone()) {
+        if depth > 1 {
+            writeln!(out, "{indent}[task {}] (shown above)", task.name)?;
+        }
+        return Ok(());
+    }
+    let state = match task.state {
+        TaskState::Running => "running",
+        TaskState::Waiting => "waiting",
+        TaskState::Created => "not started",
+        TaskState::Done => "done",
+    };
+    writeln!(out, "{indent}[task {}] {state}", task.name)?;
+    for frame in task.frames.iter().rev() {
+        writeln!(out, "{indent}    File \"{}\", line {}, in {}", frame.filename, frame.line, frame.qualname)?;
+    }
+    if let Some(error) = &task.error {
+        writeln!(out, "{indent}    <unreadable: {error}>")?;
+    }
+    for awaited in task.awaits.iter().filter_map(|id| by_id.get(id.as_str())) {
+        print_task(awaited, by_id, shown, depth + 1, out)?;
     }
     Ok(())
 }

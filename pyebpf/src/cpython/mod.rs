@@ -10,10 +10,12 @@
 //!   `code_cache::MAX_BYTES`), evicted in CLOCK order past either;
 //! - in total: 256 MiB of decoded code objects over all processes (`code_cache::MAX_TOTAL_BYTES`);
 //! - per walk: `MAX_DEPTH` frames (the innermost ones), 4,096 threads and 64 interpreters per
-//!   process (`threads`).
+//!   process (`threads`);
+//! - asyncio tasks (`asyncio`): `--max-tasks` read per process, the rest only counted.
 //!
 //! What the budgets drop is counted in `CodeCacheCounters`, which `record --stats` prints.
 
+pub mod asyncio;
 mod code;
 mod code_cache;
 pub mod dump;

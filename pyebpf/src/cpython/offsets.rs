@@ -72,6 +72,31 @@ struct Layout {
     /// Byte offset of `co_version` in `PyCodeObject`. Not in the debug table: taken from the
     /// version's `cpython/code.h` (default builds) and checked against real interpreters.
     code_version: u64,
+    /// What reading asyncio tasks needs (3.14+).
+    objects: Option<ObjectLayout>,
+}
+
+/// Positions of the fields asyncio task reading uses: coroutines, their frames' value stacks,
+/// sets, ints and the task list's links.
+struct ObjectLayout {
+    frame_stackpointer: usize,
+    type_flags: usize,
+    set_size: usize,
+    set_used: usize,
+    set_table: usize,
+    set_mask: usize,
+    long_size: usize,
+    long_tag: usize,
+    long_digits: usize,
+    gen_size: usize,
+    gen_iframe: usize,
+    gen_frame_state: usize,
+    llist_next: usize,
+    /// `gi_frame_state` values (`pycore_frame.h`), renumbered in 3.15: not in the debug table.
+    states: FrameStates,
+    /// Where a coroutine suspended in `await` keeps the awaited object: this many bytes below
+    /// its frame's stack top (3.15 keeps a second value above it). Not in the debug table.
+    awaited_below_top: u64,
 }
 
 const LAYOUT_3_13: Layout = Layout {
@@ -120,6 +145,7 @@ const LAYOUT_3_13: Layout = Layout {
     entry_owner_min: 3,
     executable_tag_mask: 0,
     code_version: 92,
+    objects: None,
 };
 
 const LAYOUT_3_14: Layout = Layout {
@@ -168,6 +194,23 @@ const LAYOUT_3_14: Layout = Layout {
     entry_owner_min: 3,
     executable_tag_mask: 3,
     code_version: 92,
+    objects: Some(ObjectLayout {
+        frame_stackpointer: 37,
+        type_flags: 55,
+        set_size: 62,
+        set_used: 63,
+        set_table: 64,
+        set_mask: 65,
+        long_size: 71,
+        long_tag: 72,
+        long_digits: 73,
+        gen_size: 83,
+        gen_iframe: 85,
+        gen_frame_state: 86,
+        llist_next: 87,
+        states: FrameStates { created: -3, suspended: &[-2, -1], yield_from: &[-1], executing: 0 },
+        awaited_below_top: 8,
+    }),
 };
 
 /// 3.15.0b4 and later (b4 inserted `last_profiled_frame_seq`).
@@ -217,6 +260,23 @@ const LAYOUT_3_15: Layout = Layout {
     entry_owner_min: 3,
     executable_tag_mask: 3,
     code_version: 92,
+    objects: Some(ObjectLayout {
+        frame_stackpointer: 45,
+        type_flags: 63,
+        set_size: 74,
+        set_used: 75,
+        set_table: 76,
+        set_mask: 77,
+        long_size: 83,
+        long_tag: 84,
+        long_digits: 85,
+        gen_size: 99,
+        gen_iframe: 101,
+        gen_frame_state: 102,
+        llist_next: 103,
+        states: FrameStates { created: 0, suspended: &[1, 2, 3], yield_from: &[2, 3], executing: 4 },
+        awaited_below_top: 16,
+    }),
 };
 
 /// A CPython version as `PY_VERSION_HEX` encodes it.
@@ -357,6 +417,37 @@ pub struct DebugOffsets {
     /// static memory, never freed.
     pub runtime_size: u64,
     pub code_identity: CodeIdentity,
+    /// Coroutines, sets, ints and list links, for asyncio tasks (3.14+).
+    pub objects: Option<ObjectOffsets>,
+}
+
+/// Offsets of the object fields asyncio task reading uses.
+#[derive(Clone, Debug)]
+pub struct ObjectOffsets {
+    /// `stackpointer` of an interpreter frame: the top of its value stack.
+    pub frame_stackpointer: u64,
+    pub type_flags: u64,
+    pub set_used: u64,
+    pub set_table: u64,
+    pub set_mask: u64,
+    pub long_tag: u64,
+    pub long_digits: u64,
+    /// The coroutine's own interpreter frame, inside the coroutine object.
+    pub gen_iframe: u64,
+    pub gen_frame_state: u64,
+    pub llist_next: u64,
+    pub states: FrameStates,
+    pub awaited_below_top: u64,
+}
+
+/// The values of a coroutine's `gi_frame_state` pyebpf tells apart.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FrameStates {
+    pub created: i8,
+    pub suspended: &'static [i8],
+    /// Suspended in `await` (`yield from`): the awaited object is on top of the frame's stack.
+    pub yield_from: &'static [i8],
+    pub executing: i8,
 }
 
 impl DebugOffsets {
@@ -502,6 +593,7 @@ fn offsets_frame_objects(version: PyVersion, minor: u64) -> DebugOffsets {
         runtime_size: [1464, 656, 672][minor as usize - 8],
         // `co_filename`, `co_name`, the line table; `PyASCIIObject.hash`.
         code_identity: CodeIdentity::Fingerprint { words: 104, str_hash: 24 },
+        objects: None,
     }
 }
 
@@ -559,6 +651,7 @@ fn offsets_3_11(version: PyVersion) -> DebugOffsets {
         runtime_size: 166_688,
         // `co_name`, `co_qualname`, `co_linetable`; `PyASCIIObject.hash`.
         code_identity: CodeIdentity::Fingerprint { words: 120, str_hash: 24 },
+        objects: None,
     }
 }
 
@@ -617,6 +710,7 @@ fn offsets_3_12(version: PyVersion) -> DebugOffsets {
         executable_tag_mask: 0,
         runtime_size: 459_944,
         code_identity: CodeIdentity::Version(92),
+        objects: None,
     }
 }
 
@@ -677,6 +771,7 @@ pub fn read_debug_offsets(mem: &impl ReadMemory, runtime: u64) -> Result<DebugOf
     };
     let object_type = sized(l.object_size, MAX_OBJECT_SIZE, &[l.object_type])?[0];
     let type_name = sized(l.type_size, MAX_OBJECT_SIZE, &[l.type_name])?[0];
+    let objects = l.objects.as_ref().map(|o| object_offsets(o, l, &at, &sized)).transpose()?;
     Ok(DebugOffsets {
         version,
         interpreters_head: runtime_fields[0],
@@ -726,6 +821,37 @@ pub fn read_debug_offsets(mem: &impl ReadMemory, runtime: u64) -> Result<DebugOf
         executable_tag_mask: l.executable_tag_mask,
         runtime_size: at(l.runtime_size),
         code_identity: CodeIdentity::Version(l.code_version),
+        objects,
+    })
+}
+
+fn object_offsets(
+    o: &ObjectLayout,
+    l: &Layout,
+    at: &impl Fn(usize) -> u64,
+    sized: &impl Fn(usize, u64, &[usize]) -> Result<Vec<u64>, PyError>,
+) -> Result<ObjectOffsets, PyError> {
+    let set = sized(o.set_size, MAX_OBJECT_SIZE, &[o.set_used, o.set_table, o.set_mask])?;
+    let long = sized(o.long_size, MAX_OBJECT_SIZE, &[o.long_tag, o.long_digits])?;
+    let gen = sized(o.gen_size, MAX_OBJECT_SIZE, &[o.gen_iframe, o.gen_frame_state])?;
+    // A list node is two pointers.
+    let llist_next = at(o.llist_next);
+    if llist_next > 8 || !llist_next.is_multiple_of(8) {
+        return Err(PyError::BadOffsets(format!("list node link at {llist_next}")));
+    }
+    Ok(ObjectOffsets {
+        frame_stackpointer: sized(l.frame_size, MAX_OBJECT_SIZE, &[o.frame_stackpointer])?[0],
+        type_flags: sized(l.type_size, MAX_OBJECT_SIZE, &[o.type_flags])?[0],
+        set_used: set[0],
+        set_table: set[1],
+        set_mask: set[2],
+        long_tag: long[0],
+        long_digits: long[1],
+        gen_iframe: gen[0],
+        gen_frame_state: gen[1],
+        llist_next,
+        states: o.states,
+        awaited_below_top: o.awaited_below_top,
     })
 }
 
@@ -755,6 +881,11 @@ mod tests {
         ] {
             fields[size] = 256;
         }
+        if let Some(o) = &layout.objects {
+            for size in [o.set_size, o.long_size, o.gen_size] {
+                fields[size] = 256;
+            }
+        }
         fields[layout.interp_gil] = 64;
         fields[layout.gil_locked] = 72;
         fields[layout.gil_holder] = 80;
@@ -772,6 +903,7 @@ mod tests {
         for (layout, version) in [(&LAYOUT_3_13, 0x030d00f0), (&LAYOUT_3_14, 0x030e0af0), (&LAYOUT_3_15, 0x030f00b4), (&LAYOUT_3_15, 0x030f02f0)] {
             let offsets = read(&table(layout, version)).unwrap();
             assert_eq!((offsets.gil_locked, offsets.gil_holder), (8, 16), "GIL fields relative to the GIL");
+            assert_eq!(offsets.objects.is_some(), layout.objects.is_some(), "asyncio's object offsets from 3.14 on");
         }
     }
 
@@ -799,6 +931,9 @@ mod tests {
         let mut free_threaded = table(&LAYOUT_3_14, 0x030e00f0);
         free_threaded[LAYOUT_3_14.free_threaded] = 1;
         assert!(matches!(read(&free_threaded), Err(PyError::FreeThreaded(_))));
+        let mut bad_link = table(&LAYOUT_3_14, 0x030e00f0);
+        bad_link[LAYOUT_3_14.objects.as_ref().unwrap().llist_next] = 12;
+        assert!(matches!(read(&bad_link), Err(PyError::BadOffsets(_))), "a list link inside no two-pointer node");
         let mut no_cookie = table(&LAYOUT_3_14, 0x030e00f0);
         no_cookie[0] = 0;
         assert!(matches!(read(&no_cookie), Err(PyError::NoDebugOffsets)));

@@ -16,7 +16,7 @@ const MAX_ELF_SIZE: u64 = 512 << 20;
 
 /// Whether a mapped file looks like a CPython interpreter or its shared library (Python 2 and 3,
 /// so that versions pyebpf does not read are named as such).
-fn is_python_file(path: &Path) -> bool {
+pub(super) fn is_python_file(path: &Path) -> bool {
     path.file_name().and_then(|n| n.to_str()).is_some_and(|name| {
         let name = name.strip_prefix("lib").unwrap_or(name);
         (name.starts_with("python3") || name.starts_with("python2")) && !name.ends_with(".py")
@@ -136,10 +136,15 @@ pub fn runtime_in_elf<'data, R: ReadRef<'data>>(data: R, mapped_at: u64) -> Opti
     let elf = object::File::parse(data).ok()?;
     let defined = |name: &str| elf.dynamic_symbols().chain(elf.symbols()).find(|symbol| symbol.name() == Ok(name) && symbol.is_definition());
     let runtime = elf.section_by_name(".PyRuntime").map(|section| section.address()).or_else(|| defined("_PyRuntime").map(|symbol| symbol.address()));
-    // The first loadable segment (file offset 0) is mapped at `mapped_at`.
-    let first_vaddr = elf.segments().map(|segment| segment.address()).min().unwrap_or(0) & !0xfff;
-    let bias = mapped_at.wrapping_sub(first_vaddr);
+    let bias = load_bias(&elf, mapped_at);
     Some(PythonElf { runtime: runtime.map(|address| address.wrapping_add(bias)), version: py_version(&elf), embeds_python: defined("Py_Initialize").is_some() })
+}
+
+/// What to add to the file's addresses to get where they are mapped, given where its first page
+/// is: the first loadable segment (file offset 0) is mapped at `mapped_at`.
+pub(super) fn load_bias<'data, R: ReadRef<'data>>(elf: &object::File<'data, R>, mapped_at: u64) -> u64 {
+    let first_vaddr = elf.segments().map(|segment| segment.address()).min().unwrap_or(0) & !0xfff;
+    mapped_at.wrapping_sub(first_vaddr)
 }
 
 /// The constant `Py_Version` (`PY_VERSION_HEX`) as the file stores it.

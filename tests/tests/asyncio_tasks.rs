@@ -1,0 +1,120 @@
+//! Issue 21: `pyebpf dump --async` against asyncio programs whose task tree is known, on the
+//! interpreters that have the asyncio debug offsets (3.14, 3.15), and its bounds and refusals.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use pyebpf_tests::{assert_one_line_error, debian_python, run_pyebpf, start_ready};
+use serde_json::Value;
+
+fn dump_tasks(pid: u32, extra: &[&str]) -> (Value, String) {
+    let pid = pid.to_string();
+    let mut args = vec!["dump", "--async", "-p", &pid];
+    args.extend_from_slice(extra);
+    let json = run_pyebpf(&[args.as_slice(), &["--json"]].concat());
+    assert!(json.status.success(), "dump --async --json failed: {}", String::from_utf8_lossy(&json.stderr));
+    let text = run_pyebpf(&args);
+    assert!(text.status.success(), "dump --async failed: {}", String::from_utf8_lossy(&text.stderr));
+    (serde_json::from_slice(&json.stdout).unwrap(), String::from_utf8(text.stdout).unwrap())
+}
+
+/// The function names of a task's frames, innermost first.
+fn frame_names(task: &Value) -> Vec<&str> {
+    task["frames"].as_array().unwrap().iter().map(|frame| frame["qualname"].as_str().unwrap()).collect()
+}
+
+fn check_tree(python: &Path) {
+    let (child, _dir) = start_ready(python, "async_tree.py", &["tree"]);
+    let (dump, text) = dump_tasks(child.pid(), &[]);
+    let threads = dump["threads"].as_array().unwrap();
+    assert_eq!(threads.len(), 1, "{dump:#}");
+    let thread = &threads[0];
+    assert_eq!(thread["loop_running"], true, "{dump:#}");
+    let tasks = thread["tasks"].as_array().unwrap();
+    let by_name: HashMap<&str, &Value> = tasks.iter().map(|task| (task["name"].as_str().unwrap(), task)).collect();
+    let name_of: HashMap<&str, &str> = tasks.iter().map(|task| (task["id"].as_str().unwrap(), task["name"].as_str().unwrap())).collect();
+    let mut names: Vec<&str> = by_name.keys().copied().collect();
+    names.sort_unstable();
+    assert_eq!(names, ["Task-1", "busy-1", "chain-1", "chain-2", "chain-3", "group", "idle-1", "parent", "worker-1", "worker-2"], "{dump:#}");
+    assert_eq!(thread["tasks_total"], 10);
+    // Who awaits whom, exactly.
+    let expected_awaiter = [
+        ("Task-1", None),
+        ("parent", Some("Task-1")),
+        ("chain-1", Some("Task-1")),
+        ("group", Some("Task-1")),
+        ("busy-1", Some("parent")),
+        ("idle-1", Some("parent")),
+        ("chain-2", Some("chain-1")),
+        ("chain-3", Some("chain-2")),
+        ("worker-1", Some("group")),
+        ("worker-2", Some("group")),
+    ];
+    for (name, awaiter) in expected_awaiter {
+        let awaited_by: Vec<&str> = by_name[name]["awaited_by"].as_array().unwrap().iter().map(|id| name_of[id.as_str().unwrap()]).collect();
+        assert_eq!(awaited_by, awaiter.into_iter().collect::<Vec<_>>(), "awaiters of {name}: {dump:#}");
+    }
+    // The loop runs busy-1 and nothing else; each waiting task's coroutine chain ends where it waits.
+    let busy = by_name["busy-1"];
+    assert_eq!(thread["running_task"], busy["id"], "{dump:#}");
+    assert_eq!(busy["state"], "running");
+    let busy_frames = frame_names(busy);
+    assert_eq!(busy_frames.last(), Some(&"busy_child"), "{dump:#}");
+    assert!(busy_frames.len() <= 2 && busy_frames.iter().all(|name| ["crunch", "busy_child"].contains(name)), "busy-1: {busy_frames:?}");
+    for (name, frames) in [
+        ("Task-1", &["main"][..]),
+        ("parent", &["parent"]),
+        ("idle-1", &["sleep", "idle_child"]),
+        ("chain-1", &["chain"]),
+        ("chain-2", &["chain"]),
+        ("chain-3", &["sleep", "chain"]),
+        ("worker-1", &["Event.wait", "worker"]),
+        ("worker-2", &["Event.wait", "worker"]),
+    ] {
+        assert_eq!(by_name[name]["state"], "waiting", "{name}: {dump:#}");
+        assert_eq!(frame_names(by_name[name]), frames, "{name}: {dump:#}");
+    }
+    let group = frame_names(by_name["group"]);
+    assert_eq!(group.last(), Some(&"group"), "{group:?}");
+    assert!(group.contains(&"TaskGroup.__aexit__"), "{group:?}");
+    // The text tree: each task under the one awaiting it, its stack as a traceback.
+    for line in
+        ["  [task Task-1] waiting", "    [task parent] waiting", "      [task busy-1] running", "      [task idle-1] waiting", "        [task chain-3] waiting"]
+    {
+        assert!(text.lines().any(|l| l == line), "no line `{line}` in:\n{text}");
+    }
+    assert!(text.contains(", in idle_child\n"), "{text}");
+}
+
+#[test]
+fn task_tree_on_debian_3_14() {
+    check_tree(&debian_python("3.14"));
+}
+
+#[test]
+fn task_tree_on_debian_3_15() {
+    check_tree(&debian_python("3.15"));
+}
+
+/// 10,000 suspended tasks: at most --max-tasks are read, the rest counted, and the cut said.
+#[test]
+fn ten_thousand_tasks_are_cut_and_counted() {
+    let (child, _dir) = start_ready(&debian_python("3.15"), "async_tree.py", &["many", "10000"]);
+    let (dump, text) = dump_tasks(child.pid(), &["--max-tasks", "500"]);
+    let thread = &dump["threads"][0];
+    assert_eq!(thread["tasks"].as_array().unwrap().len(), 500, "tasks read");
+    // The sleepers and the main task.
+    assert_eq!(thread["tasks_total"], 10_001);
+    assert_eq!(thread["tasks_uncounted"], false);
+    assert!(text.contains("9501 more tasks not read (at most 500 are: see --max-tasks)"), "{text}");
+    let (dump, _) = dump_tasks(child.pid(), &[]);
+    assert_eq!(dump["threads"][0]["tasks"].as_array().unwrap().len(), 1000, "the default bound");
+}
+
+/// 3.13 has no asyncio debug offsets: one line says so, rather than tasks guessed.
+#[test]
+fn older_interpreters_are_refused_in_one_line() {
+    let (child, _dir) = start_ready(&debian_python("3.13"), "async_tree.py", &["many", "3"]);
+    let output = run_pyebpf(&["dump", "--async", "-p", &child.pid().to_string()]);
+    assert_one_line_error(&output, "asyncio tasks are read from CPython 3.14 on");
+}
