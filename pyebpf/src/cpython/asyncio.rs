@@ -7,8 +7,9 @@
 //! list per thread state (and one per interpreter for tasks whose thread is gone).
 //!
 //! Everything is bounded: at most `max_tasks` tasks are read per process (more are only counted,
-//! up to [`MAX_COUNTED`]), a coroutine chain is followed for [`MAX_DEPTH`] frames, and a set of
-//! awaiters is read for [`MAX_SET_SLOTS`] slots; lists and chains that loop are errors.
+//! up to [`MAX_COUNTED`]), a coroutine chain is followed for [`MAX_DEPTH`] links, the tasks of a
+//! process keep [`MAX_TASK_FRAMES`] frames between them, and a set of awaiters is read for
+//! [`MAX_SET_SLOTS`] slots; lists and chains that loop are errors.
 
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
@@ -25,6 +26,8 @@ use super::{runtime, strings, PyError, PyProcess, ResolvedFrame, MAX_DEPTH};
 
 /// Tasks counted (not read) past the ones read, per list.
 pub const MAX_COUNTED: usize = 1 << 20;
+/// Frames kept for all the tasks of a process: a task past it shows its outermost frames only.
+pub const MAX_TASK_FRAMES: usize = 1 << 18;
 /// Slots of a set of awaiters read (16 bytes each).
 const MAX_SET_SLOTS: u64 = 1 << 16;
 /// Reads of a list before its errors are shown.
@@ -142,6 +145,9 @@ pub struct Task {
     /// Its coroutine stack, outermost first: for a task that runs, the thread's frames from the
     /// task's coroutine in; for one that waits, the chain of coroutines it awaits.
     pub frames: Vec<ResolvedFrame>,
+    /// Its innermost frames are not in `frames`: the stack is deeper than [`MAX_DEPTH`], or the
+    /// process's tasks used up [`MAX_TASK_FRAMES`].
+    pub truncated: bool,
     /// The tasks (of those read) that await this one.
     pub awaited_by: Vec<u64>,
     /// Why the task could not be read in full.
@@ -182,6 +188,8 @@ pub struct TaskReader<'p, M: ReadMemory> {
     objects: ObjectOffsets,
     /// Task objects still to be read in this process.
     budget: usize,
+    /// Frames the process's tasks may still keep.
+    frames_left: usize,
 }
 
 impl<'p, M: ReadMemory> TaskReader<'p, M> {
@@ -192,7 +200,7 @@ impl<'p, M: ReadMemory> TaskReader<'p, M> {
             return Err(AsyncioError::TooOld { pid, version: process.version().to_string() });
         };
         let table = table.ok_or(AsyncioError::NotImported(pid))?;
-        Ok(TaskReader { process, table, objects, budget: max_tasks })
+        Ok(TaskReader { process, table, objects, budget: max_tasks, frames_left: MAX_TASK_FRAMES })
     }
 
     /// The tasks of the thread whose state is at `tstate`.
@@ -210,7 +218,9 @@ impl<'p, M: ReadMemory> TaskReader<'p, M> {
     /// freed, or the running one moved on): a list being changed reads inconsistently.
     fn task_list(&mut self, head: u64, tstate: Option<u64>) -> Result<TaskList, PyError> {
         let mut attempt = 1;
+        let frames_left = self.frames_left;
         loop {
+            self.frames_left = frames_left;
             let list = self.read_list(head, tstate);
             let changed = match &list {
                 Ok(list) => list.tasks.iter().any(|task| task.error.is_some()),
@@ -282,7 +292,7 @@ impl<'p, M: ReadMemory> TaskReader<'p, M> {
     /// One task; what cannot be read of it is its `error`. `current_frame` is its thread's
     /// innermost frame when it is the task the thread runs.
     fn task(&mut self, addr: u64, listed: &HashSet<u64>, current_frame: Option<u64>) -> Task {
-        let mut task = Task { addr, name: String::new(), state: TaskState::Done, frames: Vec::new(), awaited_by: Vec::new(), error: None };
+        let mut task = Task { addr, name: String::new(), state: TaskState::Done, frames: Vec::new(), truncated: false, awaited_by: Vec::new(), error: None };
         if let Err(err) = self.read_task(&mut task, listed, current_frame) {
             task.error = Some(err.to_string());
         }
@@ -319,11 +329,12 @@ impl<'p, M: ReadMemory> TaskReader<'p, M> {
         } else {
             TaskState::Done
         };
-        task.frames = match (task.state, current_frame) {
-            (TaskState::Done, _) => Vec::new(),
+        (task.frames, task.truncated) = match (task.state, current_frame) {
+            (TaskState::Done, _) => (Vec::new(), false),
             (TaskState::Running, Some(frame)) => self.running_frames(frame, coro.wrapping_add(self.objects.gen_iframe))?,
             _ => self.coroutine_chain(coro)?,
         };
+        self.frames_left -= task.frames.len();
         Ok(())
     }
 
@@ -380,56 +391,63 @@ impl<'p, M: ReadMemory> TaskReader<'p, M> {
     }
 
     /// The running task's frames: the thread's chain from its innermost frame out to the task's
-    /// coroutine frame (`task_frame`), outermost first.
-    fn running_frames(&mut self, current_frame: u64, task_frame: u64) -> Result<Vec<ResolvedFrame>, PyError> {
+    /// coroutine frame (`task_frame`), outermost first, as many as the frame budget allows.
+    fn running_frames(&mut self, current_frame: u64, task_frame: u64) -> Result<(Vec<ResolvedFrame>, bool), PyError> {
         let walk = self.process.walk_frames(current_frame)?;
         let Some(end) = walk.links.iter().position(|link| link.addr == task_frame) else {
             return Err(PyError::Chain("the running task's coroutine is not on its thread's stack (it moved on)".into()));
         };
         let mut frames = Vec::with_capacity(end + 1);
-        for link in &walk.links[..=end] {
+        for link in walk.links[..=end].iter().rev() {
+            if frames.len() == self.frames_left {
+                return Ok((frames, true));
+            }
             frames.extend(self.process.frame_info(link)?);
         }
-        frames.reverse();
-        Ok(frames)
+        Ok((frames, false))
     }
 
     /// The coroutine `coro` and those it awaits in turn, outermost first, as far as they are
-    /// coroutines of the same type (an awaited future or iterator ends the chain).
-    fn coroutine_chain(&mut self, coro: u64) -> Result<Vec<ResolvedFrame>, PyError> {
+    /// coroutines of the same type (an awaited future or iterator ends the chain), and whether
+    /// the chain was cut (at [`MAX_DEPTH`] links or the frame budget).
+    fn coroutine_chain(&mut self, coro: u64) -> Result<(Vec<ResolvedFrame>, bool), PyError> {
         let object_type = self.process.offsets().object_type;
         let o = self.objects.clone();
         let mut frames = Vec::new();
         let mut seen = HashSet::new();
         let mut addr = coro;
         let ty = self.process.memory().read_u64(coro.wrapping_add(object_type))?;
-        while frames.len() < MAX_DEPTH {
+        for _ in 0..MAX_DEPTH {
+            if frames.len() == self.frames_left {
+                return Ok((frames, true));
+            }
             if !seen.insert(addr) {
                 return Err(PyError::Chain(format!("coroutine chain loops back to {addr:#x}")));
             }
             let state = self.frame_state(addr)?;
             if !o.states.suspended.contains(&state) && state != o.states.created {
-                break;
+                return Ok((frames, false));
             }
             let frame = addr.wrapping_add(o.gen_iframe);
             let link = self.process.read_link(frame)?;
             frames.extend(self.process.frame_info(&link)?);
             if !o.states.yield_from.contains(&state) {
-                break;
+                return Ok((frames, false));
             }
             // Suspended in `await`: the awaited object is near the top of the frame's stack.
             let mem = self.process.memory();
             let top = mem.read_u64(frame.wrapping_add(o.frame_stackpointer))?;
             if top == 0 {
-                break;
+                return Ok((frames, false));
             }
             let awaited = mem.read_u64(top.wrapping_sub(o.awaited_below_top))? & !STACKREF_TAG;
             if awaited == 0 || mem.read_u64(awaited.wrapping_add(object_type))? != ty {
-                break;
+                return Ok((frames, false));
             }
             addr = awaited;
         }
-        Ok(frames)
+        // Still awaiting after MAX_DEPTH links.
+        Ok((frames, true))
     }
 }
 
@@ -563,6 +581,31 @@ mod tests {
         let list = reader.thread_tasks(TSTATE).unwrap();
         let error = list.tasks[0].error.as_deref().unwrap_or_default();
         assert!(error.contains("set of awaiters"), "{error}");
+    }
+
+    /// Two coroutines awaiting each other: the chain is an error of the task, not a hang.
+    #[test]
+    fn a_looping_coroutine_chain_is_the_task_s_error() {
+        const A: u64 = 0x50000;
+        const B: u64 = 0x51000;
+        let mut process = image(&[0x10000], TSTATE + 1048, 0);
+        let t = AsyncioOffsets::from_table(&table(REAL)).unwrap();
+        let mem = &mut process.mem;
+        mem.range_mut(0x10000).unwrap()[t.task_coro as usize..][..8].copy_from_slice(&A.to_le_bytes());
+        for (coro, awaits) in [(A, B), (B, A)] {
+            let mut raw = vec![0u8; 512];
+            raw[8..16].copy_from_slice(&0x5000u64.to_le_bytes());
+            // Suspended in `await` (3.15's numbering, as `image` sets it).
+            raw[67] = 2;
+            // The frame at +80 runs no code object; its stack top is at +400, the awaited one below it.
+            raw[144..152].copy_from_slice(&(coro + 400).to_le_bytes());
+            raw[384..392].copy_from_slice(&awaits.to_le_bytes());
+            mem.insert(coro, raw);
+        }
+        let mut reader = TaskReader::new(&mut process, Some(t), 10).unwrap();
+        let list = reader.thread_tasks(TSTATE).unwrap();
+        let error = list.tasks[0].error.as_deref().unwrap_or_default();
+        assert!(error.contains("coroutine chain loops"), "{error}");
     }
 
     #[test]

@@ -221,6 +221,9 @@ struct TaskDump {
     state: TaskState,
     /// Innermost first, as a thread's frames.
     frames: Vec<FrameDump>,
+    /// The stack goes on past `frames`: deeper than 4,096 frames, or the process's tasks used up
+    /// their frame budget (`asyncio::MAX_TASK_FRAMES`).
+    truncated: bool,
     awaited_by: Vec<String>,
     awaits: Vec<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -253,6 +256,7 @@ impl TasksDump {
                 name: task.name,
                 state: task.state,
                 frames: task.frames.into_iter().rev().map(FrameDump::from).collect(),
+                truncated: task.truncated,
                 error: task.error,
             })
             .collect();
@@ -369,6 +373,9 @@ fn print_task(
     writeln!(out, "{indent}[task {}] {state}", task.name)?;
     for frame in task.frames.iter().rev() {
         writeln!(out, "{indent}    File \"{}\", line {}, in {}", frame.filename, frame.line, frame.qualname)?;
+    }
+    if task.truncated {
+        writeln!(out, "{indent}    ... inner frames not shown (deeper than {MAX_DEPTH}, or past {} frames for all tasks)", asyncio::MAX_TASK_FRAMES)?;
     }
     if let Some(error) = &task.error {
         writeln!(out, "{indent}    <unreadable: {error}>")?;
