@@ -99,7 +99,12 @@ fn check_shared_linetable_target(python: &Path) {
     assert!(!deep.is_empty(), "no sample shows the innermost frame ({} samples of the target)", total(&stacks));
     for (frames, _) in deep {
         assert_eq!(frames[0], "[truncated]", "a {CHAIN}-deep chain not marked truncated: {frames:?}");
-        assert!(frames.iter().any(|f| f.starts_with(&format!("f{} (", CHAIN - 500))), "frame f{} missing", CHAIN - 500);
+        assert!(
+            frames.iter().any(|f| f.starts_with(&format!("f{} (", CHAIN - 500))),
+            "frame f{} missing from a stack of {} frames: {frames:?}",
+            CHAIN - 500,
+            frames.len()
+        );
     }
 }
 
