@@ -7,6 +7,7 @@ writes "corrupted N checked M" to REPORT.
 
 Usage: python thread_churn.py READY_FILE REPORT"""
 import ctypes
+import os
 import random
 import signal
 import sys
@@ -36,8 +37,10 @@ def main():
     signal.signal(signal.SIGTERM, stop)
     get_tstate = ctypes.pythonapi.PyThreadState_Get
     get_tstate.restype = ctypes.c_void_p
-    with open(sys.argv[1], "w") as ready:
+    # Named only once written: the test reads it as soon as it appears.
+    with open(sys.argv[1] + ".tmp", "w") as ready:
         ready.write(f"{get_tstate()}\n")
+    os.rename(sys.argv[1] + ".tmp", sys.argv[1])
     rng = random.Random(1)
     buffers = []
     corrupted = checked = 0
