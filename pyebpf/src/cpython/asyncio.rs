@@ -14,9 +14,7 @@
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
 
-use object::read::ReadCache;
 use object::{Object, ObjectSection};
-use procfs::process::{MMapPath, Process};
 
 use crate::chain::LinkReader;
 
@@ -110,8 +108,7 @@ pub enum AsyncioError {
 
 /// Where the `.AsyncioDebug` section of a file `pid` maps lies in its memory.
 fn section_in_file(pid: u32, path: &Path, mapped_at: u64) -> Option<u64> {
-    let file = crate::target_file::open_in_root(pid, path).ok()?;
-    let data = ReadCache::new(file);
+    let data = runtime::open_elf(pid, path).ok()??;
     let elf = object::File::parse(&data).ok()?;
     let section = elf.section_by_name(".AsyncioDebug")?;
     (section.size() >= 8 * TABLE_FIELDS as u64).then(|| section.address().wrapping_add(runtime::load_bias(&elf, mapped_at)))
@@ -119,16 +116,10 @@ fn section_in_file(pid: u32, path: &Path, mapped_at: u64) -> Option<u64> {
 
 /// The asyncio table of `pid`, read from its memory where the section is mapped.
 pub fn find_asyncio_offsets(pid: u32, mem: &impl ReadMemory) -> Result<Option<AsyncioOffsets>, PyError> {
-    let maps = Process::new(pid as i32).and_then(|process| process.maps()).map_err(|_| PyError::NoProcess(pid))?;
-    let mut tried = HashSet::new();
-    for map in maps.iter() {
-        let MMapPath::Path(path) = &map.pathname else { continue };
-        let name = path.file_name().and_then(|name| name.to_str()).unwrap_or("");
-        let candidate = name.starts_with("_asyncio") || runtime::is_python_file(path);
-        if map.offset != 0 || !candidate || !tried.insert(path.clone()) {
-            continue;
-        }
-        if let Some(addr) = section_in_file(pid, path, map.address.0) {
+    let asyncio_or_python =
+        |path: &Path| path.file_name().and_then(|name| name.to_str()).is_some_and(|name| name.starts_with("_asyncio")) || runtime::is_python_file(path);
+    for (path, mapped_at) in runtime::mapped_files(pid, asyncio_or_python)? {
+        if let Some(addr) = section_in_file(pid, &path, mapped_at) {
             let raw = mem.read_vec(addr, 8 * TABLE_FIELDS)?;
             return AsyncioOffsets::from_table(&raw).map(Some);
         }

@@ -7,6 +7,7 @@
 //! whose stack still cannot be read (a looping chain, a malformed code object) is shown with what
 //! was read up to the bad frame and the error. A process that exits during the dump ends it.
 
+use std::collections::{HashMap, HashSet};
 use std::io::{self, Write};
 use std::sync::Arc;
 
@@ -318,8 +319,8 @@ fn print_tasks(dump: &TasksDump, max_tasks: usize, out: &mut impl Write) -> io::
     if let Some(error) = &dump.error {
         return writeln!(out, "  <tasks unreadable: {error}>");
     }
-    let by_id: std::collections::HashMap<&str, &TaskDump> = dump.tasks.iter().map(|task| (task.id.as_str(), task)).collect();
-    let mut shown = std::collections::HashSet::new();
+    let by_id: HashMap<&str, &TaskDump> = dump.tasks.iter().map(|task| (task.id.as_str(), task)).collect();
+    let mut shown = HashSet::new();
     // Roots first (tasks no task awaits), then whatever a cycle left unshown.
     let roots = dump.tasks.iter().filter(|task| task.awaited_by.is_empty()).chain(dump.tasks.iter());
     for task in roots {
@@ -346,13 +347,7 @@ const MAX_TREE_DEPTH: usize = 64;
 
 /// A task, its coroutine stack (outermost first, as a traceback), then the tasks it awaits,
 /// indented under it; a task already shown (awaited by several) is named only.
-fn print_task(
-    task: &TaskDump,
-    by_id: &std::collections::HashMap<&str, &TaskDump>,
-    shown: &mut std::collections::HashSet<String>,
-    depth: usize,
-    out: &mut impl Write,
-) -> io::Result<()> {
+fn print_task(task: &TaskDump, by_id: &HashMap<&str, &TaskDump>, shown: &mut HashSet<String>, depth: usize, out: &mut impl Write) -> io::Result<()> {
     let indent = "  ".repeat(depth);
     if depth > MAX_TREE_DEPTH {
         // Shown at the top level instead, after the roots.

@@ -61,16 +61,7 @@ pub fn find_runtime(pid: u32) -> Result<Runtime, PyError> {
     if has_exited(pid) {
         return Err(PyError::NoProcess(pid));
     }
-    let process = Process::new(pid as i32).map_err(|err| process_error(pid, err))?;
-    let maps = process.maps().map_err(|err| process_error(pid, err))?;
-    let mut candidates: Vec<(PathBuf, u64)> = Vec::new();
-    for map in maps.iter() {
-        if let MMapPath::Path(path) = &map.pathname {
-            if map.offset == 0 && is_python_file(path) && !candidates.iter().any(|(p, _)| p == path) {
-                candidates.push((path.clone(), map.address.0));
-            }
-        }
-    }
+    let mut candidates = mapped_files(pid, is_python_file)?;
     // libpython first: where both are mapped, the executable only links it.
     candidates.sort_by_key(|(path, _)| !path.to_string_lossy().contains("libpython"));
     // An interpreter pyebpf may not open (a directory its user cannot enter) is named as such,
@@ -99,6 +90,21 @@ pub fn find_runtime(pid: u32) -> Result<Runtime, PyError> {
     Err(unreadable.or(older.map(PyError::UnsupportedRelease)).unwrap_or(PyError::NotPython(pid)))
 }
 
+/// The files `pid` maps that `keep` accepts, each once, with where its first page is mapped.
+pub(super) fn mapped_files(pid: u32, keep: impl Fn(&Path) -> bool) -> Result<Vec<(PathBuf, u64)>, PyError> {
+    let process = Process::new(pid as i32).map_err(|err| process_error(pid, err))?;
+    let maps = process.maps().map_err(|err| process_error(pid, err))?;
+    let mut files: Vec<(PathBuf, u64)> = Vec::new();
+    for map in maps.iter() {
+        if let MMapPath::Path(path) = &map.pathname {
+            if map.offset == 0 && keep(path) && !files.iter().any(|(p, _)| p == path) {
+                files.push((path.clone(), map.address.0));
+            }
+        }
+    }
+    Ok(files)
+}
+
 /// Why `/proc/PID` could not be read: the process is gone, or it is not ours to read.
 fn process_error(pid: u32, err: procfs::ProcError) -> PyError {
     match err {
@@ -121,14 +127,17 @@ pub struct PythonElf {
 /// What the ELF file `pid` maps at `path` holds of CPython, given where its first page is mapped;
 /// `None` if it is not ELF, an error only when the file cannot be opened.
 fn runtime_in_file(pid: u32, path: &Path, mapped_at: u64) -> std::io::Result<Option<PythonElf>> {
+    Ok(open_elf(pid, path)?.and_then(|data| runtime_in_elf(&data, mapped_at)))
+}
+
+/// The file `pid` maps at `path`, opened in its root to be read on demand (headers and the tables
+/// looked at only, not the whole, often 8 MB, interpreter); `None` past `MAX_ELF_SIZE`.
+pub(super) fn open_elf(pid: u32, path: &Path) -> std::io::Result<Option<ReadCache<std::fs::File>>> {
     let file = crate::target_file::open_in_root(pid, path)?;
     if file.metadata()?.len() > MAX_ELF_SIZE {
         return Ok(None);
     }
-    // Read on demand: headers and symbol tables only, not the whole (often 8 MB) interpreter, for
-    // every process attached.
-    let data = ReadCache::new(file);
-    Ok(runtime_in_elf(&data, mapped_at))
+    Ok(Some(ReadCache::new(file)))
 }
 
 /// [`runtime_in_file`] on the file's bytes, however they are read (public for fuzzing).
