@@ -24,6 +24,16 @@ pub const STACK_SNAPSHOT_MAX: usize = 16 * 1024;
 pub const STACK_CHUNK: usize = 4096;
 /// Processes whose user stacks are copied at most (`--unwind auto`).
 pub const MAX_SNAPSHOT_PROCS: u32 = 16384;
+/// Tasks read per sample at most: the running task and the tasks awaiting it in turn (a deeper
+/// chain is cut there and marked).
+pub const MAX_TASKS: usize = 8;
+/// Bytes of a task's name captured at the sample (64 ASCII or Latin-1 characters; a longer name is
+/// cut there).
+pub const TASK_NAME_BYTES: usize = 64;
+/// Frames of the awaiting tasks' suspended coroutines read per sample at most, all tasks together.
+pub const MAX_AWAITER_FRAMES: usize = 32;
+/// Links of one awaiting task's coroutine chain followed at most.
+pub const MAX_AWAITER_LINKS: u32 = 8;
 /// Words of the `WAIT_PROCS` bitmap: one bit for each tgid below the kernel's `PID_MAX_LIMIT`
 /// (4,194,304 on 64-bit).
 pub const WAIT_PROCS_WORDS: u32 = 4_194_304 / 64;
@@ -320,7 +330,10 @@ pub struct SampleRecord {
     /// The merge finds which native frame holds each interpreter entry frame with these.
     pub user_frame_bases: [u64; MAX_USER_FRAMES],
     pub kernel_stack: [u64; MAX_KERNEL_FRAMES],
-    /// The Python frames walked at the sample; only `py.frames_len` of them are sent.
+    /// The running asyncio task and those awaiting it (`py_proc_flags::TASKS`).
+    pub tasks: TaskCapture,
+    /// The Python frames walked at the sample, then the awaiting tasks' coroutine frames
+    /// (`tasks`); only `py.frames_len` plus `tasks.frames_len` of them are sent.
     pub py_frames: [PyFrameRecord; MAX_PY_FRAMES],
     /// Room for the stack copy, which is sent right after the Python frames sent: a record is
     /// [`SampleRecord::sent_len`] bytes long. One chunk more than the most copied, so the eBPF
@@ -332,10 +345,65 @@ impl SampleRecord {
     /// Bytes before `py_frames`: every record carries at least these.
     pub const HEADER_LEN: usize = core::mem::offset_of!(SampleRecord, py_frames);
 
+    /// Python frames the record carries: the walked ones and the awaiting tasks' (at most
+    /// [`MAX_PY_FRAMES`] together, in a well-formed record).
+    pub fn frames_sent(&self) -> usize {
+        self.py.frames_len as usize + self.tasks.frames_len as usize
+    }
+
     /// Bytes sent for a record carrying `frames` Python frames and `stack` bytes of stack.
     pub const fn sent_len(frames: usize, stack: usize) -> usize {
         Self::HEADER_LEN + frames * core::mem::size_of::<PyFrameRecord>() + stack
     }
+}
+
+/// Bits of [`TaskCapture::status`].
+pub mod task_status {
+    /// The thread ran a task at the capture: `tasks` starts with it.
+    pub const RUNNING: u32 = 1 << 0;
+    /// The outermost task read is awaited by several tasks (a set): the chain stops there.
+    pub const AWAITERS_SET: u32 = 1 << 1;
+    /// The chain went on past [`super::MAX_TASKS`] tasks.
+    pub const TOO_MANY: u32 = 1 << 2;
+    /// A task or its awaiter could not be read: the chain ends there.
+    pub const READ_FAILED: u32 = 1 << 3;
+    /// Awaiting tasks' coroutine frames went past [`super::MAX_AWAITER_FRAMES`] (or the record's
+    /// room): the tasks after that have none.
+    pub const FRAMES_CUT: u32 = 1 << 4;
+}
+
+/// One asyncio task as read at the capture.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TaskRecord {
+    /// The task object.
+    pub task: u64,
+    /// Its coroutine's interpreter frame (the coroutine's address plus `gi_iframe`): for the
+    /// running task, the frame of the thread's chain where the task begins.
+    pub coro_frame: u64,
+    /// `tp_flags` of its name's type: a `str`, or an `int` N for the default `Task-N`.
+    pub name_flags: u64,
+    /// A `str` name: its length in characters and its state word; its first characters are in
+    /// `name`. An `int`: `name` holds its tag and first digits.
+    pub name_len: u64,
+    pub name_state: u32,
+    /// Frames of its coroutine chain (awaiting tasks only), outermost first; they follow the
+    /// walked frames in [`SampleRecord::py_frames`], task after task.
+    pub frames_len: u32,
+    pub name: [u8; TASK_NAME_BYTES],
+}
+
+/// The running task and the tasks awaiting it in turn, innermost (running) first.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TaskCapture {
+    pub len: u32,
+    /// `task_status` bits.
+    pub status: u32,
+    /// Awaiting tasks' frames, all tasks together.
+    pub frames_len: u32,
+    pub _pad: u32,
+    pub tasks: [TaskRecord; MAX_TASKS],
 }
 
 /// Bits of [`PyProcConfig::flags`].
@@ -346,6 +414,9 @@ pub mod py_proc_flags {
     /// between them faster than userspace reads the thread list. At each sample, the thread state
     /// attached to the thread is looked up in the interpreters' thread lists.
     pub const FIND_ATTACHED: u32 = 1 << 1;
+    /// Read the thread's running asyncio task and the tasks awaiting it (`--async-aware`; the
+    /// `asyncio` fields are set).
+    pub const TASKS: u32 = 1 << 2;
 }
 
 /// Steps of the look-up of `FIND_ATTACHED` at most: one per thread state or interpreter visited.
@@ -435,6 +506,46 @@ pub struct PyProcConfig {
     /// Before 3.12: the address of `_PyRuntime.gilstate.tstate_current` (the holder, 0 when none);
     /// 0 from 3.12 on.
     pub runtime_gil_holder: u64,
+    /// With `py_proc_flags::TASKS`.
+    pub asyncio: AsyncioConfig,
+}
+
+/// Where to read asyncio tasks (CPython 3.14+): the `_asyncio` module's offsets and the object
+/// layouts a task's name and coroutines need.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AsyncioConfig {
+    pub thread_running_task: u32,
+    pub task_name: u32,
+    pub task_awaited_by: u32,
+    pub task_awaited_by_is_set: u32,
+    pub task_is_task: u32,
+    pub task_coro: u32,
+    /// A coroutine's own frame and `gi_frame_state`.
+    pub gen_iframe: u32,
+    pub gen_frame_state: u32,
+    /// The frame states of a suspended coroutine, and of one suspended in `await` (unused slots
+    /// repeat the first).
+    pub suspended_states: [i8; 4],
+    pub yield_from_states: [i8; 4],
+    /// An interpreter frame's stack top, and how far below it the awaited object sits.
+    pub frame_stackpointer: u32,
+    pub awaited_below_top: u32,
+    pub object_type: u32,
+    pub type_flags: u32,
+    pub unicode_length: u32,
+    pub unicode_state: u32,
+    pub unicode_ascii_size: u32,
+    pub unicode_compact_size: u32,
+    pub long_tag: u32,
+    pub _pad: u32,
+}
+
+/// `tp_flags` bits that tell a task's name apart: `Py_TPFLAGS_LONG_SUBCLASS` and
+/// `Py_TPFLAGS_UNICODE_SUBCLASS`.
+pub mod type_flags {
+    pub const LONG_SUBCLASS: u64 = 1 << 24;
+    pub const UNICODE_SUBCLASS: u64 = 1 << 28;
 }
 
 #[cfg(feature = "user")]
@@ -451,4 +562,6 @@ mod pod {
     unsafe impl aya::Pod for super::MarkerChain {}
     // SAFETY: repr(C) plain data with explicit padding and no invalid bit patterns.
     unsafe impl aya::Pod for super::OffCpuStart {}
+    // SAFETY: repr(C) plain data with explicit padding and no invalid bit patterns.
+    unsafe impl aya::Pod for super::TaskCapture {}
 }

@@ -48,7 +48,7 @@ pub fn capture_and_emit<C: EbpfContext>(ctx: &C, config: &Config, tgid: u32, tid
         (*record).origin = origin.origin;
         (*record).weight_ns = 0;
         (*record).wait_state = origin.wait_state;
-        capture_python(ctx, tgid, tid, config.flags & config_flags::GIL != 0, &mut (*record).py, &mut (*record).py_frames);
+        capture_python(ctx, tgid, tid, config.flags & config_flags::GIL != 0, &mut (*record).py, &mut (*record).tasks, &mut (*record).py_frames);
         let (ip, sp, bp) = user_regs(ctx, origin.interrupted_regs);
         (*record).user_sp = sp;
         (*record).user_bp = bp;
@@ -61,7 +61,8 @@ pub fn capture_and_emit<C: EbpfContext>(ctx: &C, config: &Config, tgid: u32, tid
         } else {
             0
         };
-        let frames = (*record).py.frames_len as usize;
+        // The walked frames, then the awaiting tasks' (together at most MAX_PY_FRAMES).
+        let frames = (*record).py.frames_len as usize + (*record).tasks.frames_len as usize;
         let frames = if frames > MAX_PY_FRAMES { MAX_PY_FRAMES } else { frames };
         let stack_len = if ip != 0 && wants_snapshot(config, tgid) {
             // The copy goes right after the Python frames that are sent.

@@ -5,6 +5,7 @@
 #![no_std]
 #![no_main]
 
+mod asyncio;
 mod capture;
 mod lifecycle;
 mod python;

@@ -1,24 +1,25 @@
 //! The thread's interpreter state, read in the kernel at the capture: its frame chain from the
-//! innermost frame (on 3.15 only down to a marker userspace proved it knows), and whether it holds
-//! the GIL.
+//! innermost frame (on 3.15 only down to a marker userspace proved it knows), whether it holds
+//! the GIL, and (3.14+) its asyncio tasks.
 
 use core::ffi::c_void;
 
 use aya_ebpf::{helpers::bpf_probe_read_user, helpers::generated, EbpfContext};
 use aya_log_ebpf::debug;
 use pyebpf_common::{
-    code_fingerprint, py_proc_flags, py_status, PyCapture, PyFrameRecord, PyProcConfig, CODE_FINGERPRINT_WORDS, ENTRY_FLAG, FINGERPRINT_NAME_WORD,
+    code_fingerprint, py_proc_flags, py_status, PyCapture, PyFrameRecord, PyProcConfig, TaskCapture, CODE_FINGERPRINT_WORDS, ENTRY_FLAG, FINGERPRINT_NAME_WORD,
     MARKER_POSITIONS, MAX_ATTACHED_STEPS, MAX_PY_FRAMES, NO_OFFSET, PY_FRAME_WINDOW,
 };
 
+use crate::asyncio::capture_tasks;
 use crate::{PY_MARKERS, PY_PROCS, PY_THREADS};
 
-fn read_u64(addr: u64) -> Option<u64> {
+pub fn read_u64(addr: u64) -> Option<u64> {
     // SAFETY: bpf_probe_read_user checks the address; a fault is an error, not a crash.
     unsafe { bpf_probe_read_user(addr as *const u64).ok() }
 }
 
-fn read_u32(addr: u64) -> Option<u32> {
+pub fn read_u32(addr: u64) -> Option<u32> {
     // SAFETY: as in read_u64.
     unsafe { bpf_probe_read_user(addr as *const u32).ok() }
 }
@@ -27,8 +28,20 @@ fn read_u32(addr: u64) -> Option<u32> {
 /// the root, to the depth limit, or (3.15) to a marker whose established chain userspace holds, so
 /// at steady state only the frames that ran since the last capture are read. With `gil`, also
 /// whether the thread holds the GIL.
-pub fn capture_python<C: EbpfContext>(ctx: &C, tgid: u32, tid: u32, gil: bool, py: &mut PyCapture, frames: &mut [PyFrameRecord; MAX_PY_FRAMES]) {
+pub fn capture_python<C: EbpfContext>(
+    ctx: &C,
+    tgid: u32,
+    tid: u32,
+    gil: bool,
+    py: &mut PyCapture,
+    tasks: &mut TaskCapture,
+    frames: &mut [PyFrameRecord; MAX_PY_FRAMES],
+) {
     *py = PyCapture::default();
+    // Only the tasks counted are sent: the rest of the array may hold an earlier capture's.
+    tasks.len = 0;
+    tasks.status = 0;
+    tasks.frames_len = 0;
     // SAFETY: plain-data values; a concurrent update from userspace at worst gives a stale entry,
     // which the reads below tolerate.
     let (Some(proc_config), Some(thread)) = (unsafe { PY_PROCS.get(tgid) }, unsafe { PY_THREADS.get(tid) }) else {
@@ -59,6 +72,9 @@ pub fn capture_python<C: EbpfContext>(ctx: &C, tgid: u32, tid: u32, gil: bool, p
     // The thread's marker chain belongs to the thread state userspace registered.
     let stop_at = if py.tstate == thread.tstate { marker_stop(tid, &config, py) } else { 0 };
     walk_frames(&config, frame, stop_at, py, frames);
+    if config.flags & py_proc_flags::TASKS != 0 && frame != 0 {
+        capture_tasks(&config, py.tstate, py.frames_len, tasks, frames);
+    }
 }
 
 /// Whether the GIL is held by `tstate`: before 3.12 the runtime points at its holder (0 once
@@ -181,25 +197,15 @@ struct Walk {
     addr: u64,
     stop_at: u64,
     walked: u32,
-    read_len: u32,
     end: u32,
     /// Here rather than in the step, so it is not cleared for every frame.
     window: [u8; PY_FRAME_WINDOW],
 }
 
+#[inline(never)]
 fn walk_frames(config: &PyProcConfig, addr: u64, stop_at: u64, py: &mut PyCapture, frames: &mut [PyFrameRecord; MAX_PY_FRAMES]) {
     let max = if config.max_frames as usize > MAX_PY_FRAMES { MAX_PY_FRAMES } else { config.max_frames as usize };
-    let mut walk = Walk {
-        config,
-        frames: frames.as_mut_ptr(),
-        addr,
-        stop_at,
-        walked: 0,
-        // In 1..=PY_FRAME_WINDOW by construction (an out-of-range value reads the whole window).
-        read_len: config.frame_window,
-        end: py_status::TOO_DEEP,
-        window: [0; PY_FRAME_WINDOW],
-    };
+    let mut walk = Walk { config, frames: frames.as_mut_ptr(), addr, stop_at, walked: 0, end: py_status::TOO_DEEP, window: [0; PY_FRAME_WINDOW] };
     // bpf_loop, not a bounded loop: the verifier checks one step instead of every iteration (the
     // 512-iteration loop cost about 0.3 s of verification at each start).
     // SAFETY: the callback is a BPF subprogram taking this context; the kernel bounds the count.
@@ -223,29 +229,13 @@ unsafe extern "C" fn walk_step(index: u64, context: *mut c_void) -> i64 {
     }
     // SAFETY: walk_frames' caller's copy, alive for the whole loop.
     let config = unsafe { &*walk.config };
-    let window = &mut walk.window;
-    // A form the verifier can bound: in 1..=PY_FRAME_WINDOW.
-    let read_len = (walk.read_len.wrapping_sub(1) & (PY_FRAME_WINDOW as u32 - 1)) + 1;
     let addr = walk.addr;
-    // SAFETY: a checked user read of at most the stack buffer's size into it.
-    if unsafe { generated::bpf_probe_read_user(window.as_mut_ptr() as *mut c_void, read_len, addr as *const c_void) } < 0 {
+    let Some(record) = frame_record(config, addr, &mut walk.window) else {
         walk.end = py_status::READ_FAILED;
         return 1;
-    }
-    let code = window_u64(window, config.frame_executable) & !config.executable_tag_mask;
-    let mut owner = if config.frame_owner == NO_OFFSET { 0 } else { window[config.frame_owner as usize & (PY_FRAME_WINDOW - 1)] & 7 };
-    if config.frame_is_entry != NO_OFFSET && window[config.frame_is_entry as usize & (PY_FRAME_WINDOW - 1)] != 0 {
-        owner |= ENTRY_FLAG;
-    }
-    // SAFETY: `index` < MAX_PY_FRAMES, the length of the array `frames` points into.
-    let slot = unsafe { &mut *walk.frames.add(index as usize) };
-    *slot = PyFrameRecord {
-        addr_owner: addr | owner as u64,
-        code,
-        instr_ptr: window_u64(window, config.frame_instr_ptr),
-        code_version: code_identity(config, code),
-        _pad: 0,
     };
+    // SAFETY: `index` < MAX_PY_FRAMES, the length of the array `frames` points into.
+    unsafe { *walk.frames.add(index as usize) = record };
     walk.walked = index as u32 + 1;
     if addr == walk.stop_at {
         walk.end = py_status::JOINED;
@@ -253,6 +243,30 @@ unsafe extern "C" fn walk_step(index: u64, context: *mut c_void) -> i64 {
     }
     walk.addr = window_u64(&walk.window, config.frame_previous);
     0
+}
+
+/// The frame at `addr` as a record, read into `window` (whose other fields the caller may then
+/// take); `None` if it cannot be read.
+pub fn frame_record(config: &PyProcConfig, addr: u64, window: &mut [u8; PY_FRAME_WINDOW]) -> Option<PyFrameRecord> {
+    // A form the verifier can bound: in 1..=PY_FRAME_WINDOW (an out-of-range value reads the
+    // whole window).
+    let read_len = (config.frame_window.wrapping_sub(1) & (PY_FRAME_WINDOW as u32 - 1)) + 1;
+    // SAFETY: a checked user read of at most the buffer's size into it.
+    if unsafe { generated::bpf_probe_read_user(window.as_mut_ptr() as *mut c_void, read_len, addr as *const c_void) } < 0 {
+        return None;
+    }
+    let code = window_u64(window, config.frame_executable) & !config.executable_tag_mask;
+    let mut owner = if config.frame_owner == NO_OFFSET { 0 } else { window[config.frame_owner as usize & (PY_FRAME_WINDOW - 1)] & 7 };
+    if config.frame_is_entry != NO_OFFSET && window[config.frame_is_entry as usize & (PY_FRAME_WINDOW - 1)] != 0 {
+        owner |= ENTRY_FLAG;
+    }
+    Some(PyFrameRecord {
+        addr_owner: addr | owner as u64,
+        code,
+        instr_ptr: window_u64(window, config.frame_instr_ptr),
+        code_version: code_identity(config, code),
+        _pad: 0,
+    })
 }
 
 /// What identifies the code object at `code` with its address: its `co_version`, or where there

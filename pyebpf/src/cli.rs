@@ -102,6 +102,13 @@ pub struct ModeArgs {
     #[arg(long = "off-cpu-min", value_name = "MICROSECONDS", default_value_t = DEFAULT_OFF_CPU_MIN_US, allow_negative_numbers = true,
           value_parser = clap::value_parser!(u64).range(0..=MAX_SECONDS * 1_000_000))]
     pub off_cpu_min_us: u64,
+
+    /// Show asyncio tasks (CPython 3.14+): where a thread runs a task, its stack shows the task
+    /// and the tasks awaiting it, outermost first, as `[task NAME]` frames, each awaiting task
+    /// with its suspended coroutine frames, above the running coroutine's frames. Read in the
+    /// kernel at each sample, like the frames; at most 8 tasks per chain
+    #[arg(long = "async-aware")]
+    pub async_aware: bool,
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]

@@ -288,6 +288,7 @@ mod tests {
                 Frame::Native(n) => n.symbol.as_deref().unwrap_or("?").to_string(),
                 Frame::Python(p) => format!("py:{}", p.qualname),
                 Frame::Kernel(k) => format!("{}_[k]", k.symbol.as_deref().unwrap_or("?")),
+                Frame::Task(name) => format!("task:{name}"),
             })
             .collect()
     }

@@ -18,17 +18,21 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
 use pyebpf_common::{
-    py_proc_flags, py_status, MarkerChain, PyCapture, PyFrameRecord, PyProcConfig, PyThreadEntry, SampleRecord, MARKER_POSITIONS, MAX_PY_FRAMES, NO_OFFSET,
+    py_proc_flags, py_status, task_status, MarkerChain, PyCapture, PyFrameRecord, PyProcConfig, PyThreadEntry, SampleRecord, MARKER_POSITIONS, MAX_PY_FRAMES,
+    MAX_TASKS, NO_OFFSET,
 };
 
 use crate::bpf::Sampler;
 use crate::budget::SharedBudget;
 use crate::chain::{FrameLink, LinkKind, LinkReader};
+use crate::cpython::asyncio::{self, find_asyncio_offsets};
 use crate::cpython::memory::ProcessMemory;
+use crate::cpython::offsets::ObjectOffsets;
+use crate::cpython::TRUNCATION_MARK;
 use crate::cpython::{PyError, PyProcess};
 use crate::merge::PyStackItem;
 use crate::stack::{Frame, FrameCarry, FrameId, FrameTable};
-use crate::stats::Stats;
+use crate::stats::{Stats, TaskTotals};
 
 /// How often thread lists are re-read to register new threads and drop dead ones.
 const THREAD_REFRESH: Duration = Duration::from_millis(500);
@@ -56,6 +60,19 @@ pub struct SamplingOptions {
     pub read_only: bool,
     /// Frames the kernel walks at most per sample.
     pub max_frames: u32,
+    /// Read each sample's asyncio task chain (`--async-aware`, CPython 3.14+).
+    pub async_aware: bool,
+}
+
+/// Whether a process's asyncio tasks are read at its captures.
+enum Tasks {
+    /// Not asked for, or the version has no asyncio debug offsets (before 3.14).
+    Off,
+    /// Asked for; the `_asyncio` table is not mapped yet (3.14 maps it when asyncio is first
+    /// imported): looked for again at each refresh of the thread list.
+    Pending,
+    /// Told to the eBPF program.
+    On(ObjectOffsets),
 }
 
 /// A chain pyebpf proved when it wrote the marker, innermost (the marker frame) first.
@@ -159,6 +176,7 @@ struct PythonProcess {
     /// address is another code object.
     code_versions: HashMap<u64, u32>,
     frame_ids: FrameIds,
+    tasks: Tasks,
 }
 
 /// A process found not to be CPython 3.8+ (or unreadable), until it execs or exits.
@@ -182,11 +200,20 @@ pub struct PythonSampling {
     others: HashMap<u32, Other>,
     options: SamplingOptions,
     next_gen: u64,
+    /// Processes whose tasks cannot be read (`--async-aware`), for the summary.
+    unreadable_tasks: TaskTotals,
 }
 
 impl PythonSampling {
     pub fn new(options: SamplingOptions) -> Self {
-        PythonSampling { processes: HashMap::new(), retired_code_cache: Default::default(), others: HashMap::new(), options, next_gen: 1 }
+        PythonSampling {
+            processes: HashMap::new(),
+            retired_code_cache: Default::default(),
+            others: HashMap::new(),
+            options,
+            next_gen: 1,
+            unreadable_tasks: TaskTotals::default(),
+        }
     }
 
     /// Attaches to `pid` if it is a CPython 3.8+ process not seen before, and registers its
@@ -248,6 +275,14 @@ impl PythonSampling {
         };
         self.others.remove(&pid);
         stats.python_processes += 1;
+        let tasks = match (self.options.async_aware, &py.offsets().objects) {
+            (false, _) => Tasks::Off,
+            (true, None) => {
+                self.unreadable_tasks.unsupported(format!("CPython {} (pid {pid})", py.version()));
+                Tasks::Off
+            }
+            (true, Some(_)) => Tasks::Pending,
+        };
         let process = PythonProcess {
             config: py.bpf_config(),
             py,
@@ -256,6 +291,7 @@ impl PythonSampling {
             not_python: HashSet::new(),
             code_versions: HashMap::new(),
             frame_ids: FrameIds::new(),
+            tasks,
         };
         self.processes.insert(pid, process);
         true
@@ -268,7 +304,10 @@ impl PythonSampling {
         if self.options.marker && !self.options.read_only {
             config.flags |= py_proc_flags::USE_MARKER;
         }
-        if sampler.set_py_process(pid, config).is_err() {
+        if let Err(problem) = process.find_tasks() {
+            self.unreadable_tasks.unsupported(problem);
+        }
+        if sampler.set_py_process(pid, &process.config).is_err() {
             log::debug!("pid {pid}: PY_PROCS is full; sampled natively");
             self.processes.remove(&pid);
             self.others.insert(pid, Other { checked_at: Instant::now(), checks: RECHECKS, settled: true });
@@ -290,7 +329,15 @@ impl PythonSampling {
     pub fn upkeep(&mut self, sampler: &mut Sampler) {
         let mut exited = Vec::new();
         for (&pid, process) in &mut self.processes {
-            if process.threads_read.elapsed() >= THREAD_REFRESH && !process.refresh_threads(sampler) {
+            if process.threads_read.elapsed() < THREAD_REFRESH {
+                continue;
+            }
+            match process.find_tasks() {
+                Ok(true) if sampler.set_py_process(pid, &process.config).is_err() => log::debug!("pid {pid}: PY_PROCS entry not updated"),
+                Ok(_) => {}
+                Err(problem) => self.unreadable_tasks.unsupported(problem),
+            }
+            if !process.refresh_threads(sampler) {
                 exited.push(pid);
             }
         }
@@ -355,9 +402,17 @@ impl PythonSampling {
         let before = process.py.remote_counters();
         let walked = &record.py_frames[..(py.frames_len as usize).min(MAX_PY_FRAMES)];
         stats.kernel_frames += walked.len() as u64;
-        let mut truncated = process.resolve_walked(walked, frames, items);
+        // Where the running task's coroutine frame ends up in `items`: its tasks go right after.
+        let task_frame = process.running_task_frame(record);
+        let mut task_at = None;
+        let mut truncated = process.resolve_walked(walked, task_frame, &mut task_at, frames, items);
         if !truncated {
-            truncated = !process.complete_chain(record, items, stats);
+            truncated = !process.complete_chain(record, task_frame, &mut task_at, items, stats);
+        }
+        if let Some(at) = task_at {
+            process.insert_tasks(record, at, frames, items, stats);
+        } else if task_frame.is_some() {
+            stats.tasks.unplaced += 1;
         }
         stats.truncated_samples += u64::from(truncated);
         if self.options.marker && !self.options.read_only {
@@ -380,6 +435,10 @@ impl PythonSampling {
         let Some(process) = self.processes.get_mut(&tgid) else { return false };
         let Some(thread) = process.threads.get(&tid) else { return false };
         let max = (self.options.max_frames as usize).min(MAX_PY_FRAMES);
+        // Tasks are read only at a capture in the kernel.
+        record.tasks.len = 0;
+        record.tasks.status = 0;
+        record.tasks.frames_len = 0;
         let py = &mut record.py;
         *py = PyCapture { tstate: thread.tstate, status: py_status::THREAD_KNOWN, ..PyCapture::default() };
         let Ok(frame) = process.py.current_frame(thread.tstate) else { return true };
@@ -396,6 +455,12 @@ impl PythonSampling {
             }
         }
         true
+    }
+
+    /// The processes whose tasks could not be read, into `stats`.
+    pub fn unreadable_tasks(&self, stats: &mut Stats) {
+        stats.tasks.unsupported = self.unreadable_tasks.unsupported.clone();
+        stats.tasks.more_unsupported = self.unreadable_tasks.more_unsupported;
     }
 
     /// Code-object cache counters summed over every process attached to (those that have exited
@@ -424,8 +489,16 @@ impl PythonProcess {
     }
 
     /// The frames the kernel walked, resolved into `items`; cut (and `true`) at the first frame
-    /// whose code object cannot be proven to be the one that ran.
-    fn resolve_walked(&mut self, walked: &[PyFrameRecord], frames: &mut FrameTable, items: &mut Vec<PyItem>) -> bool {
+    /// whose code object cannot be proven to be the one that ran. `task_at` is set to where in
+    /// `items` the frame at `task_frame` ends.
+    fn resolve_walked(
+        &mut self,
+        walked: &[PyFrameRecord],
+        task_frame: Option<u64>,
+        task_at: &mut Option<usize>,
+        frames: &mut FrameTable,
+        items: &mut Vec<PyItem>,
+    ) -> bool {
         for frame in walked {
             let link = link_of(&self.py, frame);
             match self.resolve_link(&link, frame.code_version, frames) {
@@ -435,6 +508,9 @@ impl PythonProcess {
                     log::debug!("pid {}: frame {:#x}: {err}", self.py.pid(), link.addr);
                     return true;
                 }
+            }
+            if task_frame == Some(link.addr) {
+                *task_at = Some(items.len());
             }
             // Not on the C stack: no native frame's range can place it.
             if link.kind == LinkKind::EntryCode {
@@ -488,7 +564,15 @@ impl PythonProcess {
     }
 
     /// Appends the proven rest of the chain; false when the walk ended on something unproven.
-    fn complete_chain(&mut self, record: &SampleRecord, items: &mut Vec<PyItem>, stats: &mut Stats) -> bool {
+    /// `task_at` as in `resolve_walked`.
+    fn complete_chain(
+        &mut self,
+        record: &SampleRecord,
+        task_frame: Option<u64>,
+        task_at: &mut Option<usize>,
+        items: &mut Vec<PyItem>,
+        stats: &mut Stats,
+    ) -> bool {
         let py = &record.py;
         if py.status & py_status::COMPLETE != 0 {
             return true;
@@ -499,11 +583,88 @@ impl PythonProcess {
         let Some(chain) = self.threads.get(&record.tid).and_then(|t| t.chain(py.marker_gen)) else {
             return false;
         };
-        let tail = chain.items.get(py.marker_position as usize + 1..).unwrap_or_default();
+        let from = py.marker_position as usize + 1;
+        let tail = chain.items.get(from..).unwrap_or_default();
         stats.frames_joined += tail.len() as u64;
         stats.marker_joins += 1;
-        items.extend(tail.iter().flatten().copied());
+        for (item, addr) in tail.iter().zip(&chain.addrs[from..]) {
+            items.extend(item);
+            if task_frame == Some(*addr) && task_at.is_none() {
+                *task_at = Some(items.len());
+            }
+        }
         true
+    }
+
+    /// Looks for the process's asyncio table while it is pending; once found, sets it in `config`
+    /// (true: `config` is to be told to the eBPF program), or says why it cannot be used.
+    fn find_tasks(&mut self) -> Result<bool, String> {
+        if !matches!(self.tasks, Tasks::Pending) {
+            return Ok(false);
+        }
+        let pid = self.py.pid();
+        let table = match find_asyncio_offsets(pid, self.py.memory()) {
+            Ok(Some(table)) => table,
+            Ok(None) => return Ok(false),
+            Err(err) => {
+                self.tasks = Tasks::Off;
+                return Err(format!("pid {pid}: {err}"));
+            }
+        };
+        let (Some(config), Some(objects)) = (asyncio::bpf_config(&table, self.py.offsets()), self.py.offsets().objects.clone()) else {
+            self.tasks = Tasks::Off;
+            return Err(format!("CPython {} (pid {pid})", self.py.version()));
+        };
+        self.config.asyncio = config;
+        self.config.flags |= py_proc_flags::TASKS;
+        self.tasks = Tasks::On(objects);
+        Ok(true)
+    }
+
+    /// The running task's coroutine frame at the capture, where tasks were read.
+    fn running_task_frame(&self, record: &SampleRecord) -> Option<u64> {
+        let tasks = &record.tasks;
+        let running = matches!(self.tasks, Tasks::On(_)) && tasks.status & task_status::RUNNING != 0 && tasks.len > 0;
+        running.then_some(tasks.tasks[0].coro_frame).filter(|&frame| frame != 0)
+    }
+
+    /// Inserts the task chain the capture read at `at` in `items` (innermost first, so right
+    /// outside the running task's coroutine frame): each task's `[task NAME]` frame, with each
+    /// awaiting task's suspended coroutine frames inside it. The chain is cut at the first
+    /// awaiting frame whose code object cannot be proven.
+    fn insert_tasks(&mut self, record: &SampleRecord, at: usize, frames: &mut FrameTable, items: &mut Vec<PyItem>, stats: &mut Stats) {
+        let Tasks::On(objects) = &self.tasks else { return };
+        let objects = objects.clone();
+        let captured = &record.tasks;
+        let mut chain = Vec::new();
+        let mut next = record.py.frames_len as usize;
+        let mut cut = captured.status & (task_status::TOO_MANY | task_status::READ_FAILED | task_status::FRAMES_CUT) != 0;
+        'tasks: for task in &captured.tasks[..(captured.len as usize).min(MAX_TASKS)] {
+            let coroutine = record.py_frames.get(next..next + task.frames_len as usize).unwrap_or_default();
+            next += task.frames_len as usize;
+            for frame in coroutine.iter().rev() {
+                match self.resolve_link(&link_of(&self.py, frame), frame.code_version, frames) {
+                    Ok(Some(item @ PyStackItem::Frame(_))) => chain.push(item),
+                    Ok(_) => {}
+                    Err(err) => {
+                        log::debug!("pid {}: task {:#x}: {err}", self.py.pid(), task.task);
+                        cut = true;
+                        break 'tasks;
+                    }
+                }
+            }
+            let name = asyncio::captured_name(task, &objects).unwrap_or_else(|err| {
+                log::debug!("pid {}: task {:#x}: {err}", self.py.pid(), task.task);
+                "?".into()
+            });
+            chain.push(PyStackItem::Frame(frames.intern(Frame::Task(name.into()))));
+        }
+        if captured.status & task_status::TOO_MANY != 0 {
+            chain.push(PyStackItem::Frame(frames.intern(Frame::Task(TRUNCATION_MARK.to_string().into()))));
+        }
+        stats.tasks.placed += 1;
+        stats.tasks.chains_cut += u64::from(cut);
+        items.splice(at..at, chain);
     }
 
     /// Establishes a new marker chain for the sampled thread when the kernel had to walk far;

@@ -330,7 +330,7 @@ fn decode_sample(item: &[u8], sample: &mut SampleRecord, dirty_frames: &mut usiz
     // SAFETY: the header lies within the record, and every byte pattern is a valid SampleRecord
     // (plain data).
     unsafe { std::ptr::copy_nonoverlapping(header.as_ptr(), sample as *mut SampleRecord as *mut u8, header.len()) };
-    let frames = sample.py.frames_len as usize;
+    let frames = sample.frames_sent();
     let stack_len = sample.stack_len as usize;
     if frames > sample.py_frames.len() || stack_len > STACK_SNAPSHOT_MAX || item.len() != SampleRecord::sent_len(frames, stack_len) {
         return false;

@@ -367,6 +367,7 @@ impl SampleResolver {
 
     pub fn finish(&self, stats: &mut Stats) {
         stats.code_cache = self.python.code_cache_counters();
+        self.python.unreadable_tasks(stats);
     }
 
     /// Attaches to the processes already running (every process, or the sampler's targets),
@@ -514,10 +515,11 @@ fn unix_now_ns() -> i64 {
 async fn record(args: &RecordArgs, watched: &Watched, sink: &Arc<ProfileSink>) -> Result<(Profile, Stats, Option<WrittenPeriods>)> {
     // Stop signals that came while pyebpf loaded are read here too (see `stop_signals`).
     let mut stops = StopSignals::new().context("read stop signals")?;
-    let options = SamplingOptions { marker: !args.no_cache, read_only: args.read_only, max_frames: args.max_python_frames };
+    let options = SamplingOptions { marker: !args.no_cache, read_only: args.read_only, max_frames: args.max_python_frames, async_aware: args.mode.async_aware };
     let mode = args.mode.mode;
     let mut resolver = SampleResolver::new(options, args.no_native, args.filter.sample_filter(), args.unwind, mode, args.kernel);
     let mut stats = Stats::default();
+    stats.tasks.enabled = args.mode.async_aware;
     let targets = if args.all { None } else { Some(args.pid.clone()) };
     let mut sampler = resolver.start_sampler(
         &SamplerOptions {

@@ -59,6 +59,8 @@ pub enum Frame {
     Native(NativeFrame),
     Kernel(KernelFrame),
     Python(PythonFrame),
+    /// An asyncio task (`--async-aware`), by name: above the frames of its coroutine.
+    Task(Arc<str>),
 }
 
 /// What a thread was doing: running, or off CPU and why (from the task state it left the CPU in

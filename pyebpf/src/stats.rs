@@ -55,6 +55,37 @@ pub struct Stats {
     pub unwind_ns: u64,
     /// `--mode wall` and `off-cpu`.
     pub off_cpu: OffCpuTotals,
+    /// `--async-aware`.
+    pub tasks: TaskTotals,
+}
+
+/// asyncio tasks read at the captures (`--async-aware`).
+#[derive(Debug, Default, Clone)]
+pub struct TaskTotals {
+    /// `--async-aware` was given.
+    pub enabled: bool,
+    /// Python samples of a thread running a task, with the task chain placed in the stack.
+    pub placed: u64,
+    /// Of a thread running a task whose coroutine frame is not in the stack the sample kept (the
+    /// stack was cut before it, or the task had not entered its coroutine yet): no task frames.
+    pub unplaced: u64,
+    /// Chains cut: past 8 tasks, an awaiter that could not be read, or awaiting tasks' frames
+    /// past 32 or unproven.
+    pub chains_cut: u64,
+    /// Processes whose tasks cannot be read (`CPython 3.13.9 (pid 6309)`: before 3.14, no asyncio
+    /// debug offsets), the first [`MAX_NAMED_UNSUPPORTED`] of them, and how many more.
+    pub unsupported: Vec<String>,
+    pub more_unsupported: u64,
+}
+
+impl TaskTotals {
+    pub fn unsupported(&mut self, description: String) {
+        if self.unsupported.len() < MAX_NAMED_UNSUPPORTED {
+            self.unsupported.push(description);
+        } else {
+            self.more_unsupported += 1;
+        }
+    }
 }
 
 /// Off-CPU intervals of a recording.
@@ -163,6 +194,15 @@ impl fmt::Display for Stats {
         writeln!(f, "code objects cached:        {} ({:.1} MiB)", code.cached_entries, code.cached_bytes as f64 / (1 << 20) as f64)?;
         writeln!(f, "  evicted (cache budget):   {}", code.evictions)?;
         writeln!(f, "  line tables cut at 64 KiB: {}", code.truncated_linetables)?;
-        write!(f, "  names cut at 4 KiB:       {}", code.truncated_strings)
+        write!(f, "  names cut at 4 KiB:       {}", code.truncated_strings)?;
+        let tasks = &self.tasks;
+        if tasks.enabled {
+            write!(
+                f,
+                "\nasyncio task samples:       {} ({} not placed: the task's coroutine was not in the stack kept; {} chains cut)",
+                tasks.placed, tasks.unplaced, tasks.chains_cut
+            )?;
+        }
+        Ok(())
     }
 }

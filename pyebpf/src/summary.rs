@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use crate::cli::Mode;
 use crate::stack::{Frame, Profile};
-use crate::stats::{OffCpuTotals, Stats};
+use crate::stats::{OffCpuTotals, Stats, TaskTotals};
 
 /// How many Python functions the summary lists.
 const TOP: usize = 5;
@@ -97,6 +97,8 @@ pub struct Summary {
     /// Processes of CPythons pyebpf does not read, as `Stats` names them, and how many more.
     pub unsupported_pythons: Vec<String>,
     pub more_unsupported_pythons: u64,
+    /// `--async-aware`.
+    pub tasks: TaskTotals,
     /// Where the profile went, and the command that opens it (none for standard output, devices).
     pub output: String,
     pub open_command: Option<String>,
@@ -120,6 +122,7 @@ impl Summary {
             unresolved: totals.unresolved,
             unsupported_pythons: stats.unsupported_pythons.clone(),
             more_unsupported_pythons: stats.more_unsupported_pythons,
+            tasks: stats.tasks.clone(),
             output,
             open_command,
         }
@@ -229,6 +232,21 @@ impl fmt::Display for Summary {
                 n => format!(" and {n} more"),
             };
             writeln!(f, "  native frames only (pyebpf reads CPython 3.8 to 3.15): {}{more}", self.unsupported_pythons.join(", "))?;
+        }
+        let tasks = &self.tasks;
+        if tasks.enabled {
+            writeln!(
+                f,
+                "  asyncio: {} samples in a task ({} with the task not placed: its coroutine was not in the stack kept; {} task chains cut)",
+                tasks.placed, tasks.unplaced, tasks.chains_cut
+            )?;
+        }
+        if !tasks.unsupported.is_empty() {
+            let more = match tasks.more_unsupported {
+                0 => String::new(),
+                n => format!(" and {n} more"),
+            };
+            writeln!(f, "  no asyncio tasks (pyebpf reads them from CPython 3.14 on): {}{more}", tasks.unsupported.join(", "))?;
         }
         write!(f, "  lost: {}, Python stacks truncated: {}, unresolved (no frames): {}", self.lost, self.truncated, self.unresolved)?;
         if let Some(command) = &self.open_command {

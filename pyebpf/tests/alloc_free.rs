@@ -127,7 +127,7 @@ fn sample(resolver: &mut SampleResolver, sampler: &mut Sampler, profile: &mut Pr
 fn replay(marker: bool, keep: impl Fn(&SampleRecord) -> bool) -> (u64, usize, Profile) {
     let deep = Deep::start();
     let pid = deep.child.id();
-    let options = SamplingOptions { marker, read_only: false, max_frames: 512 };
+    let options = SamplingOptions { marker, read_only: false, max_frames: 512, async_aware: false };
     let mut resolver = SampleResolver::new(options, false, SampleFilter::default(), UnwindMode::Auto, Mode::Cpu, true);
     let mut stats = Stats::default();
     let mut sampler = resolver

@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use pyebpf_tests::{assert_one_line_error, debian_python, run_pyebpf, start_ready};
+use pyebpf_tests::{assert_one_line_error, count_where, debian_python, record_collapsed, run_pyebpf, stacks_of, start_ready};
 use serde_json::Value;
 
 fn dump_tasks(pid: u32, extra: &[&str]) -> (Value, String) {
@@ -117,4 +117,80 @@ fn older_interpreters_are_refused_in_one_line() {
     let (child, _dir) = start_ready(&debian_python("3.13"), "async_tree.py", &["many", "3"]);
     let output = run_pyebpf(&["dump", "--async", "-p", &child.pid().to_string()]);
     assert_one_line_error(&output, "asyncio tasks are read from CPython 3.14 on");
+}
+
+/// A stack's task frames and Python functions, root first: what `record --async-aware` puts above
+/// the event loop (native frames and files left out).
+fn task_path(frames: &[String]) -> Vec<&str> {
+    let first_task = frames.iter().position(|frame| frame.starts_with("[task ")).unwrap_or(frames.len());
+    frames[first_task..].iter().filter(|frame| frame.starts_with("[task ") || frame.contains(".py:")).map(|frame| frame.split(" (").next().unwrap()).collect()
+}
+
+/// busy-1 and chain-3 take turns every millisecond or so, each under its own chain of tasks: a
+/// task read after the sample would put one's function under the other's tasks.
+fn check_record_places_tasks(python: &Path) {
+    let (child, _dir) = start_ready(python, "async_tree.py", &["alternate"]);
+    let pid = child.pid().to_string();
+    let (collapsed, stderr) = record_collapsed(&["-p", &pid, "-d", "3", "--async-aware"]);
+    let stacks = stacks_of(&collapsed, child.pid());
+    let busy = ["[task Task-1]", "main", "[task parent]", "parent", "[task busy-1]", "busy_child", "crunch"];
+    let chained = ["[task Task-1]", "main", "[task chain-1]", "chain", "[task chain-2]", "chain", "[task chain-3]", "chain", "grind"];
+    fn runs(leaf: &str) -> impl Fn(&[String]) -> bool + '_ {
+        move |frames| frames.iter().any(|frame| frame.starts_with(&format!("{leaf} (")))
+    }
+    for (leaf, expected) in [("crunch", &busy[..]), ("grind", &chained[..])] {
+        let all = count_where(&stacks, runs(leaf));
+        let placed = count_where(&stacks, |frames| runs(leaf)(frames) && task_path(frames) == expected);
+        assert!(all >= 100, "{leaf}: only {all} samples: {collapsed}");
+        assert!(placed * 100 >= all * 95, "{leaf}: {placed} of {all} samples under {expected:?}:\n{collapsed}");
+        // Never under the other task's chain.
+        let other = if leaf == "crunch" { "[task chain-3]" } else { "[task busy-1]" };
+        let wrong = count_where(&stacks, |frames| runs(leaf)(frames) && frames.iter().any(|frame| frame == other));
+        assert_eq!(wrong, 0, "{leaf} under {other}:\n{collapsed}");
+    }
+    assert!(stderr.contains("asyncio: "), "{stderr}");
+}
+
+#[test]
+fn record_places_tasks_on_debian_3_14() {
+    check_record_places_tasks(&debian_python("3.14"));
+}
+
+#[test]
+fn record_places_tasks_on_debian_3_15() {
+    check_record_places_tasks(&debian_python("3.15"));
+}
+
+/// A chain of 12 tasks: the 8 innermost are shown, under a `[task …]` that marks the cut.
+#[test]
+fn record_cuts_task_chains_past_eight() {
+    let (child, _dir) = start_ready(&debian_python("3.14"), "async_tree.py", &["deep", "12"]);
+    let pid = child.pid().to_string();
+    let (collapsed, stderr) = record_collapsed(&["-p", &pid, "-d", "2", "--async-aware"]);
+    let stacks = stacks_of(&collapsed, child.pid());
+    let spinning = |frames: &[String]| frames.iter().any(|frame| frame.starts_with("crunch ("));
+    let all = count_where(&stacks, spinning);
+    let mut expected = vec!["[task …]".to_string()];
+    for n in 5..=12 {
+        expected.push(format!("[task deep-{n}]"));
+        expected.push("deep".into());
+    }
+    expected.push("crunch".into());
+    let cut = count_where(&stacks, |frames| spinning(frames) && task_path(frames) == expected);
+    assert!(all >= 50 && cut * 100 >= all * 95, "{cut} of {all} samples under {expected:?}:\n{collapsed}");
+    let summary_cut = stderr.lines().find(|line| line.contains("asyncio: ")).unwrap_or_else(|| panic!("{stderr}"));
+    assert!(!summary_cut.contains(" 0 task chains cut"), "{stderr}");
+}
+
+/// 3.13 has no asyncio debug offsets: its stacks are recorded as ever, and the summary says its
+/// tasks are not shown.
+#[test]
+fn record_async_aware_names_older_interpreters() {
+    let (child, _dir) = start_ready(&debian_python("3.13"), "async_tree.py", &["deep", "2"]);
+    let pid = child.pid().to_string();
+    let (collapsed, stderr) = record_collapsed(&["-p", &pid, "-d", "1", "--async-aware"]);
+    let stacks = stacks_of(&collapsed, child.pid());
+    assert!(count_where(&stacks, |frames| frames.iter().any(|frame| frame.starts_with("crunch ("))) > 0, "{collapsed}");
+    assert!(!collapsed.contains("[task "), "{collapsed}");
+    assert!(stderr.contains("no asyncio tasks (pyebpf reads them from CPython 3.14 on): CPython 3.13"), "{stderr}");
 }

@@ -15,11 +15,12 @@ use std::collections::{HashMap, HashSet};
 use std::path::Path;
 
 use object::{Object, ObjectSection};
+use pyebpf_common::{AsyncioConfig, TaskRecord, TASK_NAME_BYTES};
 
 use crate::chain::LinkReader;
 
 use super::memory::{field_u64, ReadExt, ReadMemory};
-use super::offsets::ObjectOffsets;
+use super::offsets::{DebugOffsets, ObjectOffsets};
 use super::{runtime, strings, PyError, PyProcess, ResolvedFrame, MAX_DEPTH};
 
 /// Tasks counted (not read) past the ones read, per list.
@@ -33,9 +34,7 @@ const READ_ATTEMPTS: usize = 5;
 /// Largest task object and `_PyThreadStateImpl` accepted from the table.
 const MAX_TASK_SIZE: u64 = 4096;
 const MAX_TSTATE_SIZE: u64 = 64 << 10;
-/// `Py_TPFLAGS_LONG_SUBCLASS` and `Py_TPFLAGS_UNICODE_SUBCLASS`.
-const LONG_SUBCLASS: u64 = 1 << 24;
-const UNICODE_SUBCLASS: u64 = 1 << 28;
+use pyebpf_common::type_flags::{LONG_SUBCLASS, UNICODE_SUBCLASS};
 /// Tag bits of a `_PyStackRef` on a frame's value stack.
 const STACKREF_TAG: u64 = 3;
 
@@ -349,15 +348,8 @@ impl<'p, M: ReadMemory> TaskReader<'p, M> {
     fn small_int(&self, addr: u64) -> Result<u64, PyError> {
         let mem = self.process.memory();
         let tag = mem.read_u64(addr.wrapping_add(self.objects.long_tag))?;
-        let (sign, digits) = (tag & 3, tag >> 3);
-        match (sign, digits) {
-            (1, _) => Ok(0),
-            (0, 1 | 2) => {
-                let raw = mem.read_vec(addr.wrapping_add(self.objects.long_digits), 4 * digits as usize)?;
-                Ok(raw.chunks(4).rev().fold(0, |value, digit| value << 30 | u64::from(u32::from_le_bytes(digit.try_into().unwrap_or_default()))))
-            }
-            _ => Err(PyError::Malformed(format!("task number with tag {tag:#x}"))),
-        }
+        let digits = if tag & 3 == 0 { (tag >> 3).min(2) as usize } else { 0 };
+        small_int(tag, &mem.read_vec(addr.wrapping_add(self.objects.long_digits), 4 * digits)?)
     }
 
     /// The keys of the set at `addr`, at most `MAX_SET_SLOTS` slots of it read.
@@ -440,6 +432,82 @@ impl<'p, M: ReadMemory> TaskReader<'p, M> {
         // Still awaiting after MAX_DEPTH links.
         Ok((frames, true))
     }
+}
+
+/// The value of an `int` from its tag and digits: non-negative, of at most two 30-bit digits
+/// (`digits` holds at least as many as the tag says).
+fn small_int(tag: u64, digits: &[u8]) -> Result<u64, PyError> {
+    let (sign, count) = (tag & 3, tag >> 3);
+    match (sign, count) {
+        (1, _) => Ok(0),
+        (0, 1 | 2) if digits.len() >= 4 * count as usize => Ok(digits[..4 * count as usize]
+            .chunks(4)
+            .rev()
+            .fold(0, |value, digit| value << 30 | u64::from(u32::from_le_bytes(digit.try_into().unwrap_or_default())))),
+        _ => Err(PyError::Malformed(format!("task number with tag {tag:#x}"))),
+    }
+}
+
+/// What the eBPF program needs to read a thread's running task and its awaiters at a capture;
+/// `None` for a version without the object layouts (before 3.14).
+pub fn bpf_config(table: &AsyncioOffsets, offsets: &DebugOffsets) -> Option<AsyncioConfig> {
+    let o = offsets.objects.as_ref()?;
+    // Offsets were checked against structure sizes of at most 16 MiB.
+    let narrow = |offset: u64| offset as u32;
+    let states = |list: &[i8]| {
+        let mut slots = [list.first().copied().unwrap_or(i8::MIN); 4];
+        for (slot, state) in slots.iter_mut().zip(list) {
+            *slot = *state;
+        }
+        slots
+    };
+    Some(AsyncioConfig {
+        thread_running_task: narrow(table.thread_running_task),
+        task_name: narrow(table.task_name),
+        task_awaited_by: narrow(table.task_awaited_by),
+        task_awaited_by_is_set: narrow(table.task_awaited_by_is_set),
+        task_is_task: narrow(table.task_is_task),
+        task_coro: narrow(table.task_coro),
+        gen_iframe: narrow(o.gen_iframe),
+        gen_frame_state: narrow(o.gen_frame_state),
+        suspended_states: states(o.states.suspended),
+        yield_from_states: states(o.states.yield_from),
+        frame_stackpointer: narrow(o.frame_stackpointer),
+        awaited_below_top: narrow(o.awaited_below_top),
+        object_type: narrow(offsets.object_type),
+        type_flags: narrow(o.type_flags),
+        unicode_length: narrow(offsets.unicode_length),
+        unicode_state: narrow(offsets.unicode_state),
+        unicode_ascii_size: narrow(offsets.unicode_ascii_size),
+        unicode_compact_size: narrow(offsets.unicode_compact_size),
+        long_tag: narrow(o.long_tag),
+        _pad: 0,
+    })
+}
+
+/// A task's name from what the eBPF program read of it at the capture: `Task-N`, or the `str`'s
+/// first characters (a longer name ends in `…`).
+pub fn captured_name(record: &TaskRecord, objects: &ObjectOffsets) -> Result<String, PyError> {
+    if record.name_flags & UNICODE_SUBCLASS != 0 {
+        let state = record.name_state;
+        let width = ((state >> 2) & 7) as usize;
+        if state & (1 << 5) == 0 || !matches!(width, 1 | 2 | 4) {
+            return Err(PyError::Malformed(format!("task name with string state {state:#x}")));
+        }
+        let bytes = record.name_len.saturating_mul(width as u64);
+        let kept = bytes.min(TASK_NAME_BYTES as u64) as usize;
+        let mut text = strings::decode(&record.name[..kept], width).ok_or_else(|| PyError::Malformed("task name with an invalid code point".into()))?;
+        if bytes > kept as u64 {
+            text.push(strings::TRUNCATION_MARK);
+        }
+        return Ok(text);
+    }
+    if record.name_flags & LONG_SUBCLASS != 0 {
+        let tag = field_u64(&record.name, 0);
+        let digits = record.name.get(objects.long_digits.wrapping_sub(objects.long_tag) as usize..16).unwrap_or_default();
+        return Ok(format!("Task-{}", small_int(tag, digits)?));
+    }
+    Err(PyError::Malformed("task name neither a str nor an int, or not read".into()))
 }
 
 /// For each task, the tasks it awaits (the inverse of `awaited_by`).
@@ -605,5 +673,50 @@ mod tests {
         assert!(matches!(TaskReader::new(&mut process, None, 10), Err(AsyncioError::NotImported(1))));
         let mut old = PyProcess::with_offsets(1, MemoryImage::default(), 0, builtin_offsets(PyVersion(0x030c01f0)).unwrap());
         assert!(matches!(TaskReader::new(&mut old, AsyncioOffsets::from_table(&table(REAL)).ok(), 10), Err(AsyncioError::TooOld { .. })));
+    }
+
+    fn captured(flags: u64, len: u64, state: u32, bytes: &[u8]) -> TaskRecord {
+        let mut name = [0u8; TASK_NAME_BYTES];
+        name[..bytes.len()].copy_from_slice(bytes);
+        TaskRecord { task: 1, coro_frame: 2, name_flags: flags, name_len: len, name_state: state, frames_len: 0, name }
+    }
+
+    fn objects() -> ObjectOffsets {
+        image(&[], TSTATE, 0).offsets().objects.clone().unwrap()
+    }
+
+    /// State words of compact strings: ASCII, and UCS-2.
+    const ASCII: u32 = 1 << 2 | 1 << 5 | 1 << 6;
+    const UCS2: u32 = 2 << 2 | 1 << 5;
+
+    #[test]
+    fn captured_names_are_decoded_and_long_ones_marked_cut() {
+        let o = objects();
+        assert_eq!(captured_name(&captured(UNICODE_SUBCLASS, 6, ASCII, b"busy-1"), &o).unwrap(), "busy-1");
+        let long = [b'x'; TASK_NAME_BYTES];
+        assert_eq!(captured_name(&captured(UNICODE_SUBCLASS, 100, ASCII, &long), &o).unwrap(), format!("{}…", "x".repeat(TASK_NAME_BYTES)));
+        let wide: Vec<u8> = "tâche-π".encode_utf16().flat_map(u16::to_le_bytes).collect();
+        assert_eq!(captured_name(&captured(UNICODE_SUBCLASS, 7, UCS2, &wide), &o).unwrap(), "tâche-π");
+        // Task-40000: two 30-bit digits would be needed past 2^30; one here, after an 8-byte tag.
+        let mut int = (1u64 << 3).to_le_bytes().to_vec();
+        int.extend(40_000u32.to_le_bytes());
+        assert_eq!(captured_name(&captured(LONG_SUBCLASS, 0, 0, &int), &o).unwrap(), "Task-40000");
+    }
+
+    #[test]
+    fn captured_names_that_are_neither_strings_nor_small_ints_are_errors() {
+        let o = objects();
+        assert!(captured_name(&captured(0, 0, 0, b""), &o).is_err(), "a name not read");
+        assert!(captured_name(&captured(UNICODE_SUBCLASS, 3, 0, b"abc"), &o).is_err(), "a string not compact");
+        let negative = (1u64 << 3 | 2).to_le_bytes();
+        assert!(captured_name(&captured(LONG_SUBCLASS, 0, 0, &negative), &o).is_err(), "a negative number");
+    }
+
+    #[test]
+    fn the_bpf_config_fills_unused_state_slots_with_the_first() {
+        let process = image(&[], TSTATE, 0);
+        let config = bpf_config(&AsyncioOffsets::from_table(&table(REAL)).unwrap(), process.offsets()).unwrap();
+        assert_eq!((config.suspended_states, config.yield_from_states), ([1, 2, 3, 1], [2, 3, 2, 2]));
+        assert_eq!((config.thread_running_task, config.task_coro, config.gen_iframe), (1032, 128, 80));
     }
 }

@@ -46,6 +46,7 @@ pub use frames::{FrameWalk, ResolvedFrame, MAX_DEPTH};
 use memory::{MemCounters, MemError, ProcessMemory, ReadExt, ReadMemory};
 use offsets::CodeIdentity;
 pub use offsets::{DebugOffsets, PyVersion};
+pub use strings::TRUNCATION_MARK;
 pub use threads::PyThread;
 
 #[derive(Debug, thiserror::Error)]
@@ -372,6 +373,7 @@ impl<M: ReadMemory> PyProcess<M> {
             tstate_native_thread_id: narrow(o.tstate_native_thread_id),
             tstate_status: o.tstate_status.map_or(NO_OFFSET, narrow),
             status_attached: threads::STATUS_ACTIVE,
+            asyncio: Default::default(),
         }
     }
 

@@ -70,7 +70,7 @@ fn check_end_mapped(mem: &impl ReadMemory, data: u64, length: u64, width: usize)
 
 /// Characters stored `width` bytes each (PEP 393's kinds: UCS-2 never holds surrogate pairs, so
 /// cutting between any two units cuts between characters).
-fn decode(raw: &[u8], width: usize) -> Option<String> {
+pub(super) fn decode(raw: &[u8], width: usize) -> Option<String> {
     match width {
         1 => Some(raw.iter().map(|&b| char::from(b)).collect()),
         2 => raw.chunks_exact(2).map(|c| char::from_u32(u16::from_le_bytes([c[0], c[1]]) as u32)).collect(),

@@ -240,7 +240,13 @@ pub(crate) fn frame_name(frame: &Frame) -> Cow<'_, str> {
         Frame::Native(native) => native_name(native),
         Frame::Kernel(kernel) => Cow::Owned(kernel_name(kernel)),
         Frame::Python(python) => Cow::Owned(python_name(python)),
+        Frame::Task(name) => Cow::Owned(task_name(name)),
     }
+}
+
+/// `[task NAME]`, as CPython's own sampler marks tasks.
+pub(crate) fn task_name(name: &str) -> String {
+    format!("[task {name}]")
 }
 
 /// The symbol, else where the frame was: `MODULE+0xOFFSET` (file offset), else `0xADDR`.

@@ -18,7 +18,7 @@ use prost::Message;
 use crate::cli::Mode;
 use crate::stack::{Frame, KernelFrame, Module, NativeFrame, Profile, PythonFrame, Stack, Weight};
 
-use super::{kernel_name, native_name};
+use super::{kernel_name, native_name, task_name};
 
 #[allow(clippy::all)]
 mod proto {
@@ -201,6 +201,7 @@ impl Builder {
             Frame::Native(native) => self.native_location(native),
             Frame::Kernel(kernel) => self.kernel_location(kernel),
             Frame::Python(python) => self.python_location(python),
+            Frame::Task(name) => LocationKey { mapping_id: 0, address: 0, function_id: self.function(&task_name(name), "", 0), line: 0 },
         };
         if let Some(&id) = self.location_ids.get(&key) {
             return id;

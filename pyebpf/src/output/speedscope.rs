@@ -129,7 +129,7 @@ fn entry(frame: &Frame) -> FrameEntry {
     let (file, line) = match frame {
         Frame::Python(python) => (Some(python.filename.to_string()), python.line),
         Frame::Native(native) => (native.file.as_deref().map(str::to_string), native.line.unwrap_or(0)),
-        Frame::Kernel(_) => (None, 0),
+        Frame::Kernel(_) | Frame::Task(_) => (None, 0),
     };
     FrameEntry { name: frame_name(frame).into_owned(), file, line: (line != 0).then_some(line) }
 }

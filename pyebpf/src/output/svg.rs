@@ -65,7 +65,7 @@ fn palette(profile: &Profile, threads: bool) -> PaletteMap {
         }
         for frame in key.frames.iter() {
             let kind = match frame {
-                Frame::Python(_) => Kind::Python,
+                Frame::Python(_) | Frame::Task(_) => Kind::Python,
                 Frame::Native(_) => Kind::Native,
                 Frame::Kernel(_) => Kind::Kernel,
             };

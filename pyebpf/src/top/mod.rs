@@ -143,7 +143,7 @@ fn tally_for(args: &TopArgs, mode: Mode) -> Tally {
 
 async fn top(args: &TopArgs) -> Result<()> {
     let mut stops = StopSignals::new().context("read stop signals")?;
-    let options = SamplingOptions { marker: true, read_only: args.read_only, max_frames: DEFAULT_MAX_PYTHON_FRAMES };
+    let options = SamplingOptions { marker: true, read_only: args.read_only, max_frames: DEFAULT_MAX_PYTHON_FRAMES, async_aware: args.mode.async_aware };
     let mode = args.mode.mode;
     let mut resolver = SampleResolver::new(options, false, args.filter.sample_filter(), UnwindMode::Auto, mode, false);
     let mut stats = Stats::default();

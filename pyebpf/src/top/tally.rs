@@ -68,6 +68,7 @@ impl Function {
                 (native.symbol.clone().unwrap_or_else(unknown), module.unwrap_or_default().into(), false)
             }
             Frame::Kernel(kernel) => (kernel.symbol.clone().unwrap_or_else(unknown), "[kernel]".into(), false),
+            Frame::Task(name) => (crate::output::task_name(name).into(), "[asyncio]".into(), true),
         };
         Function { pid: stack.pid, comm: stack.comm.into(), name, location, python }
     }
@@ -174,7 +175,7 @@ fn window_counts(window: &Profile, view: FrameView) -> HashMap<Function, (u64, u
     for (stack, weight) in window.stacks() {
         let count = weight.ns;
         seen.clear();
-        let frames = stack.frames.iter().filter(|frame| view == FrameView::Merged || matches!(frame, Frame::Python(_)));
+        let frames = stack.frames.iter().filter(|frame| view == FrameView::Merged || matches!(frame, Frame::Python(_) | Frame::Task(_)));
         for (depth, frame) in frames.enumerate() {
             let function = Function::of(&stack, frame);
             if depth == 0 {
