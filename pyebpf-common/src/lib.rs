@@ -34,6 +34,11 @@ pub const TASK_NAME_BYTES: usize = 64;
 pub const MAX_AWAITER_FRAMES: usize = 32;
 /// Links of one awaiting task's coroutine chain followed at most.
 pub const MAX_AWAITER_LINKS: u32 = 8;
+/// Waiting tasks read per capture at most (`--mode wall|off-cpu --async-aware`): the first ones of
+/// the thread's task list, oldest first.
+pub const MAX_WAITING_TASKS: usize = 16;
+/// Frames of the waiting tasks' coroutines read per capture at most, all tasks together.
+pub const MAX_WAITING_FRAMES: usize = 64;
 /// Words of the `WAIT_PROCS` bitmap: one bit for each tgid below the kernel's `PID_MAX_LIMIT`
 /// (4,194,304 on 64-bit).
 pub const WAIT_PROCS_WORDS: u32 = 4_194_304 / 64;
@@ -53,7 +58,9 @@ pub mod maps {
     pub const WAIT_PROCS: &str = "WAIT_PROCS";
     pub const OFF_CPU: &str = "OFF_CPU";
     pub const SHORT_WAITS: &str = "SHORT_WAITS";
-    pub const ALL: [&str; 12] = [SAMPLES, LOST, CONFIG, TARGETS, PY_PROCS, PY_THREADS, PY_MARKERS, SCRATCH, SNAPSHOT_PROCS, WAIT_PROCS, OFF_CPU, SHORT_WAITS];
+    pub const WAITING_SCRATCH: &str = "WAITING_SCRATCH";
+    pub const ALL: [&str; 13] =
+        [SAMPLES, LOST, CONFIG, TARGETS, PY_PROCS, PY_THREADS, PY_MARKERS, SCRATCH, SNAPSHOT_PROCS, WAIT_PROCS, OFF_CPU, SHORT_WAITS, WAITING_SCRATCH];
 }
 
 /// Program names: the eBPF crate's program functions are named so, and the loader takes them by
@@ -85,6 +92,9 @@ pub mod config_flags {
     pub const SNAPSHOT_ALL: u32 = 1 << 3;
     /// Read at each sample whether the thread holds the GIL (`--mode gil`).
     pub const GIL: u32 = 1 << 4;
+    /// With a process's `py_proc_flags::TASKS`: send the thread's waiting tasks after each capture
+    /// (`--mode wall|off-cpu --async-aware`).
+    pub const WAITING_TASKS: u32 = 1 << 5;
 }
 
 /// Bits of [`SampleRecord::user_status`].
@@ -222,6 +232,9 @@ pub mod record_kind {
     /// A thread whose stacks were captured as it left the CPU came back; the record is a
     /// [`super::OffCpuEnd`].
     pub const OFF_CPU_END: u32 = 4;
+    /// The waiting tasks of a thread, read at the capture just sent before it; the record is a
+    /// [`super::WaitingTasks`].
+    pub const WAITING_TASKS: u32 = 5;
 }
 
 /// The end of an off-CPU interval whose capture was sent when it began.
@@ -370,6 +383,10 @@ pub mod task_status {
     /// Awaiting tasks' coroutine frames went past [`super::MAX_AWAITER_FRAMES`] (or the record's
     /// room): the tasks after that have none.
     pub const FRAMES_CUT: u32 = 1 << 4;
+    /// A [`super::WaitingTasks`] record of this capture follows.
+    pub const WAITING_FOLLOWS: u32 = 1 << 5;
+    /// The thread's task list goes on past [`super::MAX_WAITING_TASKS`] waiting tasks.
+    pub const WAITING_CUT: u32 = 1 << 6;
 }
 
 /// One asyncio task as read at the capture.
@@ -381,6 +398,8 @@ pub struct TaskRecord {
     /// Its coroutine's interpreter frame (the coroutine's address plus `gi_iframe`): for the
     /// running task, the frame of the thread's chain where the task begins.
     pub coro_frame: u64,
+    /// The one task awaiting it, where it is one (0: none, or a set of several).
+    pub awaited_by: u64,
     /// `tp_flags` of its name's type: a `str`, or an `int` N for the default `Task-N`.
     pub name_flags: u64,
     /// A `str` name: its length in characters and its state word; its first characters are in
@@ -404,6 +423,24 @@ pub struct TaskCapture {
     pub frames_len: u32,
     pub _pad: u32,
     pub tasks: [TaskRecord; MAX_TASKS],
+}
+
+/// The suspended tasks of a thread at a capture, sent right after it (`task_status` in `status`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct WaitingTasks {
+    /// [`record_kind::WAITING_TASKS`].
+    pub kind: u32,
+    pub tid: u32,
+    /// The capture's `time_ns`.
+    pub time_ns: u64,
+    pub len: u32,
+    pub status: u32,
+    pub frames_len: u32,
+    pub _pad: u32,
+    /// Each task's coroutine frames are in `frames`, outermost first, task after task.
+    pub tasks: [TaskRecord; MAX_WAITING_TASKS],
+    pub frames: [PyFrameRecord; MAX_WAITING_FRAMES],
 }
 
 /// Bits of [`PyProcConfig::flags`].
@@ -538,7 +575,10 @@ pub struct AsyncioConfig {
     pub unicode_ascii_size: u32,
     pub unicode_compact_size: u32,
     pub long_tag: u32,
-    pub _pad: u32,
+    /// The thread state's task list, and a task's and a list node's links in it.
+    pub thread_tasks_head: u32,
+    pub task_node: u32,
+    pub llist_next: u32,
 }
 
 /// `tp_flags` bits that tell a task's name apart: `Py_TPFLAGS_LONG_SUBCLASS` and

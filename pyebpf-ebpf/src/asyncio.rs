@@ -1,17 +1,19 @@
-//! The thread's asyncio tasks at the capture (CPython 3.14+): the task its event loop runs, and
-//! the tasks awaiting it in turn, each with its name and, for the awaiting ones, the frames of
-//! their suspended coroutines. Read here, at the capture, because a task's name, its awaiters and
-//! its suspended frames change (or are freed and reused) as soon as the loop moves on.
+//! The thread's asyncio tasks at the capture (CPython 3.14+): the task its event loop runs and the
+//! tasks awaiting it in turn, each with its name and, for the awaiting ones, the frames of their
+//! suspended coroutines; and (`--mode wall|off-cpu`) the thread's waiting tasks. Read here, at the
+//! capture, because a task's name, its awaiters and its suspended frames change (or are freed and
+//! reused) as soon as the loop moves on.
 
 use core::ffi::c_void;
 
 use aya_ebpf::helpers::{bpf_probe_read_user, generated};
 use pyebpf_common::{
-    task_status, type_flags, AsyncioConfig, PyFrameRecord, PyProcConfig, TaskCapture, TaskRecord, MAX_AWAITER_FRAMES, MAX_AWAITER_LINKS, MAX_PY_FRAMES,
-    MAX_TASKS, PY_FRAME_WINDOW, TASK_NAME_BYTES,
+    record_kind, task_status, type_flags, AsyncioConfig, PyFrameRecord, PyProcConfig, TaskCapture, TaskRecord, WaitingTasks, MAX_AWAITER_FRAMES,
+    MAX_AWAITER_LINKS, MAX_PY_FRAMES, MAX_TASKS, MAX_WAITING_FRAMES, MAX_WAITING_TASKS, PY_FRAME_WINDOW, TASK_NAME_BYTES,
 };
 
 use crate::python::{frame_record, read_u32, read_u64};
+use crate::{LOST, PY_PROCS, SAMPLES, WAITING_SCRATCH};
 
 fn read_u8(addr: u64) -> Option<u8> {
     // SAFETY: bpf_probe_read_user checks the address; a fault is an error, not a crash.
@@ -20,6 +22,45 @@ fn read_u8(addr: u64) -> Option<u8> {
 
 /// A `_PyStackRef`'s tag bits.
 const STACKREF_TAG: u64 = 3;
+
+/// The coroutine whose frame comes next in a task's chain (0: none), the type every coroutine of
+/// the chain has, and the links it may still follow.
+struct Coroutines {
+    coro: u64,
+    coro_type: u64,
+    links: u32,
+}
+
+impl Coroutines {
+    fn start(a: &AsyncioConfig, coro: u64) -> Self {
+        Coroutines { coro, coro_type: read_u64(coro + a.object_type as u64).unwrap_or(0), links: MAX_AWAITER_LINKS }
+    }
+
+    /// The frame of the suspended coroutine next in the chain, read into `window`; moves on to the
+    /// coroutine it awaits if that is one of the same type. `None` where the chain ends.
+    fn next_frame(&mut self, config: &PyProcConfig, window: &mut [u8; PY_FRAME_WINDOW]) -> Option<PyFrameRecord> {
+        let a = &config.asyncio;
+        let coro = self.coro;
+        self.coro = 0;
+        let state = read_u8(coro + a.gen_frame_state as u64)? as i8;
+        if !a.suspended_states.contains(&state) {
+            return None;
+        }
+        let frame = coro + a.gen_iframe as u64;
+        let record = frame_record(config, frame, window)?;
+        self.links = self.links.saturating_sub(1);
+        if self.links > 0 && a.yield_from_states.contains(&state) {
+            // Suspended in `await`: the awaited object sits just below the top of the frame's stack.
+            let awaited = read_u64(frame + a.frame_stackpointer as u64)
+                .and_then(|top| read_u64(top.wrapping_sub(a.awaited_below_top as u64)))
+                .map_or(0, |raw| raw & !STACKREF_TAG);
+            if awaited != 0 && read_u64(awaited + a.object_type as u64) == Some(self.coro_type) {
+                self.coro = awaited;
+            }
+        }
+        Some(record)
+    }
+}
 
 /// One task chain read, shared between `capture_tasks` and its `bpf_loop` steps.
 struct TaskWalk {
@@ -30,11 +71,7 @@ struct TaskWalk {
     next_frame: u32,
     /// The task to read next; 0 once the chain has ended.
     task: u64,
-    /// The coroutine whose frame comes next in the last task's chain (0: none), the type every
-    /// coroutine of the chain has, and the links it may still follow.
-    coro: u64,
-    coro_type: u64,
-    links: u32,
+    coroutines: Coroutines,
     window: [u8; PY_FRAME_WINDOW],
 }
 
@@ -57,9 +94,7 @@ pub fn capture_tasks(config: &PyProcConfig, tstate: u64, first_frame: u32, tasks
         frames: frames.as_mut_ptr(),
         next_frame: first_frame,
         task: running,
-        coro: 0,
-        coro_type: 0,
-        links: 0,
+        coroutines: Coroutines { coro: 0, coro_type: 0, links: 0 },
         window: [0; PY_FRAME_WINDOW],
     };
     // One step per task or per awaiting task's frame; a step past MAX_TASKS tasks marks the cut.
@@ -76,8 +111,21 @@ unsafe extern "C" fn task_step(_index: u64, context: *mut c_void) -> i64 {
     let walk = unsafe { &mut *(context as *mut TaskWalk) };
     // SAFETY: capture_tasks' caller's values, alive for the whole loop.
     let (config, tasks) = unsafe { (&*walk.config, &mut *walk.tasks) };
-    if walk.coro != 0 {
-        awaiter_frame(walk, config, tasks);
+    if walk.coroutines.coro != 0 {
+        if tasks.frames_len >= MAX_AWAITER_FRAMES as u32 || walk.next_frame >= MAX_PY_FRAMES as u32 || tasks.len == 0 {
+            tasks.status |= task_status::FRAMES_CUT;
+            walk.coroutines.coro = 0;
+            return 0;
+        }
+        if let Some(record) = walk.coroutines.next_frame(config, &mut walk.window) {
+            // Checked above; the mask is for the verifier, which reloads the field.
+            let slot = walk.next_frame as usize & (MAX_PY_FRAMES - 1);
+            // SAFETY: `slot` < MAX_PY_FRAMES, the length of the array `frames` points into.
+            unsafe { *walk.frames.add(slot) = record };
+            walk.next_frame += 1;
+            tasks.frames_len += 1;
+            tasks.tasks[(tasks.len as usize - 1) & (MAX_TASKS - 1)].frames_len += 1;
+        }
         return 0;
     }
     if walk.task == 0 {
@@ -94,74 +142,39 @@ unsafe extern "C" fn task_step(_index: u64, context: *mut c_void) -> i64 {
     if tasks.len > 0 && read_u8(task + a.task_is_task as u64).is_none_or(|is_task| is_task == 0) {
         return 1;
     }
-    let (Some(coro), Some(name), Some(awaited_by), Some(is_set)) = (
-        read_u64(task + a.task_coro as u64),
-        read_u64(task + a.task_name as u64),
-        read_u64(task + a.task_awaited_by as u64),
-        read_u8(task + a.task_awaited_by_is_set as u64),
-    ) else {
+    let slot = &mut tasks.tasks[tasks.len as usize & (MAX_TASKS - 1)];
+    let mut several = false;
+    let Some(coro) = read_task(a, task, slot, &mut several) else {
         tasks.status |= task_status::READ_FAILED;
         return 1;
     };
-    let index = tasks.len as usize & (MAX_TASKS - 1);
-    let slot = &mut tasks.tasks[index];
-    slot.task = task;
-    slot.coro_frame = if coro == 0 { 0 } else { coro + a.gen_iframe as u64 };
-    slot.frames_len = 0;
-    read_name(a, name, slot);
+    walk.task = slot.awaited_by;
+    if several {
+        tasks.status |= task_status::AWAITERS_SET;
+    }
     // The running task's frames are the thread's own; an awaiting task's are its coroutine's.
     if tasks.len > 0 && coro != 0 {
-        walk.coro = coro;
-        walk.coro_type = read_u64(coro + a.object_type as u64).unwrap_or(0);
-        walk.links = MAX_AWAITER_LINKS;
+        walk.coroutines = Coroutines::start(a, coro);
     }
     tasks.len += 1;
-    if awaited_by != 0 {
-        if is_set != 0 {
-            tasks.status |= task_status::AWAITERS_SET;
-        } else {
-            walk.task = awaited_by;
-        }
-    }
     0
 }
 
-/// The frame of `walk.coro`, suspended in the last task read, and the coroutine it awaits if
-/// that is one of the same type.
-fn awaiter_frame(walk: &mut TaskWalk, config: &PyProcConfig, tasks: &mut TaskCapture) {
-    let a = &config.asyncio;
-    let coro = walk.coro;
-    walk.coro = 0;
-    if tasks.len == 0 {
-        return;
-    }
-    if tasks.frames_len >= MAX_AWAITER_FRAMES as u32 || walk.next_frame >= MAX_PY_FRAMES as u32 {
-        tasks.status |= task_status::FRAMES_CUT;
-        return;
-    }
-    let Some(state) = read_u8(coro + a.gen_frame_state as u64).map(|state| state as i8) else { return };
-    if !a.suspended_states.contains(&state) {
-        return;
-    }
-    let frame = coro + a.gen_iframe as u64;
-    let Some(record) = frame_record(config, frame, &mut walk.window) else { return };
-    // Checked above; the mask is for the verifier, which reloads the field.
-    let slot = walk.next_frame as usize & (MAX_PY_FRAMES - 1);
-    // SAFETY: `slot` < MAX_PY_FRAMES, the length of the array `frames` points into.
-    unsafe { *walk.frames.add(slot) = record };
-    walk.next_frame += 1;
-    tasks.frames_len += 1;
-    tasks.tasks[(tasks.len as usize - 1) & (MAX_TASKS - 1)].frames_len += 1;
-    walk.links = walk.links.saturating_sub(1);
-    if walk.links == 0 || !a.yield_from_states.contains(&state) {
-        return;
-    }
-    // Suspended in `await`: the awaited object sits just below the top of the frame's stack.
-    let Some(top) = read_u64(frame + a.frame_stackpointer as u64) else { return };
-    let Some(awaited) = read_u64(top.wrapping_sub(a.awaited_below_top as u64)).map(|raw| raw & !STACKREF_TAG) else { return };
-    if awaited != 0 && read_u64(awaited + a.object_type as u64) == Some(walk.coro_type) {
-        walk.coro = awaited;
-    }
+/// Reads the task at `task` into `slot` (its frames not yet): its coroutine's frame, its one
+/// awaiter (0 for none or several) and its name; returns its coroutine, and sets `several` when
+/// several tasks await it.
+fn read_task(a: &AsyncioConfig, task: u64, slot: &mut TaskRecord, several: &mut bool) -> Option<u64> {
+    let coro = read_u64(task + a.task_coro as u64)?;
+    let name = read_u64(task + a.task_name as u64)?;
+    let awaited_by = read_u64(task + a.task_awaited_by as u64)?;
+    let is_set = read_u8(task + a.task_awaited_by_is_set as u64)?;
+    slot.task = task;
+    slot.coro_frame = if coro == 0 { 0 } else { coro + a.gen_iframe as u64 };
+    slot.awaited_by = if is_set != 0 { 0 } else { awaited_by };
+    slot.frames_len = 0;
+    read_name(a, name, slot);
+    *several = is_set != 0 && awaited_by != 0;
+    Some(coro)
 }
 
 /// The task's name object at `name` into `slot`: a `str`'s length, state and first characters,
@@ -195,4 +208,108 @@ fn read_name(a: &AsyncioConfig, name: u64, slot: &mut TaskRecord) {
         }
     }
     slot.name_flags = flags;
+}
+
+/// One walk of a thread's task list, shared between `emit_waiting_tasks` and its steps.
+struct WaitingWalk {
+    config: *const PyProcConfig,
+    out: *mut WaitingTasks,
+    /// The list's head, and the node to read next.
+    head: u64,
+    node: u64,
+    coroutines: Coroutines,
+    window: [u8; PY_FRAME_WINDOW],
+}
+
+/// Sends the suspended tasks of thread `tid` of `tgid` (thread state `tstate`) as they are now, at
+/// the capture sent just before; `half` is the capture's half of the scratch space.
+#[inline(never)]
+pub fn emit_waiting_tasks(tgid: u32, tid: u32, time_ns: u64, tstate: u64, half: u32) {
+    // SAFETY: plain data; see capture_python.
+    let Some(config) = (unsafe { PY_PROCS.get(tgid) }) else { return };
+    let Some(out) = WAITING_SCRATCH.get_ptr_mut(half) else { return };
+    // SAFETY: this CPU's scratch record of this half; a program does not preempt itself on one
+    // CPU, so nothing else uses it meanwhile.
+    unsafe {
+        (*out).kind = record_kind::WAITING_TASKS;
+        (*out).tid = tid;
+        (*out).time_ns = time_ns;
+        (*out).len = 0;
+        (*out).status = 0;
+        (*out).frames_len = 0;
+    }
+    let Some(first) = read_u64(tstate + config.asyncio.thread_tasks_head as u64 + config.asyncio.llist_next as u64) else { return };
+    let mut walk = WaitingWalk {
+        config,
+        out,
+        head: tstate + config.asyncio.thread_tasks_head as u64,
+        node: first,
+        coroutines: Coroutines { coro: 0, coro_type: 0, links: 0 },
+        window: [0; PY_FRAME_WINDOW],
+    };
+    let steps = (MAX_WAITING_TASKS + 1 + MAX_WAITING_FRAMES) as u32;
+    // SAFETY: as in capture_tasks; the count also ends a list that loops.
+    unsafe { generated::bpf_loop(steps, waiting_step as *mut c_void, &mut walk as *mut WaitingWalk as *mut c_void, 0) };
+    // SAFETY: the whole record, plain data.
+    if SAMPLES.output::<WaitingTasks>(unsafe { &*out }, 0).is_err() {
+        if let Some(lost) = LOST.get_ptr_mut(0) {
+            // SAFETY: per-CPU slot, as in capture_and_emit.
+            unsafe { *lost += 1 };
+        }
+    }
+}
+
+/// One list node (a task, skipped unless suspended), or one frame of the last task's coroutine
+/// chain: 0 goes on, 1 stops.
+#[inline(never)]
+unsafe extern "C" fn waiting_step(_index: u64, context: *mut c_void) -> i64 {
+    // SAFETY: bpf_loop passes emit_waiting_tasks' `WaitingWalk` back unchanged.
+    let walk = unsafe { &mut *(context as *mut WaitingWalk) };
+    // SAFETY: emit_waiting_tasks' values, alive for the whole loop.
+    let (config, out) = unsafe { (&*walk.config, &mut *walk.out) };
+    let a = &config.asyncio;
+    if walk.coroutines.coro != 0 {
+        if out.frames_len >= MAX_WAITING_FRAMES as u32 || out.len == 0 {
+            out.status |= task_status::FRAMES_CUT;
+            walk.coroutines.coro = 0;
+            return 0;
+        }
+        if let Some(record) = walk.coroutines.next_frame(config, &mut walk.window) {
+            out.frames[out.frames_len as usize & (MAX_WAITING_FRAMES - 1)] = record;
+            out.frames_len += 1;
+            out.tasks[(out.len as usize - 1) & (MAX_WAITING_TASKS - 1)].frames_len += 1;
+        }
+        return 0;
+    }
+    let node = walk.node;
+    if node == walk.head {
+        return 1;
+    }
+    let Some(next) = read_u64(node + a.llist_next as u64).filter(|_| node != 0) else {
+        out.status |= task_status::READ_FAILED;
+        return 1;
+    };
+    walk.node = next;
+    let task = node - a.task_node as u64;
+    let Some(coro) = read_u64(task + a.task_coro as u64) else {
+        out.status |= task_status::READ_FAILED;
+        return 1;
+    };
+    // The running task and those done or not started are not waiting.
+    let suspended = coro != 0 && read_u8(coro + a.gen_frame_state as u64).is_some_and(|state| a.suspended_states.contains(&(state as i8)));
+    if !suspended {
+        return 0;
+    }
+    if out.len >= MAX_WAITING_TASKS as u32 {
+        out.status |= task_status::WAITING_CUT;
+        return 1;
+    }
+    let slot = &mut out.tasks[out.len as usize & (MAX_WAITING_TASKS - 1)];
+    if read_task(a, task, slot, &mut false).is_none() {
+        out.status |= task_status::READ_FAILED;
+        return 1;
+    }
+    out.len += 1;
+    walk.coroutines = Coroutines::start(a, coro);
+    0
 }

@@ -9,8 +9,9 @@ use aya_ebpf::{
     helpers::{bpf_get_current_comm, bpf_get_smp_processor_id, bpf_get_stack, bpf_ktime_get_ns},
     EbpfContext,
 };
-use pyebpf_common::{config_flags, record_kind, user_status, Config, SampleRecord, MAX_KERNEL_FRAMES, MAX_PY_FRAMES};
+use pyebpf_common::{config_flags, record_kind, task_status, user_status, Config, SampleRecord, MAX_KERNEL_FRAMES, MAX_PY_FRAMES};
 
+use crate::asyncio::emit_waiting_tasks;
 use crate::python::capture_python;
 use crate::user_stack::{copy_stack, stack_len, user_regs, walk_user_stack, wants_snapshot};
 use crate::{BPF_RB_AVAIL_DATA, BPF_RB_FORCE_WAKEUP, BPF_RB_NO_WAKEUP, LOST, SAMPLES, SCRATCH};
@@ -48,7 +49,16 @@ pub fn capture_and_emit<C: EbpfContext>(ctx: &C, config: &Config, tgid: u32, tid
         (*record).origin = origin.origin;
         (*record).weight_ns = 0;
         (*record).wait_state = origin.wait_state;
-        capture_python(ctx, tgid, tid, config.flags & config_flags::GIL != 0, &mut (*record).py, &mut (*record).tasks, &mut (*record).py_frames);
+        capture_python(
+            ctx,
+            tgid,
+            tid,
+            config.flags & config_flags::GIL != 0,
+            config.flags & config_flags::WAITING_TASKS != 0,
+            &mut (*record).py,
+            &mut (*record).tasks,
+            &mut (*record).py_frames,
+        );
         let (ip, sp, bp) = user_regs(ctx, origin.interrupted_regs);
         (*record).user_sp = sp;
         (*record).user_bp = bp;
@@ -93,5 +103,10 @@ pub fn capture_and_emit<C: EbpfContext>(ctx: &C, config: &Config, tgid: u32, tid
             // interrupts off, nor a lost count of their own, which is one instruction).
             unsafe { *lost += 1 };
         }
+    }
+    // SAFETY: this CPU's record, as above.
+    let (waiting, time_ns, tstate) = unsafe { ((*record).tasks.status & task_status::WAITING_FOLLOWS != 0, (*record).time_ns, (*record).py.tstate) };
+    if waiting {
+        emit_waiting_tasks(tgid, tid, time_ns, tstate, origin.scratch_half);
     }
 }

@@ -17,7 +17,7 @@ use aya_ebpf::{
     macros::map,
     maps::{Array, HashMap, PerCpuArray, RingBuf},
 };
-use pyebpf_common::{Config, MarkerChain, OffCpuStart, PyProcConfig, PyThreadEntry, SampleRecord, MAX_SNAPSHOT_PROCS, WAIT_PROCS_WORDS};
+use pyebpf_common::{Config, MarkerChain, OffCpuStart, PyProcConfig, PyThreadEntry, SampleRecord, WaitingTasks, MAX_SNAPSHOT_PROCS, WAIT_PROCS_WORDS};
 
 /// Userspace sets the real size at load time (`--ring-buffer-kb`).
 #[map]
@@ -54,6 +54,11 @@ static SNAPSHOT_PROCS: HashMap<u32, u8> = HashMap::with_max_entries(MAX_SNAPSHOT
 /// values are limited to 32 KiB, less than a record with its stack copy.
 #[map]
 static SCRATCH: Array<SampleRecord> = Array::with_max_entries(1, 0);
+
+/// A thread's waiting tasks are built here (`--async-aware` in off-CPU modes): one entry per kind
+/// of hook, as in `SCRATCH`.
+#[map]
+static WAITING_SCRATCH: PerCpuArray<WaitingTasks> = PerCpuArray::with_max_entries(2, 0);
 
 /// Processes whose threads' off-CPU intervals are captured (`--mode wall`, `off-cpu`): bit
 /// `tgid % 64` of word `tgid / 64`. The verifier inlines an array's look-up, so the switch hook

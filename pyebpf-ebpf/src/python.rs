@@ -7,8 +7,8 @@ use core::ffi::c_void;
 use aya_ebpf::{helpers::bpf_probe_read_user, helpers::generated, EbpfContext};
 use aya_log_ebpf::debug;
 use pyebpf_common::{
-    code_fingerprint, py_proc_flags, py_status, PyCapture, PyFrameRecord, PyProcConfig, TaskCapture, CODE_FINGERPRINT_WORDS, ENTRY_FLAG, FINGERPRINT_NAME_WORD,
-    MARKER_POSITIONS, MAX_ATTACHED_STEPS, MAX_PY_FRAMES, NO_OFFSET, PY_FRAME_WINDOW,
+    code_fingerprint, py_proc_flags, py_status, task_status, PyCapture, PyFrameRecord, PyProcConfig, TaskCapture, CODE_FINGERPRINT_WORDS, ENTRY_FLAG,
+    FINGERPRINT_NAME_WORD, MARKER_POSITIONS, MAX_ATTACHED_STEPS, MAX_PY_FRAMES, NO_OFFSET, PY_FRAME_WINDOW,
 };
 
 use crate::asyncio::capture_tasks;
@@ -33,6 +33,7 @@ pub fn capture_python<C: EbpfContext>(
     tgid: u32,
     tid: u32,
     gil: bool,
+    waiting: bool,
     py: &mut PyCapture,
     tasks: &mut TaskCapture,
     frames: &mut [PyFrameRecord; MAX_PY_FRAMES],
@@ -72,8 +73,13 @@ pub fn capture_python<C: EbpfContext>(
     // The thread's marker chain belongs to the thread state userspace registered.
     let stop_at = if py.tstate == thread.tstate { marker_stop(tid, &config, py) } else { 0 };
     walk_frames(&config, frame, stop_at, py, frames);
-    if config.flags & py_proc_flags::TASKS != 0 && frame != 0 {
-        capture_tasks(&config, py.tstate, py.frames_len, tasks, frames);
+    if config.flags & py_proc_flags::TASKS != 0 {
+        if frame != 0 {
+            capture_tasks(&config, py.tstate, py.frames_len, tasks, frames);
+        }
+        if waiting {
+            tasks.status |= task_status::WAITING_FOLLOWS;
+        }
     }
 }
 

@@ -65,6 +65,9 @@ pub struct SamplerOptions {
     pub snapshot_all: bool,
     /// Read at each sample whether the thread holds the GIL (`--mode gil`).
     pub gil: bool,
+    /// Send the waiting asyncio tasks of a thread with each of its captures, where its process's
+    /// tasks are read (`--mode wall|off-cpu --async-aware`).
+    pub waiting_tasks: bool,
     /// Capture off-CPU intervals of the processes added with [`Sampler::watch_waits`], those
     /// shorter than this only summed (`--mode wall` and `off-cpu`); `None`: no switch hooks.
     pub off_cpu_min: Option<Duration>,
@@ -171,6 +174,9 @@ impl Sampler {
         }
         if options.gil {
             flags |= config_flags::GIL;
+        }
+        if options.waiting_tasks {
+            flags |= config_flags::WAITING_TASKS;
         }
         let mut targets: HashMap<MapData, u32, u8> = HashMap::try_from(take_map(&mut ebpf, maps::TARGETS)?).map_err(map_error(maps::TARGETS))?;
         if let Some(pids) = &options.targets {

@@ -18,14 +18,14 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
 use pyebpf_common::{
-    py_proc_flags, py_status, task_status, MarkerChain, PyCapture, PyFrameRecord, PyProcConfig, PyThreadEntry, SampleRecord, MARKER_POSITIONS, MAX_PY_FRAMES,
-    MAX_TASKS, NO_OFFSET,
+    py_proc_flags, py_status, task_status, MarkerChain, PyCapture, PyFrameRecord, PyProcConfig, PyThreadEntry, SampleRecord, WaitingTasks, MARKER_POSITIONS,
+    MAX_PY_FRAMES, MAX_TASKS, MAX_WAITING_TASKS, NO_OFFSET,
 };
 
 use crate::bpf::Sampler;
 use crate::budget::SharedBudget;
 use crate::chain::{FrameLink, LinkKind, LinkReader};
-use crate::cpython::asyncio::{self, find_asyncio_offsets};
+use crate::cpython::asyncio::{self, find_asyncio_offsets, AsyncioOffsets, TaskReader, TaskState};
 use crate::cpython::memory::ProcessMemory;
 use crate::cpython::offsets::ObjectOffsets;
 use crate::cpython::TRUNCATION_MARK;
@@ -71,8 +71,8 @@ enum Tasks {
     /// Asked for; the `_asyncio` table is not mapped yet (3.14 maps it when asyncio is first
     /// imported): looked for again at each refresh of the thread list.
     Pending,
-    /// Told to the eBPF program.
-    On(ObjectOffsets),
+    /// Told to the eBPF program (boxed: a process without tasks keeps a small entry).
+    On(Box<(ObjectOffsets, AsyncioOffsets)>),
 }
 
 /// A chain pyebpf proved when it wrote the marker, innermost (the marker frame) first.
@@ -428,6 +428,74 @@ impl PythonSampling {
         Some(truncated)
     }
 
+    /// The stacks of the waiting tasks of process `pid` the eBPF program read at a capture, into
+    /// `stacks` (frame ids innermost first, and whether the task's frames were cut): each task's
+    /// coroutine frames under its `[task NAME]` frame, under those of the tasks awaiting it that
+    /// the same capture read.
+    pub fn waiting_stacks(&mut self, pid: u32, waiting: &WaitingTasks, frames: &mut FrameTable, stacks: &mut Vec<(Vec<FrameId>, bool)>, stats: &mut Stats) {
+        stacks.clear();
+        let Some(process) = self.processes.get_mut(&pid) else { return };
+        let Tasks::On(on) = &process.tasks else { return };
+        let objects = on.0.clone();
+        let read = &waiting.tasks[..(waiting.len as usize).min(MAX_WAITING_TASKS)];
+        let mut parts: Vec<TaskPart> = Vec::with_capacity(read.len());
+        let mut next = 0;
+        for task in read {
+            let coroutine = waiting.frames.get(next..next + task.frames_len as usize).unwrap_or_default();
+            next += task.frames_len as usize;
+            let mut part = Vec::with_capacity(coroutine.len() + 1);
+            let mut cut = false;
+            for frame in coroutine.iter().rev() {
+                match process.resolve_link(&link_of(&process.py, frame), frame.code_version, frames) {
+                    Ok(Some(PyStackItem::Frame(id))) => part.push(id),
+                    Ok(_) => {}
+                    Err(err) => {
+                        log::debug!("pid {pid}: waiting task {:#x}: {err}", task.task);
+                        // Its frames outward of the unproven one are dropped: a stack keeps only what is proven.
+                        part.clear();
+                        cut = true;
+                    }
+                }
+            }
+            let name = asyncio::captured_name(task, &objects).unwrap_or_else(|_| "?".into());
+            part.push(frames.intern(Frame::Task(name.into())));
+            parts.push(TaskPart { task: task.task, awaited_by: task.awaited_by, frames: part, cut });
+        }
+        waiting_task_stacks(&parts, stacks);
+        stats.tasks.waiting += stacks.len() as u64;
+        stats.tasks.waiting_cut += u64::from(waiting.status & task_status::WAITING_CUT != 0);
+    }
+
+    /// The stacks of the waiting tasks of thread `tid` of `tgid`, read now, as the eBPF program
+    /// would have at a capture (see [`Self::waiting_stacks`]). Only for a thread that has not run
+    /// since it left the CPU, so none of its tasks has (the caller proves that afterwards).
+    pub fn read_waiting_stacks(&mut self, tgid: u32, tid: u32, frames: &mut FrameTable, stacks: &mut Vec<(Vec<FrameId>, bool)>, stats: &mut Stats) {
+        stacks.clear();
+        let Some(process) = self.processes.get_mut(&tgid) else { return };
+        let (Some(thread), Tasks::On(on)) = (process.threads.get(&tid), &process.tasks) else { return };
+        let (tstate, table) = (thread.tstate, on.1);
+        let list = match TaskReader::new(&mut process.py, Some(table), MAX_WAITING_TASKS).map(|mut reader| reader.thread_tasks(tstate)) {
+            Ok(Ok(list)) => list,
+            Ok(Err(err)) => return log::debug!("pid {tgid} thread {tid}: tasks: {err}"),
+            Err(err) => return log::debug!("pid {tgid}: tasks: {err}"),
+        };
+        let waiting = list.tasks.iter().filter(|task| task.state == TaskState::Waiting && task.error.is_none());
+        let parts: Vec<TaskPart> = waiting
+            .map(|task| {
+                let mut part: Vec<FrameId> = task.frames.iter().rev().map(|resolved| frames.intern(Frame::Python(resolved.frame.clone()))).collect();
+                part.push(frames.intern(Frame::Task(task.name.as_str().into())));
+                let awaited_by = match task.awaited_by[..] {
+                    [one] => one,
+                    _ => 0,
+                };
+                TaskPart { task: task.addr, awaited_by, frames: part, cut: task.truncated }
+            })
+            .collect();
+        waiting_task_stacks(&parts, stacks);
+        stats.tasks.waiting += stacks.len() as u64;
+        stats.tasks.waiting_cut += u64::from(list.total > list.tasks.len());
+    }
+
     /// Fills `record`'s Python part for thread `tid` of `tgid`, read now, as the eBPF program would
     /// have at a capture; false when it is not a known Python thread or cannot be read. Only for a
     /// thread that has not run since it left the CPU (the caller proves that afterwards).
@@ -467,6 +535,39 @@ impl PythonSampling {
     /// too), for `--stats`; the entries and bytes cached are those of the processes attached now.
     pub fn code_cache_counters(&self) -> crate::cpython::CodeCacheCounters {
         self.processes.values().map(|p| p.py.code_cache_counters()).sum::<crate::cpython::CodeCacheCounters>() + self.retired_code_cache
+    }
+}
+
+/// A waiting task's own part of a stack, innermost first: its coroutine frames (`cut` where
+/// unproven ones were dropped), then its task frame.
+struct TaskPart {
+    task: u64,
+    awaited_by: u64,
+    frames: Vec<FrameId>,
+    cut: bool,
+}
+
+/// Each task's stack: its part under those of the tasks awaiting it, as far as they are among
+/// `parts` (read at the same moment); a chain that loops or runs past [`MAX_TASKS`] is cut.
+fn waiting_task_stacks(parts: &[TaskPart], stacks: &mut Vec<(Vec<FrameId>, bool)>) {
+    stacks.clear();
+    let index: HashMap<u64, usize> = parts.iter().enumerate().map(|(i, part)| (part.task, i)).collect();
+    for (i, part) in parts.iter().enumerate() {
+        let mut stack = part.frames.clone();
+        let mut truncated = part.cut;
+        let mut awaiter = part.awaited_by;
+        let mut levels = 1;
+        while let Some(&outer) = index.get(&awaiter) {
+            if levels == MAX_TASKS || outer == i {
+                truncated = true;
+                break;
+            }
+            stack.extend_from_slice(&parts[outer].frames);
+            truncated |= parts[outer].cut;
+            awaiter = parts[outer].awaited_by;
+            levels += 1;
+        }
+        stacks.push((stack, truncated));
     }
 }
 
@@ -617,14 +718,14 @@ impl PythonProcess {
         };
         self.config.asyncio = config;
         self.config.flags |= py_proc_flags::TASKS;
-        self.tasks = Tasks::On(objects);
+        self.tasks = Tasks::On(Box::new((objects, table)));
         Ok(true)
     }
 
     /// The running task's coroutine frame at the capture, where tasks were read.
     fn running_task_frame(&self, record: &SampleRecord) -> Option<u64> {
         let tasks = &record.tasks;
-        let running = matches!(self.tasks, Tasks::On(_)) && tasks.status & task_status::RUNNING != 0 && tasks.len > 0;
+        let running = matches!(self.tasks, Tasks::On(..)) && tasks.status & task_status::RUNNING != 0 && tasks.len > 0;
         running.then_some(tasks.tasks[0].coro_frame).filter(|&frame| frame != 0)
     }
 
@@ -633,8 +734,8 @@ impl PythonProcess {
     /// awaiting task's suspended coroutine frames inside it. The chain is cut at the first
     /// awaiting frame whose code object cannot be proven.
     fn insert_tasks(&mut self, record: &SampleRecord, at: usize, frames: &mut FrameTable, items: &mut Vec<PyItem>, stats: &mut Stats) {
-        let Tasks::On(objects) = &self.tasks else { return };
-        let objects = objects.clone();
+        let Tasks::On(on) = &self.tasks else { return };
+        let objects = on.0.clone();
         let captured = &record.tasks;
         let mut chain = Vec::new();
         let mut next = record.py.frames_len as usize;
@@ -859,5 +960,32 @@ mod tests {
         assert_eq!(second.get(&(9, 1, 0)), Some(None));
         drop(first);
         assert_eq!(TOTAL.used(), 1);
+    }
+
+    fn part(task: u64, awaited_by: u64, frame: FrameId) -> TaskPart {
+        TaskPart { task, awaited_by, frames: vec![frame, 100 + frame], cut: false }
+    }
+
+    #[test]
+    fn waiting_task_stacks_nest_under_the_awaiters_read_with_them() {
+        // Task 1 awaits nothing, 2 awaits 1, 3 awaits 2, 4 awaits a task not read.
+        let parts = [part(1, 0, 1), part(2, 1, 2), part(3, 2, 3), part(4, 9, 4)];
+        let mut stacks = Vec::new();
+        waiting_task_stacks(&parts, &mut stacks);
+        assert_eq!(stacks[0], (vec![1, 101], false));
+        assert_eq!(stacks[2], (vec![3, 103, 2, 102, 1, 101], false));
+        assert_eq!(stacks[3], (vec![4, 104], false));
+    }
+
+    #[test]
+    fn waiting_task_chains_that_loop_or_run_deep_are_cut() {
+        let looping = [part(1, 2, 1), part(2, 1, 2)];
+        let mut stacks = Vec::new();
+        waiting_task_stacks(&looping, &mut stacks);
+        assert_eq!(stacks[0], (vec![1, 101, 2, 102], true));
+        let deep: Vec<TaskPart> = (1..=12).map(|n| part(n, n + 1, n as FrameId)).collect();
+        waiting_task_stacks(&deep, &mut stacks);
+        assert_eq!((stacks[0].0.len(), stacks[0].1), (2 * MAX_TASKS, true));
+        assert_eq!(stacks[11], (vec![12, 112], false));
     }
 }

@@ -14,7 +14,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use aya::maps::{MapData, RingBuf};
-use pyebpf_common::{record_kind, OffCpuEnd, ProcessEvent, PyFrameRecord, SampleRecord, STACK_SNAPSHOT_MAX};
+use pyebpf_common::{record_kind, OffCpuEnd, ProcessEvent, PyFrameRecord, SampleRecord, WaitingTasks, STACK_SNAPSHOT_MAX};
 
 /// How long samples may wait in the ring buffer before the reader looks: the kernel wakes the
 /// reader only once a quarter of the buffer is pending.
@@ -211,7 +211,12 @@ impl Reader {
         let drops = &self.shared.drops;
         drops.batches.fetch_add(1, Ordering::Relaxed);
         for record in batch.records() {
-            let counter = if matches!(kind(record), Some(record_kind::SAMPLE | record_kind::OFF_CPU_END)) { &drops.samples } else { &drops.events };
+            let counter = match kind(record) {
+                Some(record_kind::SAMPLE | record_kind::OFF_CPU_END) => &drops.samples,
+                // Not samples: the tasks of one sent before.
+                Some(record_kind::WAITING_TASKS) => continue,
+                _ => &drops.events,
+            };
             counter.fetch_add(1, Ordering::Relaxed);
         }
     }
@@ -249,6 +254,8 @@ pub enum Record<'a> {
     Event(ProcessEvent),
     /// A thread captured as it left the CPU came back.
     OffCpuEnd(OffCpuEnd),
+    /// The waiting tasks of the thread of the capture sent before it.
+    WaitingTasks(&'a WaitingTasks),
 }
 
 /// The records the consumer took in one read, decoded one at a time into a reused sample.
@@ -259,13 +266,16 @@ pub struct RecordBatch {
     sample: Box<SampleRecord>,
     /// Python frames the previous record wrote: what must be zeroed again before a shorter one.
     sample_dirty: usize,
+    waiting: Box<WaitingTasks>,
 }
 
 impl Default for RecordBatch {
     fn default() -> Self {
         // SAFETY: all-zero bytes are a valid SampleRecord (plain data).
         let sample = unsafe { Box::<SampleRecord>::new_zeroed().assume_init() };
-        RecordBatch { raw: Vec::new(), next_raw: 0, next_record: 0, sample, sample_dirty: 0 }
+        // SAFETY: all-zero bytes are a valid WaitingTasks (plain data).
+        let waiting = unsafe { Box::<WaitingTasks>::new_zeroed().assume_init() };
+        RecordBatch { raw: Vec::new(), next_raw: 0, next_record: 0, sample, sample_dirty: 0, waiting }
     }
 }
 
@@ -306,6 +316,11 @@ impl RecordBatch {
                     if let Some(end) = decode_plain::<OffCpuEnd>(item) {
                         return Some(Record::OffCpuEnd(end));
                     }
+                }
+                Some(record_kind::WAITING_TASKS) if item.len() == size_of::<WaitingTasks>() => {
+                    // SAFETY: exactly one WaitingTasks' bytes, plain data of which any pattern is valid.
+                    unsafe { std::ptr::copy_nonoverlapping(item.as_ptr(), &mut *self.waiting as *mut WaitingTasks as *mut u8, item.len()) };
+                    return Some(Record::WaitingTasks(&self.waiting));
                 }
                 _ => {}
             }

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result};
 use hashbrown::{HashMap, HashSet};
-use pyebpf_common::{origin, py_status, user_status, OffCpuEnd, OffCpuStart, ProcessEvent, SampleRecord};
+use pyebpf_common::{origin, py_status, task_status, user_status, OffCpuEnd, OffCpuStart, ProcessEvent, SampleRecord, WaitingTasks};
 
 use crate::bpf::{check_privileges, Sampler, SamplerOptions};
 use crate::cli::{GroupBy, Mode, RecordArgs, UnwindMode};
@@ -22,7 +22,7 @@ use crate::progress::Progress;
 use crate::python_sampling::{PyItem, PythonSampling, SamplingOptions};
 use crate::reader::{Record, RecordBatch};
 use crate::report;
-use crate::stack::{Frame, FrameCarry, FrameId, Profile, SampleStack, StoredStack, ThreadState, Weight};
+use crate::stack::{Frame, FrameCarry, FrameId, ProcessLabels, Profile, SampleStack, StoredStack, ThreadState, Weight};
 use crate::stats::Stats;
 use crate::stop_signals::StopSignals;
 use crate::summary::{RunTotals, Summary};
@@ -59,6 +59,8 @@ pub struct SampleResolver {
     baseline: SwitchBaseline,
     /// Threads captured as they left the CPU, waiting for their interval's end, by tid.
     pending_waits: HashMap<u32, PendingWait>,
+    /// The last capture of each thread whose waiting tasks follow it (`--async-aware`), by tid.
+    task_captures: HashMap<u32, TaskCapture>,
     /// `CLOCK_MONOTONIC` when the recording started: waits count from then on.
     recording_start_ns: u64,
 }
@@ -68,6 +70,28 @@ struct PendingWait {
     /// The capture's time: which interval of the thread it is.
     start_ns: u64,
     stack: StoredStack,
+    /// The stacks of the tasks that waited meanwhile (`--async-aware`): they waited as long.
+    tasks: Vec<StoredStack>,
+}
+
+impl PendingWait {
+    /// The thread's stack and its waiting tasks', each for the `ns` it was off CPU.
+    fn count(&self, ns: u64, profile: &mut Profile) {
+        for stack in std::iter::once(&self.stack).chain(&self.tasks) {
+            profile.add_sample(stack.as_sample(), Weight { samples: 1, ns });
+        }
+    }
+}
+
+/// A capture whose thread's waiting tasks follow it in the ring buffer.
+struct TaskCapture {
+    time_ns: u64,
+    pid: u32,
+    comm: Arc<str>,
+    labels: Arc<ProcessLabels>,
+    /// What each waiting task counts: the sample's period, the interval off CPU, or (`None`) the
+    /// interval still open, known when the thread is back.
+    ns: Option<u64>,
 }
 
 /// Buffers reused from sample to sample, so a sample seen before allocates nothing.
@@ -77,6 +101,7 @@ struct Scratch {
     levels: Vec<IdLevel>,
     frames: Vec<FrameId>,
     merger: Merger,
+    task_stacks: Vec<(Vec<FrameId>, bool)>,
 }
 
 impl SampleResolver {
@@ -99,6 +124,7 @@ impl SampleResolver {
             watching_waits: HashSet::new(),
             baseline: SwitchBaseline::default(),
             pending_waits: HashMap::new(),
+            task_captures: HashMap::new(),
             recording_start_ns: 0,
         }
     }
@@ -109,6 +135,7 @@ impl SampleResolver {
         self.mode = mode;
         self.watching_waits.clear();
         self.pending_waits.clear();
+        self.task_captures.clear();
         self.copying_stacks.clear();
         self.baseline = SwitchBaseline::default();
         self.python.forget_registrations();
@@ -147,7 +174,8 @@ impl SampleResolver {
     pub fn carry_frames(&mut self, carry: &mut FrameCarry<'_>) {
         self.native.carry_frames(carry);
         self.python.carry_frames(carry);
-        for id in self.pending_waits.values_mut().flat_map(|pending| pending.stack.frames_mut().iter_mut()) {
+        let pending = self.pending_waits.values_mut().flat_map(|pending| std::iter::once(&mut pending.stack).chain(&mut pending.tasks));
+        for id in pending.flat_map(|stack| stack.frames_mut().iter_mut()) {
             *id = carry.carry(*id);
         }
         self.frames_generation = carry.new_generation();
@@ -161,6 +189,7 @@ impl SampleResolver {
             self.native.clear();
             self.python.clear_frame_ids();
             self.pending_waits.clear();
+            self.task_captures.clear();
             self.frames_generation = profile.frames.generation();
         }
         let comm = self.names.name(record.tgid, &record.comm);
@@ -177,7 +206,7 @@ impl SampleResolver {
             return false;
         }
         let off_cpu = record.origin == origin::OFF_CPU;
-        let Scratch { python, levels, frames, merger } = &mut self.scratch;
+        let Scratch { python, levels, frames, merger, .. } = &mut self.scratch;
         let truncated = self.python.python_stack(record, sampler, stats, &mut profile.frames, python);
         frames.clear();
         if !(self.no_native && truncated.is_some()) {
@@ -230,18 +259,52 @@ impl SampleResolver {
         }
         let sample =
             SampleStack { pid: record.tgid, tid: record.tid, comm: &comm, frames, truncated: truncated.unwrap_or(false), labels: Some(&labels), state };
-        if !off_cpu {
+        let ns = if !off_cpu {
             profile.add_sample(sample, Weight { samples: 1, ns: profile.period_ns() });
-            return true;
-        }
-        if record.weight_ns != 0 {
+            Some(profile.period_ns())
+        } else if record.weight_ns != 0 {
             stats.off_cpu.intervals += 1;
             profile.add_sample(sample, Weight { samples: 1, ns: record.weight_ns });
+            Some(record.weight_ns)
         } else {
             // Its length comes when the thread is back (`end_wait`).
-            self.pending_waits.insert(record.tid, PendingWait { start_ns: record.time_ns, stack: StoredStack::from_sample(&sample) });
+            self.pending_waits.insert(record.tid, PendingWait { start_ns: record.time_ns, stack: StoredStack::from_sample(&sample), tasks: Vec::new() });
+            None
+        };
+        if record.tasks.status & task_status::WAITING_FOLLOWS != 0 {
+            self.task_captures.insert(record.tid, TaskCapture { time_ns: record.time_ns, pid: record.tgid, comm, labels, ns });
         }
         true
+    }
+
+    /// The waiting tasks of a thread at its capture just resolved: each task's stack counts what
+    /// the capture counts (a period, or the interval the thread was off CPU, in which none of its
+    /// tasks could run).
+    pub fn waiting_tasks(&mut self, waiting: &WaitingTasks, stats: &mut Stats, profile: &mut Profile) {
+        let Some(capture) = self.task_captures.remove(&waiting.tid) else { return };
+        if capture.time_ns != waiting.time_ns {
+            return;
+        }
+        let stacks = &mut self.scratch.task_stacks;
+        self.python.waiting_stacks(capture.pid, waiting, &mut profile.frames, stacks, stats);
+        for (frames, truncated) in stacks.iter() {
+            let sample = SampleStack {
+                pid: capture.pid,
+                tid: waiting.tid,
+                comm: &capture.comm,
+                frames,
+                truncated: *truncated,
+                labels: Some(&capture.labels),
+                state: ThreadState::TaskWait,
+            };
+            match capture.ns {
+                Some(ns) => profile.add_sample(sample, Weight { samples: 1, ns }),
+                None => match self.pending_waits.get_mut(&waiting.tid) {
+                    Some(pending) if pending.start_ns == waiting.time_ns => pending.tasks.push(StoredStack::from_sample(&sample)),
+                    _ => {}
+                },
+            }
+        }
     }
 
     /// A thread captured as it left the CPU came back: its stacks count for the time it was away.
@@ -254,7 +317,7 @@ impl SampleResolver {
         stats.off_cpu.intervals += 1;
         let carried = self.carried(end.carried_ns, end.start_ns, stats);
         let ns = self.within_recording(end.start_ns, end.start_ns.saturating_add(end.away_ns)) + carried;
-        profile.add_sample(pending.stack.as_sample(), Weight { samples: 1, ns });
+        pending.count(ns, profile);
     }
 
     /// The uncaptured off-CPU time a capture at `start_ns` stands for, counted in `stats`: it lies
@@ -281,7 +344,7 @@ impl SampleResolver {
                     stats.off_cpu.intervals += 1;
                     stats.off_cpu.open_at_end += 1;
                     let ns = self.within_recording(entry.start_ns, now) + self.carried(entry.carried_ns, entry.start_ns, stats);
-                    profile.add_sample(pending.stack.as_sample(), Weight { samples: 1, ns });
+                    pending.count(ns, profile);
                 }
                 _ if entry.captured_ns != entry.start_ns => {
                     stats.off_cpu.short_intervals += 1;
@@ -303,11 +366,20 @@ impl SampleResolver {
             if !self.python.capture_waiting(start.tgid, tid, &mut record) {
                 record.py = Default::default();
             }
+            let mut task_stacks = Vec::new();
+            self.python.read_waiting_stacks(start.tgid, tid, &mut profile.frames, &mut task_stacks, stats);
             if !self.baseline.unchanged(start.tgid, tid) {
                 continue;
             }
             if self.resolve(&record, sampler, stats, profile) {
                 stats.off_cpu.open_at_end += 1;
+                let comm = self.names.name(start.tgid, &record.comm);
+                let labels = self.processes.sampled(start.tgid);
+                for (frames, truncated) in &task_stacks {
+                    let sample =
+                        SampleStack { pid: start.tgid, tid, comm: &comm, frames, truncated: *truncated, labels: Some(&labels), state: ThreadState::TaskWait };
+                    profile.add_sample(sample, Weight { samples: 1, ns: record.weight_ns });
+                }
             }
         }
     }
@@ -354,6 +426,7 @@ impl SampleResolver {
             sampler.stop_watching_waits(pid);
             self.pending_waits.retain(|_, pending| pending.stack.as_sample().pid != pid);
         }
+        self.task_captures.retain(|_, capture| capture.pid != pid);
         self.processes.forget(pid);
         self.python.forget(pid, sampler);
         self.symbolizer.forget_process(pid);
@@ -531,6 +604,7 @@ async fn record(args: &RecordArgs, watched: &Watched, sink: &Arc<ProfileSink>) -
             program_stats: args.stats,
             snapshot_all: args.unwind == UnwindMode::Dwarf,
             gil: mode == Mode::Gil,
+            waiting_tasks: mode.counts_waits() && args.mode.async_aware,
             off_cpu_min: mode.counts_waits().then(|| Duration::from_micros(args.mode.off_cpu_min_us)),
         },
         &mut stats,
@@ -620,6 +694,7 @@ pub fn add_samples(batch: &mut RecordBatch, resolver: &mut SampleResolver, sampl
             }
             Record::Event(event) => resolver.process_event(&event, sampler),
             Record::OffCpuEnd(end) => resolver.end_wait(&end, stats, profile),
+            Record::WaitingTasks(waiting) => resolver.waiting_tasks(waiting, stats, profile),
         }
     }
 }

@@ -80,6 +80,9 @@ pub enum ThreadState {
     Gil,
     /// Off CPU for another reason (waiting for a child or a signal, a page fault).
     Other,
+    /// Not a thread: an asyncio task suspended in `await` (`--async-aware`), while its thread was
+    /// captured.
+    TaskWait,
 }
 
 impl ThreadState {
@@ -93,6 +96,7 @@ impl ThreadState {
             ThreadState::Io => "io",
             ThreadState::Gil => "gil",
             ThreadState::Other => "other",
+            ThreadState::TaskWait => "task-wait",
         }
     }
 

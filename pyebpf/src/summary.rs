@@ -240,6 +240,15 @@ impl fmt::Display for Summary {
                 "  asyncio: {} samples in a task ({} with the task not placed: its coroutine was not in the stack kept; {} task chains cut)",
                 tasks.placed, tasks.unplaced, tasks.chains_cut
             )?;
+            if self.mode.counts_waits() {
+                writeln!(
+                    f,
+                    "  asyncio waits: {} stacks of waiting tasks ({} captures had more than {} waiting tasks: the oldest were read)",
+                    tasks.waiting,
+                    tasks.waiting_cut,
+                    pyebpf_common::MAX_WAITING_TASKS
+                )?;
+            }
         }
         if !tasks.unsupported.is_empty() {
             let more = match tasks.more_unsupported {

@@ -17,7 +17,7 @@ use pyebpf::cpython::runtime::runtime_in_elf;
 use pyebpf::kernel_btf::Btf;
 use pyebpf::reader::{Record, RecordBatch};
 use pyebpf::unwind::{unwind_in_image, Snapshot};
-use pyebpf_common::{record_kind, OffCpuEnd, ProcessEvent, SampleRecord, MAX_USER_FRAMES};
+use pyebpf_common::{record_kind, OffCpuEnd, ProcessEvent, SampleRecord, WaitingTasks, MAX_USER_FRAMES};
 
 fn cases() -> u32 {
     std::env::var("PYEBPF_FUZZ_CASES").ok().and_then(|n| n.parse().ok()).unwrap_or(800_000)
@@ -89,13 +89,17 @@ fn ring_buffer_records_never_panic_and_decode_consistently() {
         bytes[..4].copy_from_slice(&record_kind::OFF_CPU_END.to_ne_bytes());
         bytes
     });
-    let decoded: [Cell<u64>; 4] = Default::default();
+    let waiting = prop::collection::vec(any::<u8>(), size_of::<WaitingTasks>()).prop_map(|mut bytes| {
+        bytes[..4].copy_from_slice(&record_kind::WAITING_TASKS.to_ne_bytes());
+        bytes
+    });
+    let decoded: [Cell<u64>; 5] = Default::default();
     runner(cases() / 4)
-        .run(&prop_oneof![arbitrary, shaped, event, end], |bytes| {
+        .run(&prop_oneof![arbitrary, shaped, event, end, waiting], |bytes| {
             let mut batch = RecordBatch::from_items([&bytes[..]]);
             match batch.next() {
                 Some(Record::Sample(sample)) => {
-                    prop_assert_eq!(SampleRecord::sent_len(sample.py.frames_len as usize, sample.stack_len as usize), bytes.len());
+                    prop_assert_eq!(SampleRecord::sent_len(sample.frames_sent(), sample.stack_len as usize), bytes.len());
                     prop_assert!(bytes.len() <= size_of::<SampleRecord>());
                     decoded[0].set(decoded[0].get() + 1);
                 }
@@ -108,13 +112,18 @@ fn ring_buffer_records_never_panic_and_decode_consistently() {
                     prop_assert_eq!(bytes.len(), size_of::<OffCpuEnd>());
                     decoded[3].set(decoded[3].get() + 1);
                 }
+                Some(Record::WaitingTasks(waiting)) => {
+                    prop_assert_eq!(waiting.kind, record_kind::WAITING_TASKS);
+                    prop_assert_eq!(bytes.len(), size_of::<WaitingTasks>());
+                    decoded[4].set(decoded[4].get() + 1);
+                }
                 None => decoded[2].set(decoded[2].get() + 1),
             }
             Ok(())
         })
         .unwrap();
     let decoded = decoded.map(Cell::into_inner);
-    eprintln!("records: {} samples, {} events, {} interval ends, {} rejected", decoded[0], decoded[1], decoded[3], decoded[2]);
+    eprintln!("records: {} samples, {} events, {} interval ends, {} waiting tasks, {} rejected", decoded[0], decoded[1], decoded[3], decoded[4], decoded[2]);
     assert!(decoded.iter().all(|&n| n > 0), "the generator never reached every outcome: {decoded:?}");
     // A sample of every frame count the program sends decodes.
     for frames in [0, 1, pyebpf_common::MAX_PY_FRAMES] {

@@ -194,3 +194,62 @@ fn record_async_aware_names_older_interpreters() {
     assert!(!collapsed.contains("[task "), "{collapsed}");
     assert!(stderr.contains("no asyncio tasks (pyebpf reads them from CPython 3.14 on): CPython 3.13"), "{stderr}");
 }
+
+/// Microseconds of the stacks of waiting tasks (`[awaiting]` leaves) whose task path is `path`.
+fn waiting_us(stacks: &[pyebpf_tests::Stack], path: &[&str]) -> u64 {
+    count_where(stacks, |frames| frames.last().is_some_and(|leaf| leaf == "[awaiting]") && task_path(frames) == path)
+}
+
+/// `--mode wall --async-aware`: each suspended task counts the whole recording under its own task
+/// frame, with the tasks awaiting it above and what it waits on as its innermost frame; busy-1,
+/// which never suspends, never waits.
+fn check_waiting_tasks(python: &Path) {
+    let (child, _dir) = start_ready(python, "async_tree.py", &["tree"]);
+    let pid = child.pid().to_string();
+    let (collapsed, stderr) = record_collapsed(&["-p", &pid, "-d", "3", "--mode", "wall", "--async-aware"]);
+    let stacks = stacks_of(&collapsed, child.pid());
+    let duration_us = 3_000_000;
+    for path in [
+        &["[task Task-1]", "main", "[task parent]", "parent", "[task idle-1]", "idle_child", "sleep"][..],
+        &["[task Task-1]", "main", "[task chain-1]", "chain", "[task chain-2]", "chain", "[task chain-3]", "chain", "sleep"],
+        &["[task Task-1]", "main", "[task group]", "group", "TaskGroup.__aexit__", "TaskGroup._aexit", "[task worker-1]", "worker", "Event.wait"],
+        &["[task Task-1]", "main", "[task parent]", "parent"],
+    ] {
+        let us = waiting_us(&stacks, path);
+        assert!(us * 100 >= duration_us * 95 && us * 100 <= duration_us * 105, "{path:?} waited {us} us of {duration_us}:\n{collapsed}");
+    }
+    let busy_waits = count_where(&stacks, |frames| frames.last().is_some_and(|leaf| leaf == "[awaiting]") && frames.iter().any(|f| f == "[task busy-1]"));
+    assert_eq!(busy_waits, 0, "busy-1 never waits:\n{collapsed}");
+    assert!(stderr.contains("asyncio waits: "), "{stderr}");
+}
+
+#[test]
+fn wall_mode_accounts_waiting_tasks_on_debian_3_14() {
+    check_waiting_tasks(&debian_python("3.14"));
+}
+
+#[test]
+fn wall_mode_accounts_waiting_tasks_on_debian_3_15() {
+    check_waiting_tasks(&debian_python("3.15"));
+}
+
+/// 10,000 sleeping tasks: each capture reads the 16 oldest waiting tasks, and the summary counts
+/// the captures that had more.
+#[test]
+fn ten_thousand_waiting_tasks_are_cut_at_each_capture() {
+    let (child, _dir) = start_ready(&debian_python("3.15"), "async_tree.py", &["many", "10000"]);
+    let pid = child.pid().to_string();
+    let (collapsed, stderr) = record_collapsed(&["-p", &pid, "-d", "2", "--mode", "wall", "--async-aware"]);
+    let stacks = stacks_of(&collapsed, child.pid());
+    let mut names: Vec<&str> = stacks
+        .iter()
+        .filter(|(frames, _)| frames.last().is_some_and(|leaf| leaf == "[awaiting]"))
+        .filter_map(|(frames, _)| frames.iter().rev().find(|frame| frame.starts_with("[task ")).map(String::as_str))
+        .collect();
+    names.sort_unstable();
+    names.dedup();
+    // pyebpf reads 16 waiting tasks per capture (MAX_WAITING_TASKS).
+    assert!(!names.is_empty() && names.len() <= 16, "{names:?}");
+    let line = stderr.lines().find(|line| line.contains("asyncio waits: ")).unwrap_or_else(|| panic!("{stderr}"));
+    assert!(!line.contains("(0 captures"), "{line}");
+}

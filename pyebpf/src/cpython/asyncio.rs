@@ -481,7 +481,9 @@ pub fn bpf_config(table: &AsyncioOffsets, offsets: &DebugOffsets) -> Option<Asyn
         unicode_ascii_size: narrow(offsets.unicode_ascii_size),
         unicode_compact_size: narrow(offsets.unicode_compact_size),
         long_tag: narrow(o.long_tag),
-        _pad: 0,
+        thread_tasks_head: narrow(table.thread_tasks_head),
+        task_node: narrow(table.task_node),
+        llist_next: narrow(o.llist_next),
     })
 }
 
@@ -678,7 +680,7 @@ mod tests {
     fn captured(flags: u64, len: u64, state: u32, bytes: &[u8]) -> TaskRecord {
         let mut name = [0u8; TASK_NAME_BYTES];
         name[..bytes.len()].copy_from_slice(bytes);
-        TaskRecord { task: 1, coro_frame: 2, name_flags: flags, name_len: len, name_state: state, frames_len: 0, name }
+        TaskRecord { task: 1, coro_frame: 2, awaited_by: 0, name_flags: flags, name_len: len, name_state: state, frames_len: 0, name }
     }
 
     fn objects() -> ObjectOffsets {

@@ -58,7 +58,10 @@ pub(crate) const TRUNCATED_FRAME: &str = "[truncated]";
 /// The leaf of an off-CPU stack: why the thread waited (`[off-cpu lock]`), so waits stand apart
 /// from the time on CPU in flame graphs.
 pub(crate) fn state_frame(state: ThreadState) -> Option<String> {
-    state.off_cpu().then(|| format!("[off-cpu {}]", state.name()))
+    match state {
+        ThreadState::TaskWait => Some("[awaiting]".into()),
+        _ => state.off_cpu().then(|| format!("[off-cpu {}]", state.name())),
+    }
 }
 
 /// A stack's value in the text formats (collapsed, SVG): samples where the profile measures CPU
