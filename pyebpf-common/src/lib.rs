@@ -76,7 +76,11 @@ pub mod programs {
     /// `sched_switch`: a thread of a watched process leaves the CPU (its stacks are captured as it
     /// leaves) or comes back (the interval's length is sent).
     pub const SWITCH: &str = "switch";
-    pub const ALL: [&str; 5] = [SAMPLE, FOLLOW_FORK, PROCESS_EXEC, PROCESS_EXIT, SWITCH];
+    /// The sampler and the switch hook that also read asyncio tasks (`--async-aware`): loaded
+    /// instead, so the others' verification does not pay for the task walks.
+    pub const SAMPLE_TASKS: &str = "sample_tasks";
+    pub const SWITCH_TASKS: &str = "switch_tasks";
+    pub const ALL: [&str; 7] = [SAMPLE, FOLLOW_FORK, PROCESS_EXEC, PROCESS_EXIT, SWITCH, SAMPLE_TASKS, SWITCH_TASKS];
 }
 
 /// Bits of [`Config::flags`].

@@ -32,8 +32,8 @@ pub struct Origin {
 }
 
 /// Captures the current thread `tgid`/`tid` and sends the record; a full ring buffer is counted
-/// as a lost sample.
-pub fn capture_and_emit<C: EbpfContext>(ctx: &C, config: &Config, tgid: u32, tid: u32, origin: &Origin, kernel_stack: bool) {
+/// as a lost sample. With `TASKS`, also its asyncio tasks, where its process's are read.
+pub fn capture_and_emit<C: EbpfContext, const TASKS: bool>(ctx: &C, config: &Config, tgid: u32, tid: u32, origin: &Origin, kernel_stack: bool) {
     // SAFETY: no preconditions.
     let cpu = unsafe { bpf_get_smp_processor_id() };
     let Some(record) = SCRATCH.get_ptr_mut(cpu + origin.scratch_half * config.cpus) else { return };
@@ -49,7 +49,7 @@ pub fn capture_and_emit<C: EbpfContext>(ctx: &C, config: &Config, tgid: u32, tid
         (*record).origin = origin.origin;
         (*record).weight_ns = 0;
         (*record).wait_state = origin.wait_state;
-        capture_python(
+        capture_python::<C, TASKS>(
             ctx,
             tgid,
             tid,
@@ -106,7 +106,7 @@ pub fn capture_and_emit<C: EbpfContext>(ctx: &C, config: &Config, tgid: u32, tid
     }
     // SAFETY: this CPU's record, as above.
     let (waiting, time_ns, tstate) = unsafe { ((*record).tasks.status & task_status::WAITING_FOLLOWS != 0, (*record).time_ns, (*record).py.tstate) };
-    if waiting {
+    if TASKS && waiting {
         emit_waiting_tasks(tgid, tid, time_ns, tstate, origin.scratch_half);
     }
 }

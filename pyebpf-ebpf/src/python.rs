@@ -28,7 +28,7 @@ pub fn read_u32(addr: u64) -> Option<u32> {
 /// the root, to the depth limit, or (3.15) to a marker whose established chain userspace holds, so
 /// at steady state only the frames that ran since the last capture are read. With `gil`, also
 /// whether the thread holds the GIL.
-pub fn capture_python<C: EbpfContext>(
+pub fn capture_python<C: EbpfContext, const TASKS: bool>(
     ctx: &C,
     tgid: u32,
     tid: u32,
@@ -73,7 +73,7 @@ pub fn capture_python<C: EbpfContext>(
     // The thread's marker chain belongs to the thread state userspace registered.
     let stop_at = if py.tstate == thread.tstate { marker_stop(tid, &config, py) } else { 0 };
     walk_frames(&config, frame, stop_at, py, frames);
-    if config.flags & py_proc_flags::TASKS != 0 {
+    if TASKS && config.flags & py_proc_flags::TASKS != 0 {
         if frame != 0 {
             capture_tasks(&config, py.tstate, py.frames_len, tasks, frames);
         }

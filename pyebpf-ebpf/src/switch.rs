@@ -24,6 +24,17 @@ const TASK_DEAD: u32 = 0x80;
 /// `sched_switch(preempt, prev, next, prev_state)`, in the context of `prev`.
 #[btf_tracepoint(function = "sched_switch")]
 pub fn switch(ctx: BtfTracePointContext) -> u32 {
+    on_switch::<false>(ctx)
+}
+
+/// `switch`, also reading asyncio tasks (`--async-aware`).
+#[btf_tracepoint(function = "sched_switch")]
+pub fn switch_tasks(ctx: BtfTracePointContext) -> u32 {
+    on_switch::<true>(ctx)
+}
+
+#[inline(always)]
+fn on_switch<const TASKS: bool>(ctx: BtfTracePointContext) -> u32 {
     let Some(config) = CONFIG.get(0) else { return 0 };
     // Argument 2 is the `task_struct` of the thread coming onto the CPU; its `pid` and `tgid`
     // are adjacent (userspace checked).
@@ -37,7 +48,7 @@ pub fn switch(ctx: BtfTracePointContext) -> u32 {
     }
     // Argument 3 is `prev_state`, an unsigned int.
     let prev_state: u64 = ctx.arg(3);
-    leaves(&ctx, config, prev_state as u32);
+    leaves::<TASKS>(&ctx, config, prev_state as u32);
     0
 }
 
@@ -88,7 +99,7 @@ fn add_short(away: u64) {
 
 /// The current thread leaves the CPU: if its process is watched, its interval starts, captured
 /// if it has a capture left (see [`OffCpuStart::tokens`]).
-fn leaves(ctx: &BtfTracePointContext, config: &Config, state: u32) {
+fn leaves<const TASKS: bool>(ctx: &BtfTracePointContext, config: &Config, state: u32) {
     let pid_tgid = bpf_get_current_pid_tgid();
     let tgid = (pid_tgid >> 32) as u32;
     let tid = pid_tgid as u32;
@@ -130,5 +141,5 @@ fn leaves(ctx: &BtfTracePointContext, config: &Config, state: u32) {
         return;
     }
     let leaving = Origin { origin: origin::OFF_CPU, time_ns: now, wait_state: state, scratch_half: 1, interrupted_regs: false };
-    capture_and_emit(ctx, config, tgid, tid, &leaving, true);
+    capture_and_emit::<_, TASKS>(ctx, config, tgid, tid, &leaving, true);
 }

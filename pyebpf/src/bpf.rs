@@ -65,6 +65,8 @@ pub struct SamplerOptions {
     pub snapshot_all: bool,
     /// Read at each sample whether the thread holds the GIL (`--mode gil`).
     pub gil: bool,
+    /// Load the programs that read asyncio tasks (`--async-aware`).
+    pub tasks: bool,
     /// Send the waiting asyncio tasks of a thread with each of its captures, where its process's
     /// tasks are read (`--mode wall|off-cpu --async-aware`).
     pub waiting_tasks: bool,
@@ -73,10 +75,29 @@ pub struct SamplerOptions {
     pub off_cpu_min: Option<Duration>,
 }
 
+/// Names of the sampler and switch hook a sampler loads.
+#[derive(Clone, Copy, Debug)]
+pub struct Programs {
+    pub sample: &'static str,
+    pub switch: &'static str,
+}
+
+impl Programs {
+    fn for_options(options: &SamplerOptions) -> Self {
+        if options.tasks {
+            Programs { sample: programs::SAMPLE_TASKS, switch: programs::SWITCH_TASKS }
+        } else {
+            Programs { sample: programs::SAMPLE, switch: programs::SWITCH }
+        }
+    }
+}
+
 /// The running sampler. Dropping it detaches the programs.
 pub struct Sampler {
     ebpf: Ebpf,
     frequency_hz: u64,
+    /// The sampler and switch hook loaded (with or without asyncio tasks).
+    programs: Programs,
     /// Keeps the kernel's run-time accounting on while held.
     _program_stats: Option<std::os::fd::OwnedFd>,
     /// The eBPF programs' own diagnostics, with debug logging on.
@@ -221,12 +242,12 @@ impl Sampler {
         }
         if options.off_cpu_min.is_some() {
             // BTF-typed: no kprobes (these kernels have none) or tracefs are needed.
-            let program: &mut BtfTracePoint = program_mut(&mut ebpf, programs::SWITCH)?;
+            let program: &mut BtfTracePoint = program_mut(&mut ebpf, Programs::for_options(options).switch)?;
             program.load("sched_switch", &aya_btf).map_err(BpfError::Program)?;
             program.attach().map_err(BpfError::Program)?;
         }
         let program_stats = options.program_stats.then(|| aya::sys::enable_stats(aya::sys::Stats::RunTime).ok()).flatten();
-        let program: &mut PerfEvent = program_mut(&mut ebpf, programs::SAMPLE)?;
+        let program: &mut PerfEvent = program_mut(&mut ebpf, Programs::for_options(options).sample)?;
         program.load().map_err(BpfError::Program)?;
 
         let kernel_log =
@@ -243,6 +264,7 @@ impl Sampler {
         Ok(Sampler {
             ebpf,
             frequency_hz: options.frequency_hz,
+            programs: Programs::for_options(options),
             _program_stats: program_stats,
             kernel_log,
             samples: RingReader::start(samples, kb as usize * 1024).map_err(BpfError::Poll)?,
@@ -277,6 +299,11 @@ impl Sampler {
     }
 
     /// Batches and samples the reader thread dropped because the consumer was behind.
+    /// The sampler and switch hook loaded.
+    pub fn programs(&self) -> Programs {
+        self.programs
+    }
+
     pub fn reader_drops(&self) -> (u64, u64) {
         let drops = self.samples.drops();
         (drops.batches.load(std::sync::atomic::Ordering::Relaxed), drops.samples.load(std::sync::atomic::Ordering::Relaxed))
@@ -286,7 +313,7 @@ impl Sampler {
     /// so the processes attached beforehand are registered first and their first samples
     /// already carry Python frames.
     pub fn start_sampling(&mut self) -> Result<(), BpfError> {
-        let program: &mut PerfEvent = program_mut(&mut self.ebpf, programs::SAMPLE)?;
+        let program: &mut PerfEvent = program_mut(&mut self.ebpf, self.programs.sample)?;
         let cpus = aya::util::online_cpus().map_err(|(_, err)| BpfError::Cpus(err))?;
         for cpu in cpus {
             program

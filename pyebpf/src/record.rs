@@ -604,6 +604,7 @@ async fn record(args: &RecordArgs, watched: &Watched, sink: &Arc<ProfileSink>) -
             program_stats: args.stats,
             snapshot_all: args.unwind == UnwindMode::Dwarf,
             gil: mode == Mode::Gil,
+            tasks: args.mode.async_aware,
             waiting_tasks: mode.counts_waits() && args.mode.async_aware,
             off_cpu_min: mode.counts_waits().then(|| Duration::from_micros(args.mode.off_cpu_min_us)),
         },
@@ -669,9 +670,9 @@ async fn record(args: &RecordArgs, watched: &Watched, sink: &Arc<ProfileSink>) -
     stats.lost_samples = sampler.lost_samples();
     (stats.reader_dropped_batches, stats.reader_dropped_samples) = sampler.reader_drops();
     let run_time = |name| sampler.program_run_time(name).map_or((0, 0), |(time, runs): (Duration, u64)| (time.as_nanos() as u64, runs));
-    (stats.program_run_time_ns, stats.program_runs) = run_time(pyebpf_common::programs::SAMPLE);
+    (stats.program_run_time_ns, stats.program_runs) = run_time(sampler.programs().sample);
     if mode.counts_waits() {
-        (stats.switch_run_time_ns, stats.switch_runs) = run_time(pyebpf_common::programs::SWITCH);
+        (stats.switch_run_time_ns, stats.switch_runs) = run_time(sampler.programs().switch);
     }
     stats.own_cpu_ns = own_cpu_ns();
     let (short_intervals, short_ns) = sampler.short_waits();

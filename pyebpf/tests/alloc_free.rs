@@ -141,6 +141,7 @@ fn replay(marker: bool, keep: impl Fn(&SampleRecord) -> bool) -> (u64, usize, Pr
                 program_stats: false,
                 snapshot_all: false,
                 gil: false,
+                tasks: false,
                 waiting_tasks: false,
                 off_cpu_min: None,
             },

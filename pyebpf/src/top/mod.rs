@@ -128,6 +128,7 @@ fn sampler_options(args: &TopArgs, mode: Mode) -> SamplerOptions {
         program_stats: false,
         snapshot_all: false,
         gil: mode == Mode::Gil,
+        tasks: args.mode.async_aware,
         waiting_tasks: mode.counts_waits() && args.mode.async_aware,
         off_cpu_min: mode.counts_waits().then(|| Duration::from_micros(args.mode.off_cpu_min_us)),
     }
