@@ -105,8 +105,10 @@ pub struct ModeArgs {
 
     /// Show asyncio tasks (CPython 3.14+): where a thread runs a task, its stack shows the task
     /// and the tasks awaiting it, outermost first, as `[task NAME]` frames, each awaiting task
-    /// with its suspended coroutine frames, above the running coroutine's frames. Read in the
-    /// kernel at each sample, like the frames; at most 8 tasks per chain
+    /// with its suspended coroutine frames, above the running coroutine's frames. With --mode wall
+    /// or off-cpu, every waiting task counts too, for as long as it waits: its task chain down to
+    /// what it awaits, ending in `[awaiting]`. Read in the kernel at each capture, like the frames;
+    /// at most 8 tasks per chain and 16 waiting tasks per capture
     #[arg(long = "async-aware")]
     pub async_aware: bool,
 }

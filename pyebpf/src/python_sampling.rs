@@ -32,7 +32,7 @@ use crate::cpython::TRUNCATION_MARK;
 use crate::cpython::{PyError, PyProcess};
 use crate::merge::PyStackItem;
 use crate::stack::{Frame, FrameCarry, FrameId, FrameTable};
-use crate::stats::{Stats, TaskTotals};
+use crate::stats::{NamedProcesses, Stats};
 
 /// How often thread lists are re-read to register new threads and drop dead ones.
 const THREAD_REFRESH: Duration = Duration::from_millis(500);
@@ -201,7 +201,7 @@ pub struct PythonSampling {
     options: SamplingOptions,
     next_gen: u64,
     /// Processes whose tasks cannot be read (`--async-aware`), for the summary.
-    unreadable_tasks: TaskTotals,
+    unreadable_tasks: NamedProcesses,
 }
 
 impl PythonSampling {
@@ -212,7 +212,7 @@ impl PythonSampling {
             others: HashMap::new(),
             options,
             next_gen: 1,
-            unreadable_tasks: TaskTotals::default(),
+            unreadable_tasks: NamedProcesses::default(),
         }
     }
 
@@ -266,7 +266,7 @@ impl PythonSampling {
                 if checks == 0 {
                     log::debug!("pid {pid}: not profiled as Python: {err}");
                     if let Some(python) = err.unsupported_python() {
-                        stats.unsupported_python(format!("{python} (pid {pid})"));
+                        stats.unsupported_pythons.add(format!("{python} (pid {pid})"));
                     }
                 }
                 let settled = err.unsupported_python().is_some() || matches!(err, PyError::BadOffsets(_));
@@ -278,7 +278,7 @@ impl PythonSampling {
         let tasks = match (self.options.async_aware, &py.offsets().objects) {
             (false, _) => Tasks::Off,
             (true, None) => {
-                self.unreadable_tasks.unsupported(format!("CPython {} (pid {pid})", py.version()));
+                self.unreadable_tasks.add(format!("CPython {} (pid {pid})", py.version()));
                 Tasks::Off
             }
             (true, Some(_)) => Tasks::Pending,
@@ -305,7 +305,7 @@ impl PythonSampling {
             config.flags |= py_proc_flags::USE_MARKER;
         }
         if let Err(problem) = process.find_tasks() {
-            self.unreadable_tasks.unsupported(problem);
+            self.unreadable_tasks.add(problem);
         }
         if sampler.set_py_process(pid, &process.config).is_err() {
             log::debug!("pid {pid}: PY_PROCS is full; sampled natively");
@@ -335,7 +335,7 @@ impl PythonSampling {
             match process.find_tasks() {
                 Ok(true) if sampler.set_py_process(pid, &process.config).is_err() => log::debug!("pid {pid}: PY_PROCS entry not updated"),
                 Ok(_) => {}
-                Err(problem) => self.unreadable_tasks.unsupported(problem),
+                Err(problem) => self.unreadable_tasks.add(problem),
             }
             if !process.refresh_threads(sampler) {
                 exited.push(pid);
@@ -450,10 +450,11 @@ impl PythonSampling {
                     Ok(Some(PyStackItem::Frame(id))) => part.push(id),
                     Ok(_) => {}
                     Err(err) => {
+                        // Cut there, as a thread's stack is: what it awaits is kept, its outer
+                        // frames and awaiters are not.
                         log::debug!("pid {pid}: waiting task {:#x}: {err}", task.task);
-                        // Its frames outward of the unproven one are dropped: a stack keeps only what is proven.
-                        part.clear();
                         cut = true;
+                        break;
                     }
                 }
             }
@@ -527,8 +528,7 @@ impl PythonSampling {
 
     /// The processes whose tasks could not be read, into `stats`.
     pub fn unreadable_tasks(&self, stats: &mut Stats) {
-        stats.tasks.unsupported = self.unreadable_tasks.unsupported.clone();
-        stats.tasks.more_unsupported = self.unreadable_tasks.more_unsupported;
+        stats.tasks.unsupported = self.unreadable_tasks.clone();
     }
 
     /// Code-object cache counters summed over every process attached to (those that have exited
@@ -555,7 +555,8 @@ fn waiting_task_stacks(parts: &[TaskPart], stacks: &mut Vec<(Vec<FrameId>, bool)
     for (i, part) in parts.iter().enumerate() {
         let mut stack = part.frames.clone();
         let mut truncated = part.cut;
-        let mut awaiter = part.awaited_by;
+        // A part cut short is not placed under its awaiters: its frames in between are unknown.
+        let mut awaiter = if part.cut { 0 } else { part.awaited_by };
         let mut levels = 1;
         while let Some(&outer) = index.get(&awaiter) {
             if levels == MAX_TASKS || outer == i {
@@ -563,7 +564,10 @@ fn waiting_task_stacks(parts: &[TaskPart], stacks: &mut Vec<(Vec<FrameId>, bool)
                 break;
             }
             stack.extend_from_slice(&parts[outer].frames);
-            truncated |= parts[outer].cut;
+            if parts[outer].cut {
+                truncated = true;
+                break;
+            }
             awaiter = parts[outer].awaited_by;
             levels += 1;
         }

@@ -32,10 +32,8 @@ pub struct Stats {
     pub code_cache: CodeCacheCounters,
     /// Python processes attached to.
     pub python_processes: u64,
-    /// Processes running a CPython pyebpf does not read (`CPython 3.11.2 (pid 6309)`), the first
-    /// [`MAX_NAMED_UNSUPPORTED`] of them, and how many more there were.
-    pub unsupported_pythons: Vec<String>,
-    pub more_unsupported_pythons: u64,
+    /// Processes running a CPython pyebpf does not read (`CPython 3.11.2 (pid 6309)`).
+    pub unsupported_pythons: NamedProcesses,
     /// CPU time pyebpf itself used (user + system), in nanoseconds.
     pub own_cpu_ns: u64,
     /// Time the eBPF sampler ran in the kernel, on the sampled CPUs, and how many times it ran
@@ -77,18 +75,40 @@ pub struct TaskTotals {
     pub waiting: u64,
     pub waiting_cut: u64,
     /// Processes whose tasks cannot be read (`CPython 3.13.9 (pid 6309)`: before 3.14, no asyncio
-    /// debug offsets), the first [`MAX_NAMED_UNSUPPORTED`] of them, and how many more.
-    pub unsupported: Vec<String>,
-    pub more_unsupported: u64,
+    /// debug offsets).
+    pub unsupported: NamedProcesses,
 }
 
-impl TaskTotals {
-    pub fn unsupported(&mut self, description: String) {
-        if self.unsupported.len() < MAX_NAMED_UNSUPPORTED {
-            self.unsupported.push(description);
+/// Processes named by a description each, the first [`MAX_NAMED_UNSUPPORTED`] of them, and how
+/// many more there were.
+#[derive(Debug, Default, Clone)]
+pub struct NamedProcesses {
+    pub names: Vec<String>,
+    pub more: u64,
+}
+
+impl NamedProcesses {
+    pub fn add(&mut self, description: String) {
+        if self.names.len() < MAX_NAMED_UNSUPPORTED {
+            self.names.push(description);
         } else {
-            self.more_unsupported += 1;
+            self.more += 1;
         }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.names.is_empty()
+    }
+}
+
+/// `A, B and 2 more`.
+impl fmt::Display for NamedProcesses {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.names.join(", "))?;
+        if self.more > 0 {
+            write!(f, " and {} more", self.more)?;
+        }
+        Ok(())
     }
 }
 
@@ -112,15 +132,6 @@ pub struct OffCpuTotals {
 pub const MAX_NAMED_UNSUPPORTED: usize = 8;
 
 impl Stats {
-    /// Counts a process running a CPython pyebpf does not read, named by `description`.
-    pub fn unsupported_python(&mut self, description: String) {
-        if self.unsupported_pythons.len() < MAX_NAMED_UNSUPPORTED {
-            self.unsupported_pythons.push(description);
-        } else {
-            self.more_unsupported_pythons += 1;
-        }
-    }
-
     pub fn count_unwind(&mut self, unwound: &crate::unwind::Unwound, stack_bytes: usize, copy_full: bool, cpu_ns: u64) {
         self.unwound_samples += 1;
         self.stack_bytes += stack_bytes as u64;

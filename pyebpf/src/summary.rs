@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use crate::cli::Mode;
 use crate::stack::{Frame, Profile};
-use crate::stats::{OffCpuTotals, Stats, TaskTotals};
+use crate::stats::{NamedProcesses, OffCpuTotals, Stats, TaskTotals};
 
 /// How many Python functions the summary lists.
 const TOP: usize = 5;
@@ -95,8 +95,7 @@ pub struct Summary {
     /// Samples without a single frame.
     pub unresolved: u64,
     /// Processes of CPythons pyebpf does not read, as `Stats` names them, and how many more.
-    pub unsupported_pythons: Vec<String>,
-    pub more_unsupported_pythons: u64,
+    pub unsupported_pythons: NamedProcesses,
     /// `--async-aware`.
     pub tasks: TaskTotals,
     /// Where the profile went, and the command that opens it (none for standard output, devices).
@@ -121,7 +120,6 @@ impl Summary {
             truncated: stats.truncated_samples,
             unresolved: totals.unresolved,
             unsupported_pythons: stats.unsupported_pythons.clone(),
-            more_unsupported_pythons: stats.more_unsupported_pythons,
             tasks: stats.tasks.clone(),
             output,
             open_command,
@@ -227,11 +225,7 @@ impl fmt::Display for Summary {
             writeln!(f, "  ({:.3} s are in functions beyond the first {MAX_RUN_FUNCTIONS} and not listed)", self.uncounted as f64 / 1e9)?;
         }
         if !self.unsupported_pythons.is_empty() {
-            let more = match self.more_unsupported_pythons {
-                0 => String::new(),
-                n => format!(" and {n} more"),
-            };
-            writeln!(f, "  native frames only (pyebpf reads CPython 3.8 to 3.15): {}{more}", self.unsupported_pythons.join(", "))?;
+            writeln!(f, "  native frames only (pyebpf reads CPython 3.8 to 3.15): {}", self.unsupported_pythons)?;
         }
         let tasks = &self.tasks;
         if tasks.enabled {
@@ -251,11 +245,7 @@ impl fmt::Display for Summary {
             }
         }
         if !tasks.unsupported.is_empty() {
-            let more = match tasks.more_unsupported {
-                0 => String::new(),
-                n => format!(" and {n} more"),
-            };
-            writeln!(f, "  no asyncio tasks (pyebpf reads them from CPython 3.14 on): {}{more}", tasks.unsupported.join(", "))?;
+            writeln!(f, "  no asyncio tasks (pyebpf reads them from CPython 3.14 on): {}", tasks.unsupported)?;
         }
         write!(f, "  lost: {}, Python stacks truncated: {}, unresolved (no frames): {}", self.lost, self.truncated, self.unresolved)?;
         if let Some(command) = &self.open_command {
@@ -329,7 +319,7 @@ mod tests {
     fn summary_names_processes_of_unsupported_pythons_within_its_bound() {
         let mut stats = Stats::default();
         for pid in 0..10 {
-            stats.unsupported_python(format!("CPython 3.11.2 (pid {pid})"));
+            stats.unsupported_pythons.add(format!("CPython 3.11.2 (pid {pid})"));
         }
         let text = Summary::new(RunTotals::of(&sample_profile()), &stats, "out.folded".into(), None).to_string();
         let line = text.lines().find(|l| l.contains("native frames only")).unwrap_or_else(|| panic!("{text}"));

@@ -253,3 +253,29 @@ fn ten_thousand_waiting_tasks_are_cut_at_each_capture() {
     let line = stderr.lines().find(|line| line.contains("asyncio waits: ")).unwrap_or_else(|| panic!("{stderr}"));
     assert!(!line.contains("(0 captures"), "{line}");
 }
+
+/// The same in pprof, read by `go tool pprof`: task frames are functions, and the waiting tasks'
+/// samples carry `thread_state=task-wait`, so they can be kept alone or left out.
+#[test]
+fn waiting_tasks_are_labelled_in_pprof() {
+    let (child, _dir) = start_ready(&debian_python("3.15"), "async_tree.py", &["tree"]);
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("tasks.pb.gz");
+    let pid = child.pid().to_string();
+    let record = run_pyebpf(&["record", "-p", &pid, "-d", "2", "--mode", "wall", "--async-aware", "-o", out.to_str().unwrap()]);
+    assert!(record.status.success(), "{}", String::from_utf8_lossy(&record.stderr));
+    let top = |filter: &str| {
+        let output = std::process::Command::new("go")
+            .args(["tool", "pprof", "-top", "-nodecount=200", "-sample_index=wall", filter])
+            .arg(&out)
+            .output()
+            .expect("go tool pprof (golang-go) must be installed");
+        assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+        String::from_utf8_lossy(&output.stdout).into_owned()
+    };
+    let tasks = top("-tagfocus=thread_state=task-wait");
+    assert!(tasks.contains("[task idle-1]") && tasks.contains("Event.wait"), "{tasks}");
+    assert!(!tasks.contains("[task busy-1]"), "busy-1 never waits: {tasks}");
+    let threads = top("-tagignore=thread_state=task-wait");
+    assert!(threads.contains("[task busy-1]") && !threads.contains("[task idle-1]"), "{threads}");
+}

@@ -132,6 +132,24 @@ fn top_shows_the_hot_python_function_and_q_restores_the_terminal() {
     assert_restored(&tmux, &modes, "0");
 }
 
+/// `top --async-aware`: the running task and the task awaiting it are rows of their own, beside
+/// the functions, with a total share like a function's (busy-1 runs all the time, under parent).
+#[test]
+fn async_aware_top_shows_the_running_tasks() {
+    let (python, _ready) = start_ready(&debian_python("3.14"), "async_tree.py", &["tree"]);
+    let dir = tempfile::tempdir().unwrap();
+    let modes = dir.path().join("modes");
+    let started = Instant::now();
+    let tmux = Tmux::start(&top_script(&format!("-p {} --async-aware", python.pid()), &modes), 160, 45);
+    let screen = wait_for_hot_function(&tmux, started, "[task busy-1]");
+    for task in ["[task busy-1]", "[task parent]"] {
+        let row = screen.lines().find(|line| line.contains(task)).unwrap_or_else(|| panic!("no {task} row: {screen}"));
+        assert!(row.contains("[asyncio]"), "{row}");
+    }
+    tmux.run(&["send-keys", "q"]);
+    assert_restored(&tmux, &modes, "0");
+}
+
 #[test]
 fn ctrl_c_quits_and_restores_the_terminal() {
     let (python, _ready) = start_ready(&debian_python("3.14"), "own_time.py", &[]);
