@@ -387,7 +387,7 @@ pub mod task_status {
     /// Awaiting tasks' coroutine frames went past [`super::MAX_AWAITER_FRAMES`] (or the record's
     /// room): the tasks after that have none.
     pub const FRAMES_CUT: u32 = 1 << 4;
-    /// A [`super::WaitingTasks`] record of this capture follows.
+    /// A [`super::WaitingTasks`] record of this capture follows, unless no task of the thread waits.
     pub const WAITING_FOLLOWS: u32 = 1 << 5;
     /// The thread's task list goes on past [`super::MAX_WAITING_TASKS`] waiting tasks.
     pub const WAITING_CUT: u32 = 1 << 6;

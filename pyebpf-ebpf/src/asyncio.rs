@@ -250,6 +250,11 @@ pub fn emit_waiting_tasks(tgid: u32, tid: u32, time_ns: u64, tstate: u64, half: 
     let steps = (MAX_WAITING_TASKS + 1 + MAX_WAITING_FRAMES) as u32;
     // SAFETY: as in capture_tasks; the count also ends a list that loops.
     unsafe { generated::bpf_loop(steps, waiting_step as *mut c_void, &mut walk as *mut WaitingWalk as *mut c_void, 0) };
+    // SAFETY: this CPU's record, as above.
+    if unsafe { (*out).len == 0 && (*out).status == 0 } {
+        // No task waits (a thread without an event loop): nothing to count.
+        return;
+    }
     // SAFETY: the whole record, plain data.
     if SAMPLES.output::<WaitingTasks>(unsafe { &*out }, 0).is_err() {
         if let Some(lost) = LOST.get_ptr_mut(0) {
@@ -290,7 +295,7 @@ unsafe extern "C" fn waiting_step(_index: u64, context: *mut c_void) -> i64 {
         return 1;
     };
     walk.node = next;
-    let task = node - a.task_node as u64;
+    let task = node.wrapping_sub(a.task_node as u64);
     let Some(coro) = read_u64(task + a.task_coro as u64) else {
         out.status |= task_status::READ_FAILED;
         return 1;

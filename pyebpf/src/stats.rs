@@ -209,15 +209,6 @@ impl fmt::Display for Stats {
         writeln!(f, "code objects cached:        {} ({:.1} MiB)", code.cached_entries, code.cached_bytes as f64 / (1 << 20) as f64)?;
         writeln!(f, "  evicted (cache budget):   {}", code.evictions)?;
         writeln!(f, "  line tables cut at 64 KiB: {}", code.truncated_linetables)?;
-        write!(f, "  names cut at 4 KiB:       {}", code.truncated_strings)?;
-        let tasks = &self.tasks;
-        if tasks.enabled {
-            write!(
-                f,
-                "\nasyncio task samples:       {} ({} not placed: the task's coroutine was not in the stack kept; {} chains cut)",
-                tasks.placed, tasks.unplaced, tasks.chains_cut
-            )?;
-        }
-        Ok(())
+        write!(f, "  names cut at 4 KiB:       {}", code.truncated_strings)
     }
 }
