@@ -389,7 +389,8 @@ pub mod task_status {
     pub const FRAMES_CUT: u32 = 1 << 4;
     /// A [`super::WaitingTasks`] record of this capture follows, unless no task of the thread waits.
     pub const WAITING_FOLLOWS: u32 = 1 << 5;
-    /// The thread's task list goes on past [`super::MAX_WAITING_TASKS`] waiting tasks.
+    /// The thread's task list goes on past what was read: [`super::MAX_WAITING_TASKS`] waiting
+    /// tasks, or the walk's steps.
     pub const WAITING_CUT: u32 = 1 << 6;
 }
 

@@ -251,6 +251,12 @@ pub fn emit_waiting_tasks(tgid: u32, tid: u32, time_ns: u64, tstate: u64, half: 
     // SAFETY: as in capture_tasks; the count also ends a list that loops.
     unsafe { generated::bpf_loop(steps, waiting_step as *mut c_void, &mut walk as *mut WaitingWalk as *mut c_void, 0) };
     // SAFETY: this CPU's record, as above.
+    let status = unsafe { &mut (*out).status };
+    // The steps ran out before the list's end (tasks not waiting take steps too): a cut as well.
+    if walk.node != walk.head && *status & task_status::READ_FAILED == 0 {
+        *status |= task_status::WAITING_CUT;
+    }
+    // SAFETY: this CPU's record, as above.
     if unsafe { (*out).len == 0 && (*out).status == 0 } {
         // No task waits (a thread without an event loop): nothing to count.
         return;
