@@ -70,8 +70,8 @@ pub struct TaskTotals {
     /// Chains cut: past 8 tasks, an awaiter that could not be read, or awaiting tasks' frames
     /// past 32 or unproven.
     pub chains_cut: u64,
-    /// Waiting tasks' stacks counted (`--mode wall|off-cpu`), and captures whose thread had more
-    /// waiting tasks than were read.
+    /// Waiting tasks' stacks counted (`--mode wall|off-cpu`), and captures that read their thread's
+    /// task list in part (past 16 waiting tasks, or out of steps).
     pub waiting: u64,
     pub waiting_cut: u64,
     /// Processes whose tasks cannot be read (`CPython 3.13.9 (pid 6309)`: before 3.14, no asyncio

@@ -237,7 +237,7 @@ impl fmt::Display for Summary {
             if self.mode.counts_waits() {
                 writeln!(
                     f,
-                    "  asyncio waits: {} stacks of waiting tasks ({} captures had more than {} waiting tasks: the oldest were read)",
+                    "  asyncio waits: {} stacks of waiting tasks ({} captures read their thread's task list in part: {} waiting tasks at most, the oldest)",
                     tasks.waiting,
                     tasks.waiting_cut,
                     pyebpf_common::MAX_WAITING_TASKS
