@@ -83,6 +83,13 @@ pub mod programs {
     pub const ALL: [&str; 7] = [SAMPLE, FOLLOW_FORK, PROCESS_EXEC, PROCESS_EXIT, SWITCH, SAMPLE_TASKS, SWITCH_TASKS];
 }
 
+/// Global constants the loader sets before verification (the eBPF crate's statics of these names).
+pub mod globals {
+    /// Byte offsets of `pid` and `tgid` in the kernel's `struct task_struct` (from its BTF).
+    pub const TASK_PID_OFFSET: &str = "TASK_PID_OFFSET";
+    pub const TASK_TGID_OFFSET: &str = "TASK_TGID_OFFSET";
+}
+
 /// Bits of [`Config::flags`].
 pub mod config_flags {
     /// Capture the kernel stack too (`--kernel`).
@@ -117,23 +124,15 @@ pub struct Config {
     /// pyebpf's own tgid: its samples are dropped in the kernel.
     pub own_tgid: u32,
     pub flags: u32,
-    /// Byte offset of `tgid` in the kernel's `struct task_struct` (from the kernel's BTF: the
-    /// layout differs between kernel builds).
-    pub task_tgid_offset: u32,
     /// Pending bytes in the ring buffer from which a sample wakes the reader; below, the reader
     /// polls on its own timer.
     pub wakeup_bytes: u32,
     /// SCRATCH entries per origin: the CPU count (an off-CPU capture uses the second half, so it
     /// never shares a record with a sample on its CPU).
     pub cpus: u32,
-    pub _pad: u32,
     /// A thread's stacks are captured as it leaves the CPU at most once per this many nanoseconds;
     /// intervals that begin without a capture are only summed in `SHORT_WAITS`.
     pub off_cpu_min_ns: u64,
-    /// Byte offset of `pid` (the thread id) in `struct task_struct` (from the kernel's BTF); in
-    /// off-CPU modes `tgid` follows it (`task_tgid_offset` is 4 more, as in every kernel).
-    pub task_pid_offset: u32,
-    pub _pad2: u32,
 }
 
 /// Bits of [`PyCapture::status`].

@@ -2,14 +2,14 @@
 //! targets, execs and exits end what userspace knew of a process.
 
 use aya_ebpf::{
-    helpers::{bpf_get_current_comm, bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_kernel},
+    helpers::{bpf_get_current_comm, bpf_get_current_pid_tgid, bpf_ktime_get_ns},
     macros::btf_tracepoint,
     programs::BtfTracePointContext,
 };
 use aya_log_ebpf::debug;
 use pyebpf_common::{config_flags, record_kind, ProcessEvent};
 
-use crate::{BPF_RB_FORCE_WAKEUP, CONFIG, LOST, LOST_EVENTS, SAMPLES, TARGETS};
+use crate::{task, BPF_RB_FORCE_WAKEUP, CONFIG, LOST, LOST_EVENTS, SAMPLES, TARGETS};
 
 /// `sched_process_fork`: with `FOLLOW_FORKS`, a child of a target becomes a target. Its arguments are the parent's and the child's `task_struct`.
 #[btf_tracepoint(function = "sched_process_fork")]
@@ -22,12 +22,9 @@ pub fn follow_fork(ctx: BtfTracePointContext) -> u32 {
     if TARGETS.get_ptr(parent_tgid).is_none() {
         return 0;
     }
-    let child: *const u8 = ctx.arg(1);
-    // SAFETY: the offset comes from the kernel's BTF; the read is checked by the kernel.
-    if let Ok(child_tgid) = unsafe { bpf_probe_read_kernel(child.add(config.task_tgid_offset as usize) as *const i32) } {
-        if TARGETS.insert(child_tgid as u32, 1, 0).is_err() {
-            debug!(&ctx, "TARGETS is full: child {} of {} is not followed", child_tgid, parent_tgid);
-        }
+    let (_, child_tgid) = task::ids(ctx.arg(1));
+    if TARGETS.insert(child_tgid, 1, 0).is_err() {
+        debug!(&ctx, "TARGETS is full: child {} of {} is not followed", child_tgid, parent_tgid);
     }
     0
 }

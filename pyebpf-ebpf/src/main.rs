@@ -11,6 +11,7 @@ mod lifecycle;
 mod python;
 mod sample;
 mod switch;
+mod task;
 mod user_stack;
 
 use aya_ebpf::{

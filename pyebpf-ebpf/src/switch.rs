@@ -5,18 +5,14 @@
 //! switches often is captured, after a burst, at most once per `--off-cpu-min` of its time; the
 //! intervals that begin without a capture are summed and sent with its next captured one, whose
 //! stacks stand for them (as a sample's stand for its period). Every switch on the host runs this
-//! hook: for threads that are not watched it is one read of the next thread's ids and two bits of
-//! an array.
+//! hook: for threads that are not watched it is two plain loads of each thread's process id and
+//! a bit of an array for each.
 
-use aya_ebpf::{
-    helpers::{bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_kernel},
-    macros::btf_tracepoint,
-    programs::BtfTracePointContext,
-};
+use aya_ebpf::{helpers::bpf_ktime_get_ns, macros::btf_tracepoint, programs::BtfTracePointContext};
 use pyebpf_common::{origin, record_kind, Config, OffCpuEnd, OffCpuStart, OFF_CPU_BURST};
 
 use crate::capture::{capture_and_emit, Origin};
-use crate::{BPF_RB_NO_WAKEUP, CONFIG, LOST, OFF_CPU, SAMPLES, SHORT_WAITS, WAIT_PROCS};
+use crate::{task, BPF_RB_NO_WAKEUP, CONFIG, LOST, OFF_CPU, SAMPLES, SHORT_WAITS, WAIT_PROCS};
 
 /// `TASK_DEAD` in `prev_state`: the thread is exiting and never comes back.
 const TASK_DEAD: u32 = 0x80;
@@ -35,20 +31,21 @@ pub fn switch_tasks(ctx: BtfTracePointContext) -> u32 {
 
 #[inline(always)]
 fn on_switch<const TASKS: bool>(ctx: BtfTracePointContext) -> u32 {
-    let Some(config) = CONFIG.get(0) else { return 0 };
-    // Argument 2 is the `task_struct` of the thread coming onto the CPU; its `pid` and `tgid`
-    // are adjacent (userspace checked).
-    let next: *const u8 = ctx.arg(2);
-    // SAFETY: the offset comes from the kernel's BTF; the read is checked.
-    if let Ok([next_tid, next_tgid]) = unsafe { bpf_probe_read_kernel(next.add(config.task_pid_offset as usize) as *const [u32; 2]) } {
-        // The idle task (0) is never watched.
-        if next_tid != 0 && watched(next_tgid) {
-            came_back(next_tid);
-        }
+    // Arguments 1 and 2 are the `task_struct`s of the thread leaving the CPU (the current one)
+    // and of the one coming onto it.
+    let (next_tid, next_tgid) = task::ids(ctx.arg(2));
+    // The idle task (0) is never watched.
+    if next_tid != 0 && watched(next_tgid) {
+        came_back(next_tid);
     }
+    let (tid, tgid) = task::ids(ctx.arg(1));
+    if tgid == 0 || !watched(tgid) {
+        return 0;
+    }
+    let Some(config) = CONFIG.get(0) else { return 0 };
     // Argument 3 is `prev_state`, an unsigned int.
     let prev_state: u64 = ctx.arg(3);
-    leaves::<TASKS>(&ctx, config, prev_state as u32);
+    leaves::<TASKS>(&ctx, config, tgid, tid, prev_state as u32);
     0
 }
 
@@ -97,15 +94,9 @@ fn add_short(away: u64) {
     }
 }
 
-/// The current thread leaves the CPU: if its process is watched, its interval starts, captured
-/// if it has a capture left (see [`OffCpuStart::tokens`]).
-fn leaves<const TASKS: bool>(ctx: &BtfTracePointContext, config: &Config, state: u32) {
-    let pid_tgid = bpf_get_current_pid_tgid();
-    let tgid = (pid_tgid >> 32) as u32;
-    let tid = pid_tgid as u32;
-    if tgid == 0 || !watched(tgid) {
-        return;
-    }
+/// The current thread, of a watched process, leaves the CPU: its interval starts, captured if it
+/// has a capture left (see [`OffCpuStart::tokens`]).
+fn leaves<const TASKS: bool>(ctx: &BtfTracePointContext, config: &Config, tgid: u32, tid: u32, state: u32) {
     // SAFETY: no preconditions.
     let now = unsafe { bpf_ktime_get_ns() };
     if state & TASK_DEAD != 0 {

@@ -7,7 +7,7 @@ use aya::maps::{Array, HashMap, MapData, PerCpuArray, RingBuf};
 use aya::programs::perf_event::{PerfEventConfig, PerfEventScope, SamplePolicy, SoftwareEvent};
 use aya::programs::{BtfTracePoint, PerfEvent};
 use aya::{Ebpf, EbpfLoader};
-use pyebpf_common::{config_flags, maps, programs, Config, MarkerChain, OffCpuStart, PyProcConfig, PyThreadEntry};
+use pyebpf_common::{config_flags, globals, maps, programs, Config, MarkerChain, OffCpuStart, PyProcConfig, PyThreadEntry};
 
 use crate::reader::{RecordBatch, RingReader};
 
@@ -172,6 +172,10 @@ impl Sampler {
         // Every program reads kernel types (the current task, fork's task_structs), so a kernel
         // without BTF is reported here, in one line, rather than as a verifier log.
         let kernel_btf = Btf::from_kernel()?;
+        // The hooks read the ids of the tasks they are given at these offsets, constants to the
+        // verifier once set (see the eBPF crate's `task` module).
+        let task_pid_offset = kernel_btf.member_offset("task_struct", "pid")?;
+        let task_tgid_offset = kernel_btf.member_offset("task_struct", "tgid")?;
         let aya_btf = aya::Btf::from_sys_fs().map_err(BpfError::AyaBtf)?;
         // The eBPF programs' diagnostics are compiled in but off (and removed by the verifier)
         // unless debug logging is on.
@@ -180,6 +184,8 @@ impl Sampler {
         let mut ebpf = EbpfLoader::new()
             .btf(Some(&aya_btf))
             .override_global(aya_log::LEVEL, &log_level, false)
+            .override_global(globals::TASK_PID_OFFSET, &task_pid_offset, true)
+            .override_global(globals::TASK_TGID_OFFSET, &task_tgid_offset, true)
             .map_max_entries(maps::SAMPLES, kb * 1024)
             // One record per CPU for samples, one for the switch hooks.
             .map_max_entries(maps::SCRATCH, 2 * cpus)
@@ -206,25 +212,11 @@ impl Sampler {
                 targets.insert(pid, 1, 0).map_err(map_error(maps::TARGETS))?;
             }
         }
-        let task_tgid_offset = if options.follow_forks {
+        if options.follow_forks {
             flags |= config_flags::FOLLOW_FORKS;
-            kernel_btf.member_offset("task_struct", "tgid")?
-        } else {
-            0
-        };
-        let task_pid_offset = if options.off_cpu_min.is_some() { kernel_btf.task_ids_offset()? } else { 0 };
+        }
         let off_cpu_min_ns = options.off_cpu_min.map_or(0, |min| min.as_nanos().try_into().unwrap_or(u64::MAX));
-        let config = Config {
-            own_tgid: std::process::id(),
-            flags,
-            task_tgid_offset,
-            wakeup_bytes: kb * 1024 / 4,
-            cpus,
-            _pad: 0,
-            off_cpu_min_ns,
-            task_pid_offset,
-            _pad2: 0,
-        };
+        let config = Config { own_tgid: std::process::id(), flags, wakeup_bytes: kb * 1024 / 4, cpus, off_cpu_min_ns };
         let mut config_map: Array<_, Config> =
             Array::try_from(ebpf.map_mut(maps::CONFIG).ok_or(BpfError::StaleObject(maps::CONFIG))?).map_err(map_error(maps::CONFIG))?;
         config_map.set(0, config, 0).map_err(map_error(maps::CONFIG))?;
@@ -437,13 +429,13 @@ mod tests {
     use pyebpf_common::{maps, programs};
 
     #[test]
-    fn the_embedded_object_has_every_map_and_program_the_loader_takes() {
+    fn the_embedded_object_has_every_map_program_and_global_the_loader_takes() {
         if super::EBPF_OBJECT.is_empty() {
             pyebpf_tests::needs_xtask("this pyebpf was built without its eBPF object");
         }
         let object = object::File::parse(super::EBPF_OBJECT).expect("the embedded eBPF object is ELF");
         let symbols: Vec<&str> = object.symbols().filter_map(|symbol| symbol.name().ok()).collect();
-        for name in maps::ALL.iter().chain(&programs::ALL) {
+        for name in maps::ALL.iter().chain(&programs::ALL).chain(&[globals::TASK_PID_OFFSET, globals::TASK_TGID_OFFSET]) {
             assert!(symbols.contains(name), "the eBPF object has no symbol {name}: {symbols:?}");
         }
     }

@@ -29,8 +29,6 @@ pub enum BtfError {
     NoMember { structure: String, member: String },
     #[error("{structure}.{member} is a bitfield, not a byte-addressable member")]
     Bitfield { structure: String, member: String },
-    #[error("struct task_struct has tgid at byte {tgid}, not right after pid (byte {pid}): the off-CPU hook reads the two together")]
-    TaskIdsApart { pid: u32, tgid: u32 },
 }
 
 /// One type's header: `name_off`, `info` (kind, kind_flag, vlen) and `size`/`type`.
@@ -105,16 +103,6 @@ impl Btf {
             return Err(BtfError::Bitfield { structure: structure.to_string(), member: member.to_string() });
         }
         Ok(bits / 8)
-    }
-
-    /// Byte offset of `pid` in `struct task_struct`, checked to be followed by `tgid` (one read
-    /// gives the switch hook both ids of the thread coming onto the CPU).
-    pub fn task_ids_offset(&self) -> Result<u32, BtfError> {
-        let (pid, tgid) = (self.member_offset("task_struct", "pid")?, self.member_offset("task_struct", "tgid")?);
-        if tgid != pid + 4 {
-            return Err(BtfError::TaskIdsApart { pid, tgid });
-        }
-        Ok(pid)
     }
 
     /// Bit offset of `member` within type `id` (a struct or union), `depth` anonymous levels down.
@@ -252,7 +240,6 @@ mod tests {
         assert_eq!(btf.member_offset("task", "flags").unwrap(), 0);
         assert!(matches!(btf.member_offset("task", "comm"), Err(BtfError::NoMember { .. })));
         assert!(matches!(btf.member_offset("mm", "pid"), Err(BtfError::NoStruct(_))));
-        assert!(matches!(btf.task_ids_offset(), Err(BtfError::NoStruct(_))));
     }
 
     #[test]
@@ -280,7 +267,6 @@ mod tests {
         let tgid = btf.member_offset("task_struct", "tgid").unwrap();
         // pid_t pid; pid_t tgid; sit side by side in every kernel since 2.6.
         assert_eq!(tgid, pid + 4);
-        assert_eq!(btf.task_ids_offset().unwrap(), pid);
         assert!(tgid > 0 && tgid < 16384, "{tgid}");
     }
 }
