@@ -426,7 +426,7 @@ impl Sampler {
 #[cfg(test)]
 mod tests {
     use object::{Object, ObjectSymbol};
-    use pyebpf_common::{maps, programs};
+    use pyebpf_common::{globals, maps, programs};
 
     #[test]
     fn the_embedded_object_has_every_map_program_and_global_the_loader_takes() {
