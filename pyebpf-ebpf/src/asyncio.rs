@@ -6,19 +6,14 @@
 
 use core::ffi::c_void;
 
-use aya_ebpf::helpers::{bpf_probe_read_user, generated};
+use aya_ebpf::helpers::generated;
 use pyebpf_common::{
     record_kind, task_status, type_flags, AsyncioConfig, PyFrameRecord, PyProcConfig, TaskCapture, TaskRecord, WaitingTasks, MAX_AWAITER_FRAMES,
     MAX_AWAITER_LINKS, MAX_PY_FRAMES, MAX_TASKS, MAX_WAITING_FRAMES, MAX_WAITING_TASKS, PY_FRAME_WINDOW, TASK_NAME_BYTES,
 };
 
-use crate::python::{frame_record, read_u32, read_u64};
+use crate::python::{frame_record, read_u32, read_u64, read_u8};
 use crate::{LOST, PY_PROCS, SAMPLES, WAITING_SCRATCH};
-
-fn read_u8(addr: u64) -> Option<u8> {
-    // SAFETY: bpf_probe_read_user checks the address; a fault is an error, not a crash.
-    unsafe { bpf_probe_read_user(addr as *const u8).ok() }
-}
 
 /// A `_PyStackRef`'s tag bits.
 const STACKREF_TAG: u64 = 3;

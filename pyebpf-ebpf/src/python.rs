@@ -24,6 +24,11 @@ pub fn read_u32(addr: u64) -> Option<u32> {
     unsafe { bpf_probe_read_user(addr as *const u32).ok() }
 }
 
+pub fn read_u8(addr: u64) -> Option<u8> {
+    // SAFETY: as in read_u64.
+    unsafe { bpf_probe_read_user(addr as *const u8).ok() }
+}
+
 /// Reads the thread's interpreter state and walks its frame chain from the innermost frame: to
 /// the root, to the depth limit, or (3.15) to a marker whose established chain userspace holds, so
 /// at steady state only the frames that ran since the last capture are read. With `gil`, also

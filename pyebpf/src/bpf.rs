@@ -232,14 +232,15 @@ impl Sampler {
             program.load(tracepoint, &aya_btf).map_err(BpfError::Program)?;
             program.attach().map_err(BpfError::Program)?;
         }
+        let loaded = Programs::for_options(options);
         if options.off_cpu_min.is_some() {
             // BTF-typed: no kprobes (these kernels have none) or tracefs are needed.
-            let program: &mut BtfTracePoint = program_mut(&mut ebpf, Programs::for_options(options).switch)?;
+            let program: &mut BtfTracePoint = program_mut(&mut ebpf, loaded.switch)?;
             program.load("sched_switch", &aya_btf).map_err(BpfError::Program)?;
             program.attach().map_err(BpfError::Program)?;
         }
         let program_stats = options.program_stats.then(|| aya::sys::enable_stats(aya::sys::Stats::RunTime).ok()).flatten();
-        let program: &mut PerfEvent = program_mut(&mut ebpf, Programs::for_options(options).sample)?;
+        let program: &mut PerfEvent = program_mut(&mut ebpf, loaded.sample)?;
         program.load().map_err(BpfError::Program)?;
 
         let kernel_log =
@@ -256,7 +257,7 @@ impl Sampler {
         Ok(Sampler {
             ebpf,
             frequency_hz: options.frequency_hz,
-            programs: Programs::for_options(options),
+            programs: loaded,
             _program_stats: program_stats,
             kernel_log,
             samples: RingReader::start(samples, kb as usize * 1024).map_err(BpfError::Poll)?,

@@ -18,8 +18,8 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
 use pyebpf_common::{
-    py_proc_flags, py_status, task_status, MarkerChain, PyCapture, PyFrameRecord, PyProcConfig, PyThreadEntry, SampleRecord, WaitingTasks, MARKER_POSITIONS,
-    MAX_PY_FRAMES, MAX_TASKS, MAX_WAITING_TASKS, NO_OFFSET,
+    py_proc_flags, py_status, task_status, MarkerChain, PyCapture, PyFrameRecord, PyProcConfig, PyThreadEntry, SampleRecord, TaskRecord, WaitingTasks,
+    MARKER_POSITIONS, MAX_PY_FRAMES, MAX_TASKS, MAX_WAITING_TASKS, NO_OFFSET,
 };
 
 use crate::bpf::Sampler;
@@ -69,8 +69,9 @@ enum Tasks {
     /// Not asked for, or the version has no asyncio debug offsets (before 3.14).
     Off,
     /// Asked for; the `_asyncio` table is not mapped yet (3.14 maps it when asyncio is first
-    /// imported): looked for again at each refresh of the thread list.
-    Pending,
+    /// imported): looked for again at each refresh of the thread list, after the first look only
+    /// in `_asyncio` modules (the interpreter's own files do not change).
+    Pending { interpreter_searched: bool },
     /// Told to the eBPF program (boxed: a process without tasks keeps a small entry).
     On(Box<(ObjectOffsets, AsyncioOffsets)>),
 }
@@ -281,7 +282,7 @@ impl PythonSampling {
                 self.unreadable_tasks.add(format!("CPython {} (pid {pid})", py.version()));
                 Tasks::Off
             }
-            (true, Some(_)) => Tasks::Pending,
+            (true, Some(_)) => Tasks::Pending { interpreter_searched: false },
         };
         let process = PythonProcess {
             config: py.bpf_config(),
@@ -444,22 +445,9 @@ impl PythonSampling {
             let coroutine = waiting.frames.get(next..next + task.frames_len as usize).unwrap_or_default();
             next += task.frames_len as usize;
             let mut part = Vec::with_capacity(coroutine.len() + 1);
-            let mut cut = false;
-            for frame in coroutine.iter().rev() {
-                match process.resolve_link(&link_of(&process.py, frame), frame.code_version, frames) {
-                    Ok(Some(PyStackItem::Frame(id))) => part.push(id),
-                    Ok(_) => {}
-                    Err(err) => {
-                        // Cut there, as a thread's stack is: what it awaits is kept, its outer
-                        // frames and awaiters are not.
-                        log::debug!("pid {pid}: waiting task {:#x}: {err}", task.task);
-                        cut = true;
-                        break;
-                    }
-                }
-            }
-            let name = asyncio::captured_name(task, &objects).unwrap_or_else(|_| "?".into());
-            part.push(frames.intern(Frame::Task(name.into())));
+            // A cut keeps what the task awaits; its outer frames and awaiters are not known.
+            let cut = !process.task_frames(task, coroutine, frames, &mut part);
+            part.push(process.task_frame(task, &objects, frames));
             parts.push(TaskPart { task: task.task, awaited_by: task.awaited_by, frames: part, cut });
         }
         waiting_task_stacks(&parts, stacks);
@@ -704,13 +692,14 @@ impl PythonProcess {
     /// Looks for the process's asyncio table while it is pending; once found, sets it in `config`
     /// (true: `config` is to be told to the eBPF program), or says why it cannot be used.
     fn find_tasks(&mut self) -> Result<bool, String> {
-        if !matches!(self.tasks, Tasks::Pending) {
-            return Ok(false);
-        }
+        let Tasks::Pending { interpreter_searched } = self.tasks else { return Ok(false) };
         let pid = self.py.pid();
-        let table = match find_asyncio_offsets(pid, self.py.memory()) {
+        let table = match find_asyncio_offsets(pid, self.py.memory(), !interpreter_searched) {
             Ok(Some(table)) => table,
-            Ok(None) => return Ok(false),
+            Ok(None) => {
+                self.tasks = Tasks::Pending { interpreter_searched: true };
+                return Ok(false);
+            }
             Err(err) => {
                 self.tasks = Tasks::Off;
                 return Err(format!("pid {pid}: {err}"));
@@ -744,32 +733,48 @@ impl PythonProcess {
         let mut chain = Vec::new();
         let mut next = record.py.frames_len as usize;
         let mut cut = captured.status & (task_status::TOO_MANY | task_status::READ_FAILED | task_status::FRAMES_CUT) != 0;
-        'tasks: for task in &captured.tasks[..(captured.len as usize).min(MAX_TASKS)] {
+        for task in &captured.tasks[..(captured.len as usize).min(MAX_TASKS)] {
             let coroutine = record.py_frames.get(next..next + task.frames_len as usize).unwrap_or_default();
             next += task.frames_len as usize;
-            for frame in coroutine.iter().rev() {
-                match self.resolve_link(&link_of(&self.py, frame), frame.code_version, frames) {
-                    Ok(Some(item @ PyStackItem::Frame(_))) => chain.push(item),
-                    Ok(_) => {}
-                    Err(err) => {
-                        log::debug!("pid {}: task {:#x}: {err}", self.py.pid(), task.task);
-                        cut = true;
-                        break 'tasks;
-                    }
-                }
+            // The chain ends at a frame that cannot be proven: what is outside it is not known.
+            if !self.task_frames(task, coroutine, frames, &mut chain) {
+                cut = true;
+                break;
             }
-            let name = asyncio::captured_name(task, &objects).unwrap_or_else(|err| {
-                log::debug!("pid {}: task {:#x}: {err}", self.py.pid(), task.task);
-                "?".into()
-            });
-            chain.push(PyStackItem::Frame(frames.intern(Frame::Task(name.into()))));
+            chain.push(self.task_frame(task, &objects, frames));
         }
         if captured.status & task_status::TOO_MANY != 0 {
-            chain.push(PyStackItem::Frame(frames.intern(Frame::Task(TRUNCATION_MARK.to_string().into()))));
+            chain.push(frames.intern(Frame::Task(TRUNCATION_MARK.to_string().into())));
         }
         stats.tasks.placed += 1;
         stats.tasks.chains_cut += u64::from(cut);
-        items.splice(at..at, chain);
+        items.splice(at..at, chain.into_iter().map(PyStackItem::Frame));
+    }
+
+    /// A task's suspended coroutine frames as a capture read them (`coroutine`, outermost first),
+    /// resolved onto `out` innermost first; false at the first whose code cannot be proven (those
+    /// inside it are kept).
+    fn task_frames(&mut self, task: &TaskRecord, coroutine: &[PyFrameRecord], frames: &mut FrameTable, out: &mut Vec<FrameId>) -> bool {
+        for frame in coroutine.iter().rev() {
+            match self.resolve_link(&link_of(&self.py, frame), frame.code_version, frames) {
+                Ok(Some(PyStackItem::Frame(id))) => out.push(id),
+                Ok(_) => {}
+                Err(err) => {
+                    log::debug!("pid {}: task {:#x}: {err}", self.py.pid(), task.task);
+                    return false;
+                }
+            }
+        }
+        true
+    }
+
+    /// The `[task NAME]` frame of a task a capture read (`[task ?]` if its name is malformed).
+    fn task_frame(&self, task: &TaskRecord, objects: &ObjectOffsets, frames: &mut FrameTable) -> FrameId {
+        let name = asyncio::captured_name(task, objects).unwrap_or_else(|err| {
+            log::debug!("pid {}: task {:#x}: {err}", self.py.pid(), task.task);
+            "?".into()
+        });
+        frames.intern(Frame::Task(name.into()))
     }
 
     /// Establishes a new marker chain for the sampled thread when the kernel had to walk far;

@@ -20,7 +20,7 @@ use pyebpf_common::{AsyncioConfig, TaskRecord, TASK_NAME_BYTES};
 use crate::chain::LinkReader;
 
 use super::memory::{field_u64, ReadExt, ReadMemory};
-use super::offsets::{DebugOffsets, ObjectOffsets};
+use super::offsets::{narrow, DebugOffsets, ObjectOffsets};
 use super::{runtime, strings, PyError, PyProcess, ResolvedFrame, MAX_DEPTH};
 
 /// Tasks counted (not read) past the ones read, per list.
@@ -113,11 +113,13 @@ fn section_in_file(pid: u32, path: &Path, mapped_at: u64) -> Option<u64> {
     (section.size() >= 8 * TABLE_FIELDS as u64).then(|| section.address().wrapping_add(runtime::load_bias(&elf, mapped_at)))
 }
 
-/// The asyncio table of `pid`, read from its memory where the section is mapped.
-pub fn find_asyncio_offsets(pid: u32, mem: &impl ReadMemory) -> Result<Option<AsyncioOffsets>, PyError> {
-    let asyncio_or_python =
-        |path: &Path| path.file_name().and_then(|name| name.to_str()).is_some_and(|name| name.starts_with("_asyncio")) || runtime::is_python_file(path);
-    for (path, mapped_at) in runtime::mapped_files(pid, asyncio_or_python)? {
+/// The asyncio table of `pid`, read from its memory where the section is mapped: in an `_asyncio`
+/// module or (with `in_interpreter`) the interpreter's own files.
+pub fn find_asyncio_offsets(pid: u32, mem: &impl ReadMemory, in_interpreter: bool) -> Result<Option<AsyncioOffsets>, PyError> {
+    let holds_table = |path: &Path| {
+        path.file_name().and_then(|name| name.to_str()).is_some_and(|name| name.starts_with("_asyncio")) || (in_interpreter && runtime::is_python_file(path))
+    };
+    for (path, mapped_at) in runtime::mapped_files(pid, holds_table)? {
         if let Some(addr) = section_in_file(pid, &path, mapped_at) {
             let raw = mem.read_vec(addr, 8 * TABLE_FIELDS)?;
             return AsyncioOffsets::from_table(&raw).map(Some);
@@ -452,8 +454,6 @@ fn small_int(tag: u64, digits: &[u8]) -> Result<u64, PyError> {
 /// `None` for a version without the object layouts (before 3.14).
 pub fn bpf_config(table: &AsyncioOffsets, offsets: &DebugOffsets) -> Option<AsyncioConfig> {
     let o = offsets.objects.as_ref()?;
-    // Offsets were checked against structure sizes of at most 16 MiB.
-    let narrow = |offset: u64| offset as u32;
     let states = |list: &[i8]| {
         let mut slots = [list.first().copied().unwrap_or(i8::MIN); 4];
         for (slot, state) in slots.iter_mut().zip(list) {

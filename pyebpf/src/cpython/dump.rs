@@ -279,7 +279,7 @@ impl TasksDump {
 fn dump_tasks<M: ReadMemory>(process: &mut PyProcess<M>, json: bool, max_tasks: usize, out: &mut impl Write) -> Result<()> {
     let pid = process.pid();
     let version = process.version().to_string();
-    let table = asyncio::find_asyncio_offsets(pid, process.memory()).with_context(|| format!("cannot read the asyncio table of process {pid}"))?;
+    let table = asyncio::find_asyncio_offsets(pid, process.memory(), true).with_context(|| format!("cannot read the asyncio table of process {pid}"))?;
     let threads = process.threads().with_context(|| format!("cannot list the threads of process {pid}"))?;
     let names: Vec<Option<String>> = threads.iter().map(|thread| process.thread_name(thread.tid)).collect();
     let mut reader = TaskReader::new(process, table, max_tasks)?;

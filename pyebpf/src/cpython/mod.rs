@@ -44,7 +44,7 @@ use code_cache::BoundedCache;
 pub use code_cache::MAX_ENTRIES as MAX_CACHED_CODES;
 pub use frames::{FrameWalk, ResolvedFrame, MAX_DEPTH};
 use memory::{MemCounters, MemError, ProcessMemory, ReadExt, ReadMemory};
-use offsets::CodeIdentity;
+use offsets::{narrow, CodeIdentity};
 pub use offsets::{DebugOffsets, PyVersion};
 pub use strings::TRUNCATION_MARK;
 pub use threads::PyThread;
@@ -332,8 +332,6 @@ impl<M: ReadMemory> PyProcess<M> {
     /// What the eBPF program needs to read this process's threads at sample time.
     pub fn bpf_config(&self) -> PyProcConfig {
         let o = &self.offsets;
-        // Offsets were checked against structure sizes of at most 16 MiB.
-        let narrow = |offset: u64| offset as u32;
         let (code_version, code_fingerprint, str_hash) = match o.code_identity {
             CodeIdentity::Version(at) => (narrow(at), NO_OFFSET, NO_OFFSET),
             CodeIdentity::Fingerprint { words, str_hash } => (NO_OFFSET, narrow(words), narrow(str_hash)),

@@ -13,6 +13,12 @@ const MAX_FIELDS: usize = 128;
 /// states, frames, code objects, strings) are below 1 KiB in every known release.
 const MAX_STATE_SIZE: u64 = 16 << 20;
 const MAX_OBJECT_SIZE: u64 = 64 << 10;
+/// An offset as the eBPF program's configuration holds it: every offset was checked against a
+/// structure size of at most [`MAX_STATE_SIZE`], so it fits.
+pub fn narrow(offset: u64) -> u32 {
+    offset as u32
+}
+
 /// `utf8_length` and `utf8`, which `PyCompactUnicodeObject` adds to `PyASCIIObject`.
 const COMPACT_UTF8_FIELDS: u64 = 16;
 

@@ -253,14 +253,25 @@ fn a_builtin_table_is_proven_against_the_process() {
         let pid = target.0.id();
         let mut process = PyProcess::attach(pid).unwrap_or_else(|err| panic!("attach to {version}: {err}"));
         assert_eq!(process.version().0, hex);
-        let threads = process.threads().unwrap();
-        assert_eq!(threads.len(), 2, "{version}");
         let frame_objects = hex < 0x030b0000;
-        for thread in &threads {
-            let links = process.walk_frames(thread.current_frame).unwrap().links;
-            let innermost = links.iter().find_map(|link| process.frame_info(link).unwrap()).map(|r| r.frame.qualname.to_string());
-            assert_eq!(innermost.as_deref(), Some(if frame_objects { "wait" } else { "Condition.wait" }), "{version}");
-        }
+        let waiting = if frame_objects { "wait" } else { "Condition.wait" };
+        // The helper thread may not have reached its wait when the ready file appears.
+        let innermost = loop {
+            let threads = process.threads().unwrap();
+            assert_eq!(threads.len(), 2, "{version}");
+            let innermost: Vec<Option<String>> = threads
+                .iter()
+                .map(|thread| {
+                    let links = process.walk_frames(thread.current_frame).unwrap().links;
+                    links.iter().find_map(|link| process.frame_info(link).unwrap()).map(|r| r.frame.qualname.to_string())
+                })
+                .collect();
+            if innermost.iter().all(|name| name.as_deref() == Some(waiting)) || started.elapsed() > Duration::from_secs(30) {
+                break innermost;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        assert_eq!(innermost, vec![Some(waiting.to_string()); 2], "{version}");
         let config = process.bpf_config();
         assert_eq!(config.tstate_cframe != NO_OFFSET, !frame_objects, "{version}: 3.11 and 3.12 read their frames through the _PyCFrame");
         // No co_version before 3.12: the eBPF program reads a fingerprint instead.
