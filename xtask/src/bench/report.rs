@@ -271,7 +271,8 @@ pub fn tables(results: &Value) -> String {
          Fidelity at 999 Hz on Python {fidelity_versions} (3.11 and 3.12 are pyenv's 3.11.7 and 3.12.1; Tachyon attaches only to 3.15), {runs} runs of {secs} s per profiler: the largest error of the three functions' shares, and the share of samples of the alternating workload whose stack mixes both paths:\n\n{}\n\
          Host-wide: `record -a -d {secs_attach}` with N spinning Python processes ({versions} in turn), steady CPU measured as above:\n\n{}\n\
          Off-CPU time (`--mode wall`): switch-heavy programs (`pingpong.py {pingpong_s}` on Python 3.15, two processes bouncing a byte over pipes, and `perf bench sched pipe -l {perf_loops}`) alone and under each profiler at {waits_hz} Hz, median of {waits_rounds} interleaved rounds \
-         (\"profiling other processes\": `record -a --mode wall --comm` naming none, so every switch on the host runs the hook); \
+         (\"profiling other processes\": `record -a --mode wall --comm` naming none, so every switch on the host runs the hook; \
+         \"an empty BPF program\": the bench attaches a program that returns at once to `sched_switch`, what any hook run at every switch costs here, the floor under pyebpf's); \
          then `waits.py` (a thread sleeping 7 ms in `wait_io` and spinning 3 ms in `compute` every 10 ms, beside a thread blocked on a lock) profiled for {share_s} s in each profiler's wall-clock mode \
          (`pyebpf record --mode wall`, `py-spy record --idle`, `profiling.sampling attach --mode wall -a`), at 99 Hz and at 97 Hz \
          (the workload's cycle is close to 99 Hz's period: a sampling clock locked to it samples one phase of the cycle):\n\n{}\n\

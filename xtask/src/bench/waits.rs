@@ -32,6 +32,9 @@ const VERSION: &str = "3.15";
 #[derive(Clone, Copy)]
 enum Setting {
     Alone,
+    /// The bench's `empty_switch` program on `sched_switch`, no profiler: what any program run at
+    /// every context switch costs, the floor under pyebpf's hook.
+    EmptyHook,
     /// `record -a --comm` naming no process, in cpu mode: what sampling the host costs alone.
     PyebpfOthersCpu,
     /// `record -a --mode wall --comm` naming no process: every switch goes through the hook.
@@ -41,10 +44,10 @@ enum Setting {
     TachyonWall,
 }
 
-const SETTINGS: [Setting; 6] =
-    [Setting::Alone, Setting::PyebpfOthersCpu, Setting::PyebpfOthers, Setting::PyebpfProfiling, Setting::PySpyIdle, Setting::TachyonWall];
+const SETTINGS: [Setting; 7] =
+    [Setting::Alone, Setting::EmptyHook, Setting::PyebpfOthersCpu, Setting::PyebpfOthers, Setting::PyebpfProfiling, Setting::PySpyIdle, Setting::TachyonWall];
 /// Those that apply to a native program.
-const NATIVE_SETTINGS: [Setting; 4] = [Setting::Alone, Setting::PyebpfOthersCpu, Setting::PyebpfOthers, Setting::PyebpfProfiling];
+const NATIVE_SETTINGS: [Setting; 5] = [Setting::Alone, Setting::EmptyHook, Setting::PyebpfOthersCpu, Setting::PyebpfOthers, Setting::PyebpfProfiling];
 
 /// The switch-heavy programs.
 #[derive(Clone, Copy)]
@@ -97,6 +100,7 @@ impl Setting {
     fn name(self) -> &'static str {
         match self {
             Setting::Alone => "alone",
+            Setting::EmptyHook => "an empty BPF program on sched_switch, no profiler",
             Setting::PyebpfOthersCpu => "pyebpf record -a --mode cpu, profiling other processes",
             Setting::PyebpfOthers => "pyebpf record -a --mode wall, profiling other processes",
             Setting::PyebpfProfiling => "pyebpf record --mode wall, profiling it",
@@ -175,7 +179,7 @@ fn switch_heavy(bench: &Bench, program: Program, pinned: bool, setting: Setting,
     let argv = program.command(bench, pinned);
     let out = bench.out.join("waits-switch-heavy.txt");
     let mut command = match setting {
-        Setting::Alone | Setting::PyebpfOthersCpu | Setting::PyebpfOthers => {
+        Setting::Alone | Setting::EmptyHook | Setting::PyebpfOthersCpu | Setting::PyebpfOthers => {
             let mut c = Command::new(&argv[0]);
             c.args(&argv[1..]);
             c
@@ -217,7 +221,9 @@ fn switch_heavy(bench: &Bench, program: Program, pinned: bool, setting: Setting,
     if host_wide.is_some() {
         std::thread::sleep(Duration::from_secs(2));
     }
+    let empty_hook = matches!(setting, Setting::EmptyHook).then(|| EmptyHook::attach(&bench.root)).transpose()?;
     let measured = run_measured(&mut command, None)?;
+    drop(empty_hook);
     let mut hook_ns = None;
     if let Some(pyebpf) = host_wide {
         let output = pyebpf.wait_with_output()?;
@@ -228,6 +234,24 @@ fn switch_heavy(bench: &Bench, program: Program, pinned: bool, setting: Setting,
         hook_ns = stat_line(&stderr, "switch hook time:").and_then(|line| figure_before(&line, "ns per context switch"));
     }
     Ok((program.round_trips_per_s(&measured)?, hook_ns))
+}
+
+/// The eBPF crate's `empty_switch` program, attached to `sched_switch` while this is held.
+struct EmptyHook {
+    _ebpf: aya::Ebpf,
+}
+
+impl EmptyHook {
+    fn attach(root: &std::path::Path) -> Result<EmptyHook> {
+        let object = crate::toolchain::ebpf_object_path(root).with_file_name("empty_switch");
+        let mut ebpf = aya::Ebpf::load_file(&object).with_context(|| format!("load {}", object.display()))?;
+        let btf = aya::Btf::from_sys_fs().context("the kernel's BTF")?;
+        let program: &mut aya::programs::BtfTracePoint =
+            ebpf.program_mut("empty_switch").context("no empty_switch program in the object")?.try_into().context("empty_switch is not a tp_btf program")?;
+        program.load("sched_switch", &btf).context("load empty_switch")?;
+        program.attach().context("attach empty_switch to sched_switch")?;
+        Ok(EmptyHook { _ebpf: ebpf })
+    }
 }
 
 /// A wall-clock profile of `pid` by `profiler`, with its CPU cost.
