@@ -83,11 +83,13 @@ pub mod programs {
     pub const ALL: [&str; 7] = [SAMPLE, FOLLOW_FORK, PROCESS_EXEC, PROCESS_EXIT, SWITCH, SAMPLE_TASKS, SWITCH_TASKS];
 }
 
-/// Global constants the loader sets before verification (the eBPF crate's statics of these names).
+/// Global constants the loader sets before verification: the eBPF crate's statics of these names
+/// (a unit test checks the embedded object has every one).
 pub mod globals {
     /// Byte offsets of `pid` and `tgid` in the kernel's `struct task_struct` (from its BTF).
     pub const TASK_PID_OFFSET: &str = "TASK_PID_OFFSET";
     pub const TASK_TGID_OFFSET: &str = "TASK_TGID_OFFSET";
+    pub const ALL: [&str; 2] = [TASK_PID_OFFSET, TASK_TGID_OFFSET];
 }
 
 /// Bits of [`Config::flags`].

@@ -436,7 +436,7 @@ mod tests {
         }
         let object = object::File::parse(super::EBPF_OBJECT).expect("the embedded eBPF object is ELF");
         let symbols: Vec<&str> = object.symbols().filter_map(|symbol| symbol.name().ok()).collect();
-        for name in maps::ALL.iter().chain(&programs::ALL).chain(&[globals::TASK_PID_OFFSET, globals::TASK_TGID_OFFSET]) {
+        for name in maps::ALL.iter().chain(&programs::ALL).chain(&globals::ALL) {
             assert!(symbols.contains(name), "the eBPF object has no symbol {name}: {symbols:?}");
         }
     }

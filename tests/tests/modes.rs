@@ -70,6 +70,32 @@ fn share(part: u64, whole: u64) -> f64 {
     100.0 * part as f64 / whole.max(1) as f64
 }
 
+/// The share of its time, in percent, the serving thread waited between two readings of what it
+/// measured of itself ([`Workload::truth`]).
+fn measured_wait_share(before: (f64, f64), after: (f64, f64)) -> f64 {
+    let (waited, computed) = (after.0 - before.0, after.1 - before.1);
+    100.0 * waited / (waited + computed)
+}
+
+/// Checks that `wait_io` and `compute` hold the serving thread's shares (of `serve_total`) it
+/// measured of itself (`true_wait` percent waiting), within 3 points; returns `wait_io`'s weight.
+fn assert_split_as_measured(serve: &[Stack], serve_total: u64, true_wait: f64, context: &str) -> u64 {
+    let wait_io = weight(serve, |frames| has_function(frames, "wait_io"));
+    let compute = weight(serve, |frames| has_function(frames, "compute"));
+    assert!(
+        (share(wait_io, serve_total) - true_wait).abs() <= 3.0,
+        "wait_io {:.1}% of the serving thread, where it measured {true_wait:.1}%: {context}",
+        share(wait_io, serve_total)
+    );
+    assert!(
+        (share(compute, serve_total) - (100.0 - true_wait)).abs() <= 3.0,
+        "compute {:.1}% of the serving thread, where it measured {:.1}%: {context}",
+        share(compute, serve_total),
+        100.0 - true_wait
+    );
+    wait_io
+}
+
 #[test]
 fn wall_mode_splits_a_thread_between_its_sleep_and_its_work_and_counts_a_lock_waiter_throughout() {
     let workload = Workload::start(&debian_python("3.15"), &[]);
@@ -77,27 +103,14 @@ fn wall_mode_splits_a_thread_between_its_sleep_and_its_work_and_counts_a_lock_wa
     let (collapsed, stderr) = record(&["-p", &workload.pid(), "--mode", "wall", "-F", "199", "-d", "4", "--threads"]);
     let after = workload.truth();
     // The true split is 70/30 as written, less what its sleeps overrun: the thread measures it.
-    let (waited, computed) = (after.0 - before.0, after.1 - before.1);
-    let true_wait = 100.0 * waited / (waited + computed);
+    let true_wait = measured_wait_share(before, after);
     assert!((true_wait - 70.0).abs() <= 5.0, "the serving thread waited {true_wait:.1}% of its time, not about 70%");
     let stacks = stacks_of(&collapsed, workload.child.pid());
     let serve = workload.thread(&stacks, "serve");
     let serve_total = weight(&serve, |_| true);
     // Each thread's wall time is the recording's (4 s, in microseconds), within what starting takes.
     assert!((3_600_000..=4_600_000).contains(&serve_total), "serving thread has {serve_total} us of a 4 s recording: {stderr}");
-    let wait_io = weight(&serve, |frames| has_function(frames, "wait_io"));
-    let compute = weight(&serve, |frames| has_function(frames, "compute"));
-    assert!(
-        (share(wait_io, serve_total) - true_wait).abs() <= 3.0,
-        "wait_io {:.1}% of the serving thread, where it measured {true_wait:.1}%: {stderr}",
-        share(wait_io, serve_total)
-    );
-    assert!(
-        (share(compute, serve_total) - (100.0 - true_wait)).abs() <= 3.0,
-        "compute {:.1}% of the serving thread, where it measured {:.1}%: {stderr}",
-        share(compute, serve_total),
-        100.0 - true_wait
-    );
+    let wait_io = assert_split_as_measured(&serve, serve_total, true_wait, &stderr);
     let asleep = weight(&serve, |frames| has_function(frames, "wait_io") && frames.last().is_some_and(|f| f == "[off-cpu sleep]"));
     assert!(asleep * 100 >= wait_io * 95, "wait_io is not labelled a sleep: {asleep} of {wait_io} us");
 
@@ -118,8 +131,7 @@ fn wall_mode_counts_waits_shorter_than_off_cpu_min() {
     let before = workload.truth();
     let (collapsed, stderr) = record(&["-p", &workload.pid(), "--mode", "wall", "-F", "199", "-d", "4", "--threads"]);
     let after = workload.truth();
-    let (waited, computed) = (after.0 - before.0, after.1 - before.1);
-    let true_wait = 100.0 * waited / (waited + computed);
+    let true_wait = measured_wait_share(before, after);
     let serve = workload.thread(&stacks_of(&collapsed, workload.child.pid()), "serve");
     let serve_total = weight(&serve, |_| true);
     let wait_io = weight(&serve, |frames| has_function(frames, "wait_io"));
@@ -219,26 +231,13 @@ fn host_wide_wall_mode_with_twenty_python_processes_loses_nothing_and_keeps_thei
     let after: Vec<(f64, f64)> = workloads.iter().map(Workload::truth).collect();
     assert!(stderr.contains("(0 lost)"), "{stderr}");
     for ((workload, before), after) in workloads.iter().zip(before).zip(after) {
-        let (waited, computed) = (after.0 - before.0, after.1 - before.1);
-        let true_wait = 100.0 * waited / (waited + computed);
+        let true_wait = measured_wait_share(before, after);
         let stacks = stacks_of(&collapsed, workload.child.pid());
         let serve = workload.thread(&stacks, "serve");
         let serve_total = weight(&serve, |_| true);
-        let wait_io = weight(&serve, |frames| has_function(frames, "wait_io"));
-        let compute = weight(&serve, |frames| has_function(frames, "compute"));
         let pid = workload.pid();
         assert!((3_000_000..=4_600_000).contains(&serve_total), "pid {pid}: serving thread has {serve_total} us: {stderr}");
-        assert!(
-            (share(wait_io, serve_total) - true_wait).abs() <= 3.0,
-            "pid {pid}: wait_io {:.1}% where it measured {true_wait:.1}%",
-            share(wait_io, serve_total)
-        );
-        assert!(
-            (share(compute, serve_total) - (100.0 - true_wait)).abs() <= 3.0,
-            "pid {pid}: compute {:.1}% where it measured {:.1}%",
-            share(compute, serve_total),
-            100.0 - true_wait
-        );
+        assert_split_as_measured(&serve, serve_total, true_wait, &format!("pid {pid}"));
         let waiter = workload.thread(&stacks, "lock_waiter");
         let locked = weight(&waiter, |frames| has_function(frames, "lock_waiter") && frames.last().is_some_and(|f| f == "[off-cpu lock]"));
         assert!(share(locked, weight(&waiter, |_| true)) >= 97.0, "pid {pid}: lock waiter {locked} us locked");
