@@ -4,7 +4,6 @@
 use std::collections::HashMap;
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::process::{Child, Command, Stdio};
-use std::sync::Arc;
 
 #[derive(Debug, thiserror::Error)]
 pub enum TargetError {
@@ -115,29 +114,6 @@ pub fn raise_open_file_limit() {
             limit.rlim_cur = limit.rlim_max;
             libc::setrlimit(libc::RLIMIT_NOFILE, &limit);
         }
-    }
-}
-
-/// Process names, read once per process so every thread of a process shares one root frame.
-#[derive(Default)]
-pub struct ProcessNames {
-    names: HashMap<u32, Arc<str>>,
-}
-
-impl ProcessNames {
-    /// The process's `comm`, or `fallback` (the sampled thread's) when it has already exited.
-    pub fn name(&mut self, pid: u32, fallback: &[u8]) -> Arc<str> {
-        self.names
-            .entry(pid)
-            .or_insert_with(|| {
-                std::fs::read_to_string(format!("/proc/{pid}/comm")).map(|comm| comm.trim_end().into()).unwrap_or_else(|_| comm_to_string(fallback).into())
-            })
-            .clone()
-    }
-
-    /// Forgets `pid`'s name: it exited or replaced its program.
-    pub fn forget(&mut self, pid: u32) {
-        self.names.remove(&pid);
     }
 }
 

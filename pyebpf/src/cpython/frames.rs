@@ -38,18 +38,38 @@ impl<M: ReadMemory> PyProcess<M> {
         (o.frame_previous.max(o.frame_executable).max(o.frame_instr_ptr).max(o.frame_owner.unwrap_or(0)).max(o.frame_is_entry.unwrap_or(0)) + 8) as usize
     }
 
-    fn link_from(&self, addr: u64, buf: &[u8]) -> FrameLink {
+    /// Reads and decodes the frame at `addr` (see [`Self::decode_frame`]).
+    fn read_frame(&self, addr: u64) -> Result<(PyFrameRecord, u64), PyError> {
+        if !addr.is_multiple_of(8) {
+            return Err(PyError::Chain(format!("a frame at the unaligned address {addr:#x}")));
+        }
+        let buf = self.mem.read_vec(addr, self.frame_read_len())?;
+        Ok(self.decode_frame(addr, &buf))
+    }
+
+    /// The one decoder of a frame read from the process: its fields as the eBPF program records
+    /// them (the code object's identity not read), and the frame before it.
+    fn decode_frame(&self, addr: u64, buf: &[u8]) -> (PyFrameRecord, u64) {
         let o = &self.offsets;
         let byte = |at: u64| usize::try_from(at).ok().and_then(|at| buf.get(at)).copied().unwrap_or(0);
         let entry = o.frame_is_entry.is_some_and(|at| byte(at) != 0);
-        let owner = o.frame_owner.map_or(0, byte) | if entry { pyebpf_common::ENTRY_FLAG } else { 0 };
-        FrameLink {
-            addr,
-            previous: field_u64(buf, o.frame_previous),
+        // Owners fit the low 3 bits of the aligned address, as the eBPF program packs them.
+        let owner = o.frame_owner.map_or(0, byte) & 7 | if entry { pyebpf_common::ENTRY_FLAG } else { 0 };
+        let record = PyFrameRecord {
+            addr_owner: addr | u64::from(owner),
             code: field_u64(buf, o.frame_executable) & !o.executable_tag_mask,
-            instr_ptr: o.instr_of(field_u64(buf, o.frame_instr_ptr)),
-            kind: o.link_kind(owner),
-        }
+            instr_ptr: field_u64(buf, o.frame_instr_ptr),
+            code_version: 0,
+            _pad: 0,
+        };
+        (record, field_u64(buf, o.frame_previous))
+    }
+
+    /// A recorded frame (by the eBPF program at a sample, or [`Self::decode_frame`]) as a link of
+    /// its chain; `previous` is the frame before it where known, else 0.
+    pub fn link_of(&self, frame: &PyFrameRecord, previous: u64) -> FrameLink {
+        let o = &self.offsets;
+        FrameLink { addr: frame.addr(), previous, code: frame.code, instr_ptr: o.instr_of(frame.instr_ptr), kind: o.link_kind(frame.owner()) }
     }
 
     /// The Python frame running `code` at `instr_ptr` (an `instr_ptr` captured earlier, by the
@@ -109,7 +129,6 @@ impl<M: ReadMemory> PyProcess<M> {
     /// identity read now) into `out`, innermost first; returns the frames written and whether the
     /// chain ended within them. For a thread that cannot have run since (off CPU throughout).
     pub fn frame_records(&mut self, frame: u64, out: &mut [PyFrameRecord]) -> Result<(usize, bool), PyError> {
-        let o = &self.offsets;
         let mut seen = HashSet::new();
         let mut addr = frame;
         for (written, slot) in out.iter_mut().enumerate() {
@@ -119,19 +138,12 @@ impl<M: ReadMemory> PyProcess<M> {
             if !seen.insert(addr) {
                 return Err(PyError::Chain(format!("frame chain loops back to frame {addr:#x}")));
             }
-            let buf = self.mem.read_vec(addr, self.frame_read_len())?;
-            let byte = |at: u64| usize::try_from(at).ok().and_then(|at| buf.get(at)).copied().unwrap_or(0);
-            let entry = o.frame_is_entry.is_some_and(|at| byte(at) != 0);
-            let owner = o.frame_owner.map_or(0, byte) & 7 | if entry { pyebpf_common::ENTRY_FLAG } else { 0 };
-            let code = field_u64(&buf, o.frame_executable) & !o.executable_tag_mask;
-            *slot = PyFrameRecord {
-                addr_owner: addr | u64::from(owner),
-                code,
-                instr_ptr: field_u64(&buf, o.frame_instr_ptr),
-                code_version: if code == 0 { 0 } else { self.code_version(code)? },
-                _pad: 0,
-            };
-            addr = field_u64(&buf, o.frame_previous);
+            let (mut record, previous) = self.read_frame(addr)?;
+            if record.code != 0 {
+                record.code_version = self.code_version(record.code)?;
+            }
+            *slot = record;
+            addr = previous;
         }
         Ok((out.len(), addr == 0))
     }
@@ -141,7 +153,7 @@ impl<M: ReadMemory> LinkReader for PyProcess<M> {
     type Error = PyError;
 
     fn read_link(&mut self, addr: u64) -> Result<FrameLink, PyError> {
-        let buf = self.mem.read_vec(addr, self.frame_read_len())?;
-        Ok(self.link_from(addr, &buf))
+        let (record, previous) = self.read_frame(addr)?;
+        Ok(self.link_of(&record, previous))
     }
 }

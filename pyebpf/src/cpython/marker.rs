@@ -9,7 +9,7 @@
 //! same batch as the marker. Threads whose states live on the heap get no marker: a thread state is
 //! freed before its thread exits, so any list of them may already name freed memory.
 
-use super::memory::{ProcessMemory, ReadMemory};
+use super::memory::{ReadMemory, WriteMemory};
 use super::{PyError, PyProcess};
 
 /// Debug-offsets versions the marker write was tested against (3.15.2 final).
@@ -63,7 +63,7 @@ impl<M: ReadMemory> PyProcess<M> {
     }
 }
 
-impl PyProcess<ProcessMemory> {
+impl<M: ReadMemory + WriteMemory> PyProcess<M> {
     /// Points the marker of `tstate` at `frame`, re-checking just before that the write is allowed
     /// and the image unchanged. Refused unless [`Self::marker_writable`] and frames of this process
     /// were decoded (so its table is not a look-alike) and none was malformed (corrupt memory).

@@ -65,10 +65,16 @@ impl ProcessMemory {
         c.bytes += bytes as u64;
         self.counters.set(c);
     }
+}
 
-    /// Writes one 8-byte value. Only the validated marker field may be written: see
-    /// `PyProcess::set_last_profiled_frame`, the only caller.
-    pub(super) fn write_u64(&self, addr: u64, value: u64) -> Result<(), MemError> {
+/// Writing into another process's memory. Only the validated marker field is ever written: see
+/// `PyProcess::set_last_profiled_frame`, the only caller.
+pub trait WriteMemory {
+    fn write_u64(&self, addr: u64, value: u64) -> Result<(), MemError>;
+}
+
+impl WriteMemory for ProcessMemory {
+    fn write_u64(&self, addr: u64, value: u64) -> Result<(), MemError> {
         let bytes = value.to_ne_bytes();
         let local = libc::iovec { iov_base: bytes.as_ptr() as *mut libc::c_void, iov_len: 8 };
         let remote = libc::iovec { iov_base: addr as *mut libc::c_void, iov_len: 8 };

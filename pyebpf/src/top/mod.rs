@@ -1,5 +1,5 @@
 //! `pyebpf top`: a live view of the hottest functions on the host, refreshed every second, fed by
-//! the same sampler and resolver as `record`.
+//! the same sampler and session as `record`.
 
 mod render;
 mod tally;
@@ -13,9 +13,9 @@ use ratatui::crossterm::event::{Event, KeyCode, KeyEvent, KeyEventKind, KeyModif
 use crate::bpf::{check_privileges, SamplerOptions};
 use crate::cli::{Mode, TopArgs, UnwindMode, DEFAULT_MAX_PYTHON_FRAMES, DEFAULT_RING_BUFFER_KB};
 use crate::process::{self, Watched};
-use crate::python_sampling::SamplingOptions;
+use crate::python::SamplingOptions;
 use crate::reader::RecordBatch;
-use crate::record::{add_samples, SampleResolver, TICK};
+use crate::session::{add_samples, Session, SessionOptions, TICK};
 use crate::stats::Stats;
 use crate::stop_signals::StopSignals;
 use tally::{FrameView, Snapshot, SortBy, Tally};
@@ -147,10 +147,17 @@ async fn top(args: &TopArgs) -> Result<()> {
     let mut stops = StopSignals::new().context("read stop signals")?;
     let options = SamplingOptions { marker: true, read_only: args.read_only, max_frames: DEFAULT_MAX_PYTHON_FRAMES, async_aware: args.mode.async_aware };
     let mode = args.mode.mode;
-    let mut resolver = SampleResolver::new(options, false, args.filter.sample_filter(), UnwindMode::Auto, mode, false);
+    let mut session = Session::new(SessionOptions {
+        sampling: options,
+        no_native: false,
+        filter: args.filter.sample_filter(),
+        unwind: UnwindMode::Auto,
+        mode,
+        kernel: false,
+    });
     let mut stats = Stats::default();
-    let mut sampler = resolver.start_sampler(&sampler_options(args, mode), &mut stats)?;
-    resolver.start_recording();
+    let mut sampler = session.start_sampler(&sampler_options(args, mode), &mut stats)?;
+    session.start_recording();
     // The screen is taken only once sampling runs, so a failure to load says so on the normal screen.
     let mut screen = Screen::open()?;
     let mut keys = terminal::read_keys();
@@ -164,18 +171,18 @@ async fn top(args: &TopArgs) -> Result<()> {
         let action = tokio::select! {
             read = sampler.read_samples(&mut batch) => {
                 read?;
-                add_samples(&mut batch, &mut resolver, &mut sampler, tally.window_mut(), &mut stats);
+                add_samples(&mut batch, &mut session, &mut sampler, tally.window_mut(), &mut stats);
                 Action::Nothing
             }
             _ = refresh.tick() => {
                 let snapshot = tally.end_window();
                 if tally.windows().is_multiple_of(RENEW_FRAMES_WINDOWS) {
-                    tally.window_mut().renew_frames(|carry| resolver.carry_frames(carry));
+                    tally.window_mut().renew_frames(|carry| session.carry_frames(carry));
                 }
                 view.window_ended(snapshot, sampler.lost_samples())
             }
             _ = upkeep.tick() => {
-                resolver.upkeep(&mut sampler);
+                session.upkeep(&mut sampler);
                 Action::Nothing
             }
             event = keys.recv() => match event {
@@ -193,9 +200,9 @@ async fn top(args: &TopArgs) -> Result<()> {
             Action::NextMode => {
                 // The programs of the old mode go first (dropping the sampler detaches them).
                 drop(sampler);
-                resolver.set_mode(view.mode);
-                sampler = resolver.start_sampler(&sampler_options(args, view.mode), &mut stats)?;
-                resolver.start_recording();
+                session.set_mode(view.mode);
+                sampler = session.start_sampler(&sampler_options(args, view.mode), &mut stats)?;
+                session.start_recording();
                 tally = tally_for(args, view.mode);
                 batch = RecordBatch::default();
                 screen.draw(&view)?;

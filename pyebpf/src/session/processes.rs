@@ -1,18 +1,28 @@
-//! The processes a recording has sampled, by PID: each one's identity (its start time) and labels,
-//! and when its state ends. A process's state lives from its first sample until its exec or exit
-//! event is read (events travel in order with the samples, so its last samples are resolved by
-//! then); a periodic check of start times is the safety net for events the kernel dropped.
+//! The process table: one entry per PID sampled, with everything the sample path keeps of the
+//! process as a whole: its name, its identity (its start time) and labels. An entry lives from the
+//! process's first sample until its exec or exit event is read (events travel in order with the
+//! samples, so its last samples are resolved by then); a periodic check of start times is the
+//! safety net for events the kernel dropped. Forgetting a process here and in the holders of its
+//! per-process state happens in one place, `Session::forget`.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::process::comm_to_string;
 use crate::stack::ProcessLabels;
 
 /// A process not sampled for this long is checked against /proc (safety net for lost events).
 const IDLE_BEFORE_CHECK: Duration = Duration::from_secs(1);
 
 struct Entry {
+    /// Read once, so every thread of a process shares one root frame.
+    name: Arc<str>,
+    /// Set at the first sample the filter keeps.
+    sampled: Option<Sampled>,
+}
+
+struct Sampled {
     /// `starttime` from /proc/PID/stat: with the PID, the process's identity.
     start_time: Option<u64>,
     labels: Arc<ProcessLabels>,
@@ -25,12 +35,26 @@ pub struct ProcessTable {
 }
 
 impl ProcessTable {
+    /// The process's `comm`, or `fallback` (the sampled thread's) when it has already exited.
+    pub fn name(&mut self, pid: u32, fallback: &[u8]) -> Arc<str> {
+        self.entry(pid, fallback).name.clone()
+    }
+
     /// The labels of `pid`, read when it is first sampled.
     pub fn sampled(&mut self, pid: u32) -> Arc<ProcessLabels> {
-        let entry =
-            self.entries.entry(pid).or_insert_with(|| Entry { start_time: start_time(pid), labels: Arc::new(read_labels(pid)), last_sample: Instant::now() });
-        entry.last_sample = Instant::now();
-        entry.labels.clone()
+        let entry = self.entry(pid, &[]);
+        let sampled =
+            entry.sampled.get_or_insert_with(|| Sampled { start_time: start_time(pid), labels: Arc::new(read_labels(pid)), last_sample: Instant::now() });
+        sampled.last_sample = Instant::now();
+        sampled.labels.clone()
+    }
+
+    fn entry(&mut self, pid: u32, fallback: &[u8]) -> &mut Entry {
+        self.entries.entry(pid).or_insert_with(|| {
+            let name =
+                std::fs::read_to_string(format!("/proc/{pid}/comm")).map(|comm| comm.trim_end().into()).unwrap_or_else(|_| comm_to_string(fallback).into());
+            Entry { name, sampled: None }
+        })
     }
 
     pub fn forget(&mut self, pid: u32) {
@@ -39,11 +63,8 @@ impl ProcessTable {
 
     /// Processes idle for a while that are gone, or whose PID now names another process.
     pub fn stale(&self) -> Vec<u32> {
-        self.entries
-            .iter()
-            .filter(|(&pid, entry)| entry.last_sample.elapsed() >= IDLE_BEFORE_CHECK && start_time(pid) != entry.start_time)
-            .map(|(&pid, _)| pid)
-            .collect()
+        let stale = |pid: u32, sampled: &Sampled| sampled.last_sample.elapsed() >= IDLE_BEFORE_CHECK && start_time(pid) != sampled.start_time;
+        self.entries.iter().filter(|(&pid, entry)| entry.sampled.as_ref().is_some_and(|sampled| stale(pid, sampled))).map(|(&pid, _)| pid).collect()
     }
 }
 
@@ -52,7 +73,7 @@ fn start_time(pid: u32) -> Option<u64> {
 }
 
 /// The PID inside the process's own PID namespace (when not the host's) and its cgroup.
-pub fn read_labels(pid: u32) -> ProcessLabels {
+fn read_labels(pid: u32) -> ProcessLabels {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
     let ns_pid =
         status.lines().find_map(|line| line.strip_prefix("NSpid:")).and_then(|ids| ids.split_whitespace().last()?.parse().ok()).filter(|&inner| inner != pid);

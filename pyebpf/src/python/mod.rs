@@ -1,0 +1,395 @@
+//! Python-aware sampling: tells the eBPF program which threads are Python threads and where their
+//! thread states are, and turns the frame chain it walked at each sample into a Python stack.
+//!
+//! Every frame of a stack comes from the sample itself, or from a marker chain proven unchanged
+//! since (3.15, [`marker`]): nothing read later is attributed to a sample. A chain that cannot be
+//! completed from those is cut at the first unproven frame and marked truncated.
+//!
+//! One [`process::Process`] per CPython process, with its lifecycle (attach, register, refresh,
+//! forget); its [`frames::Resolver`] owns the code-identity proof, which the marker chains and the
+//! asyncio tasks ([`tasks`]) use to resolve their frames. The eBPF program is reached through
+//! [`KernelMaps`], so all of this runs in tests without it.
+
+mod frames;
+mod marker;
+mod process;
+mod tasks;
+#[cfg(test)]
+mod tests;
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use pyebpf_common::{py_proc_flags, py_status, PyCapture, SampleRecord, WaitingTasks, MAX_PY_FRAMES};
+
+pub use frames::{Memory, PyItem};
+use process::{Process, THREAD_REFRESH};
+pub use tasks::TaskStack;
+use tasks::Tasks;
+
+use crate::cpython::memory::ProcessMemory;
+use crate::cpython::{CodeCacheCounters, PyError, PyProcess};
+use crate::kernel_maps::KernelMaps;
+use crate::stack::{FrameCarry, FrameTable};
+use crate::stats::{NamedProcesses, Stats};
+
+/// A process found not to be Python is checked again this long after (doubling each time), at most
+/// [`RECHECKS`] times: right after an exec the dynamic loader has not mapped `libpython` yet, and
+/// the runtime is not set up yet.
+const FIRST_RECHECK: Duration = Duration::from_millis(20);
+const RECHECKS: u32 = 7;
+
+/// How Python frames are found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SamplingOptions {
+    /// Use the 3.15 marker (off with `--no-cache`: the kernel walks every chain in full).
+    pub marker: bool,
+    /// Never write into a target (`--read-only`).
+    pub read_only: bool,
+    /// Frames the kernel walks at most per sample.
+    pub max_frames: u32,
+    /// Read each sample's asyncio task chain (`--async-aware`, CPython 3.14+).
+    pub async_aware: bool,
+}
+
+impl SamplingOptions {
+    fn writes_markers(&self) -> bool {
+        self.marker && !self.read_only
+    }
+}
+
+/// What a sample's Python part came to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PythonStack {
+    /// Not a sample of a known Python thread, or no frame was read: native frames only.
+    None,
+    /// Every frame proven.
+    Whole,
+    /// Cut at the first frame that could not be proven (counted in the stats).
+    Cut,
+}
+
+impl PythonStack {
+    pub fn is_python(self) -> bool {
+        self != PythonStack::None
+    }
+
+    pub fn is_cut(self) -> bool {
+        self == PythonStack::Cut
+    }
+}
+
+/// A process found not to be CPython 3.8+ (or unreadable), until it execs or exits.
+struct Other {
+    checked_at: Instant,
+    checks: u32,
+    /// What was found cannot change without an exec (an unsupported version, say).
+    settled: bool,
+}
+
+impl Other {
+    fn recheck_due(&self) -> bool {
+        !self.settled && self.checks < RECHECKS && self.checked_at.elapsed() >= FIRST_RECHECK * (1 << self.checks)
+    }
+}
+
+/// Every CPython process profiled, by PID.
+pub struct Pythons<M = ProcessMemory> {
+    processes: HashMap<u32, Process<M>>,
+    /// What the code-object caches of processes forgotten since (exited, exec'd) counted.
+    retired_code_cache: CodeCacheCounters,
+    others: HashMap<u32, Other>,
+    options: SamplingOptions,
+    next_gen: u64,
+    /// Processes whose tasks cannot be read (`--async-aware`), for the summary.
+    unreadable_tasks: NamedProcesses,
+}
+
+impl Pythons<ProcessMemory> {
+    /// Attaches to `pid` if it is a CPython 3.8+ process not seen before, and registers its
+    /// threads with the eBPF program.
+    pub fn discover(&mut self, pid: u32, kernel: &mut dyn KernelMaps, stats: &mut Stats) {
+        if self.attach(pid, stats) {
+            self.register(pid, kernel);
+        }
+    }
+
+    /// Attaches to processes before sampling starts (reading their ELF files takes time), so
+    /// that their first samples already have Python frames; [`Self::register_all`] then tells
+    /// the eBPF program.
+    pub fn attach_all(&mut self, pids: impl IntoIterator<Item = u32>, stats: &mut Stats) {
+        for pid in pids {
+            self.attach(pid, stats);
+        }
+    }
+
+    /// True when `pid` was newly attached.
+    fn attach(&mut self, pid: u32, stats: &mut Stats) -> bool {
+        if self.processes.contains_key(&pid) || self.others.get(&pid).is_some_and(|other| !other.recheck_due()) {
+            return false;
+        }
+        let checks = self.others.get(&pid).map_or(0, |other| other.checks + 1);
+        match PyProcess::attach(pid) {
+            Ok(py) if py.fits_frame_window() => {
+                self.insert(py, stats);
+                true
+            }
+            Ok(_) => {
+                log::debug!("pid {pid}: frame fields beyond the eBPF program's window");
+                self.not_python(pid, checks, true);
+                false
+            }
+            Err(err) => {
+                // Reported once; later checks (a late libpython) stay quiet.
+                if checks == 0 {
+                    log::debug!("pid {pid}: not profiled as Python: {err}");
+                    if let Some(python) = err.unsupported_python() {
+                        stats.unsupported_pythons.add(format!("{python} (pid {pid})"));
+                    }
+                }
+                let settled = err.unsupported_python().is_some() || matches!(err, PyError::BadOffsets(_));
+                self.not_python(pid, checks, settled);
+                false
+            }
+        }
+    }
+}
+
+impl<M: Memory> Pythons<M> {
+    pub fn new(options: SamplingOptions) -> Self {
+        Pythons {
+            processes: HashMap::new(),
+            retired_code_cache: Default::default(),
+            others: HashMap::new(),
+            options,
+            next_gen: 1,
+            unreadable_tasks: NamedProcesses::default(),
+        }
+    }
+
+    /// Whether `pid` is a CPython 3.8+ process attached to.
+    pub fn is_python(&self, pid: u32) -> bool {
+        self.processes.contains_key(&pid)
+    }
+
+    /// Keeps a process attached to (not registered yet).
+    fn insert(&mut self, py: PyProcess<M>, stats: &mut Stats) {
+        let pid = py.pid();
+        self.others.remove(&pid);
+        stats.python_processes += 1;
+        let tasks = match (self.options.async_aware, &py.offsets().objects) {
+            (false, _) => Tasks::Off,
+            (true, None) => {
+                self.unreadable_tasks.add(format!("CPython {} (pid {pid})", py.version()));
+                Tasks::Off
+            }
+            (true, Some(_)) => Tasks::Pending { interpreter_searched: false },
+        };
+        self.processes.insert(pid, Process::new(frames::Resolver::new(py), tasks));
+    }
+
+    fn not_python(&mut self, pid: u32, checks: u32, settled: bool) {
+        self.others.insert(pid, Other { checked_at: Instant::now(), checks, settled });
+    }
+
+    pub fn register_all(&mut self, kernel: &mut dyn KernelMaps) {
+        let pids: Vec<u32> = self.processes.keys().copied().collect();
+        for pid in pids {
+            self.register(pid, kernel);
+        }
+    }
+
+    fn register(&mut self, pid: u32, kernel: &mut dyn KernelMaps) {
+        let Some(process) = self.processes.get_mut(&pid) else { return };
+        process.config.max_frames = self.options.max_frames.min(MAX_PY_FRAMES as u32);
+        if self.options.writes_markers() {
+            process.config.flags |= py_proc_flags::USE_MARKER;
+        }
+        if let Err(problem) = process.tasks.find(&process.resolver, &mut process.config) {
+            self.unreadable_tasks.add(problem);
+        }
+        if !process.register(kernel) {
+            log::debug!("pid {pid}: PY_PROCS is full; sampled natively");
+            self.processes.remove(&pid);
+            self.not_python(pid, RECHECKS, true);
+        }
+    }
+
+    /// Forgets what was registered with a sampler that is gone (its threads and their marker
+    /// chains): [`Self::register_all`] tells the next one afresh.
+    pub fn forget_registrations(&mut self) {
+        for process in self.processes.values_mut() {
+            process.forget_registrations();
+        }
+    }
+
+    /// Re-reads thread lists now and then; forgets processes that have exited.
+    pub fn upkeep(&mut self, kernel: &mut dyn KernelMaps) {
+        let mut exited = Vec::new();
+        for (&pid, process) in &mut self.processes {
+            if process.threads_read.elapsed() < THREAD_REFRESH {
+                continue;
+            }
+            if let Err(problem) = process.find_tasks(kernel) {
+                self.unreadable_tasks.add(problem);
+            }
+            if !process.refresh_threads(kernel) {
+                exited.push(pid);
+            }
+        }
+        for pid in exited {
+            self.forget(pid, kernel);
+        }
+    }
+
+    /// Drops everything known of `pid` (it exited or replaced its program), its eBPF map entries
+    /// included; its next sample classifies it afresh.
+    pub fn forget(&mut self, pid: u32, kernel: &mut dyn KernelMaps) {
+        self.others.remove(&pid);
+        if let Some(process) = self.processes.remove(&pid) {
+            // Its counts stay in --stats; what its cache holds goes with it.
+            let counters = process.resolver.py.code_cache_counters();
+            self.retired_code_cache = self.retired_code_cache + CodeCacheCounters { cached_entries: 0, cached_bytes: 0, ..counters };
+            process.unregister(kernel);
+        }
+    }
+
+    /// Moves the frames every process's caches and established chains hold into a new table.
+    pub fn carry_frames(&mut self, carry: &mut FrameCarry<'_>) {
+        for process in self.processes.values_mut() {
+            process.carry_frames(carry);
+        }
+    }
+
+    /// Forgets every frame id (they belong to a table that is gone): frames are resolved again,
+    /// and chains re-established.
+    pub fn clear_frame_ids(&mut self) {
+        for process in self.processes.values_mut() {
+            process.clear_frame_ids();
+        }
+    }
+
+    /// The Python stack of a sample into `items` (innermost first), if it is one of a Python
+    /// thread.
+    pub fn python_stack(
+        &mut self,
+        record: &SampleRecord,
+        kernel: &mut dyn KernelMaps,
+        stats: &mut Stats,
+        frames: &mut FrameTable,
+        items: &mut Vec<PyItem>,
+    ) -> PythonStack {
+        items.clear();
+        let Some(process) = self.processes.get_mut(&record.tgid) else { return PythonStack::None };
+        let py = &record.py;
+        if py.status & py_status::THREAD_KNOWN == 0 {
+            process.unknown_thread_sampled(record.tid, kernel);
+            return PythonStack::None;
+        }
+        if py.status & py_status::FRAME_READ == 0 || py.frame == 0 {
+            return PythonStack::None;
+        }
+        let before = process.resolver.py.remote_counters();
+        let truncated = process_stack(process, record, frames, items, stats);
+        stats.truncated_samples += u64::from(truncated);
+        if self.options.writes_markers() {
+            if let Some(thread) = process.threads.get_mut(&record.tid) {
+                if marker::maybe_establish(&mut process.resolver, thread, record, self.next_gen, kernel, stats, frames) {
+                    self.next_gen += 1;
+                }
+            }
+        }
+        let after = process.resolver.py.remote_counters();
+        stats.remote_reads += after.reads - before.reads;
+        stats.remote_bytes += after.bytes - before.bytes;
+        stats.python_samples += 1;
+        if truncated {
+            PythonStack::Cut
+        } else {
+            PythonStack::Whole
+        }
+    }
+
+    /// The stacks of the waiting tasks of process `pid` the eBPF program read at a capture, into
+    /// `stacks` (frame ids innermost first, and whether the task's frames were cut): each task's
+    /// coroutine frames under its `[task NAME]` frame, under those of the tasks awaiting it that
+    /// the same capture read.
+    pub fn waiting_stacks(&mut self, pid: u32, waiting: &WaitingTasks, frames: &mut FrameTable, stacks: &mut Vec<TaskStack>, stats: &mut Stats) {
+        stacks.clear();
+        if let Some(process) = self.processes.get_mut(&pid) {
+            process.tasks.waiting_stacks(&mut process.resolver, waiting, frames, stacks, stats);
+        }
+    }
+
+    /// The stacks of the waiting tasks of thread `tid` of `tgid`, read now, as the eBPF program
+    /// would have at a capture (see [`Self::waiting_stacks`]). Only for a thread that has not run
+    /// since it left the CPU, so none of its tasks has (the caller proves that afterwards).
+    pub fn read_waiting_stacks(&mut self, tgid: u32, tid: u32, frames: &mut FrameTable, stacks: &mut Vec<TaskStack>, stats: &mut Stats) {
+        stacks.clear();
+        let Some(process) = self.processes.get_mut(&tgid) else { return };
+        if let Some(thread) = process.threads.get(&tid) {
+            process.tasks.read_waiting_stacks(&mut process.resolver, thread.tstate, frames, stacks, stats);
+        }
+    }
+
+    /// Fills `record`'s Python part for thread `tid` of `tgid`, read now, as the eBPF program would
+    /// have at a capture; false when it is not a known Python thread or cannot be read. Only for a
+    /// thread that has not run since it left the CPU (the caller proves that afterwards).
+    pub fn capture_waiting(&mut self, tgid: u32, tid: u32, record: &mut SampleRecord) -> bool {
+        let Some(process) = self.processes.get_mut(&tgid) else { return false };
+        let Some(thread) = process.threads.get(&tid) else { return false };
+        let max = (self.options.max_frames as usize).min(MAX_PY_FRAMES);
+        // Tasks are read only at a capture in the kernel.
+        record.tasks.len = 0;
+        record.tasks.status = 0;
+        record.tasks.frames_len = 0;
+        let py = &mut record.py;
+        *py = PyCapture { tstate: thread.tstate, status: py_status::THREAD_KNOWN, ..PyCapture::default() };
+        let reader = &mut process.resolver.py;
+        let Ok(frame) = reader.current_frame(thread.tstate) else { return true };
+        py.frame = frame;
+        py.status |= py_status::FRAME_READ;
+        match reader.frame_records(frame, &mut record.py_frames[..max]) {
+            Ok((walked, complete)) => {
+                py.frames_len = walked as u32;
+                py.status |= if complete { py_status::COMPLETE } else { py_status::TOO_DEEP };
+            }
+            Err(err) => {
+                log::debug!("pid {tgid} thread {tid}: {err}");
+                py.status |= py_status::READ_FAILED;
+            }
+        }
+        true
+    }
+
+    /// The processes whose tasks could not be read, into `stats`.
+    pub fn unreadable_tasks(&self, stats: &mut Stats) {
+        stats.tasks.unsupported = self.unreadable_tasks.clone();
+    }
+
+    /// Code-object cache counters summed over every process attached to (those that have exited
+    /// too), for `--stats`; the entries and bytes cached are those of the processes attached now.
+    pub fn code_cache_counters(&self) -> CodeCacheCounters {
+        self.processes.values().map(|p| p.resolver.py.code_cache_counters()).sum::<CodeCacheCounters>() + self.retired_code_cache
+    }
+}
+
+/// A sample's stack from the frames the kernel walked and, past them, a marker chain's proven
+/// tail, with its asyncio task chain placed; true when cut at an unproven frame.
+fn process_stack<M: Memory>(process: &mut Process<M>, record: &SampleRecord, frames: &mut FrameTable, items: &mut Vec<PyItem>, stats: &mut Stats) -> bool {
+    let walked = &record.py_frames[..(record.py.frames_len as usize).min(MAX_PY_FRAMES)];
+    stats.kernel_frames += walked.len() as u64;
+    // Where the running task's coroutine frame ends up in `items`: its tasks go right after.
+    let task_frame = process.tasks.running_task_frame(record);
+    let mut task_at = None;
+    let mut truncated = process.resolver.resolve_walked(walked, task_frame, &mut task_at, frames, items);
+    if !truncated {
+        truncated = !marker::complete_chain(process.threads.get(&record.tid), record, task_frame, &mut task_at, items, stats);
+    }
+    if let Some(at) = task_at {
+        process.tasks.insert(&mut process.resolver, record, at, frames, items, stats);
+    } else if task_frame.is_some() {
+        stats.tasks.unplaced += 1;
+    }
+    truncated
+}

@@ -1,0 +1,147 @@
+//! One profiled CPython process: what the eBPF program was told of it (its layout, its threads),
+//! kept in step with the process through its life: register, refresh, forget.
+
+use std::collections::{HashMap, HashSet};
+use std::time::{Duration, Instant};
+
+use pyebpf_common::{py_proc_flags, PyProcConfig, PyThreadEntry, NO_OFFSET};
+
+use super::frames::{Memory, Resolver};
+use super::marker::Thread;
+use super::tasks::Tasks;
+use crate::kernel_maps::KernelMaps;
+use crate::stack::FrameCarry;
+
+/// How often thread lists are re-read to register new threads and drop dead ones.
+pub(super) const THREAD_REFRESH: Duration = Duration::from_millis(500);
+/// A sample from an unregistered thread re-reads its process's threads at most this often.
+const UNKNOWN_THREAD_REFRESH: Duration = Duration::from_millis(20);
+/// Threads remembered per process as running no Python, at most (then forgotten all at once).
+const MAX_NOT_PYTHON_THREADS: usize = 4096;
+
+pub(super) struct Process<M> {
+    pub(super) resolver: Resolver<M>,
+    /// What the eBPF program was told about the process (`PY_PROCS`).
+    pub(super) config: PyProcConfig,
+    pub(super) threads: HashMap<u32, Thread>,
+    pub(super) threads_read: Instant,
+    /// Threads sampled while missing from a non-empty interpreter thread list: not Python threads,
+    /// so their samples cost no re-reads until the thread list changes.
+    not_python: HashSet<u32>,
+    pub(super) tasks: Tasks,
+}
+
+impl<M: Memory> Process<M> {
+    pub(super) fn new(resolver: Resolver<M>, tasks: Tasks) -> Self {
+        Process { config: resolver.py.bpf_config(), resolver, threads: HashMap::new(), threads_read: Instant::now(), not_python: HashSet::new(), tasks }
+    }
+
+    fn pid(&self) -> u32 {
+        self.resolver.pid()
+    }
+
+    /// Tells the eBPF program about the process and its threads; false when its map is full.
+    pub(super) fn register(&mut self, kernel: &mut dyn KernelMaps) -> bool {
+        if kernel.set_py_process(self.pid(), &self.config).is_err() {
+            return false;
+        }
+        self.refresh_threads(kernel);
+        true
+    }
+
+    /// Looks for the asyncio table while pending, telling the eBPF program once found.
+    pub(super) fn find_tasks(&mut self, kernel: &mut dyn KernelMaps) -> Result<(), String> {
+        if self.tasks.find(&self.resolver, &mut self.config)? && kernel.set_py_process(self.pid(), &self.config).is_err() {
+            log::debug!("pid {}: PY_PROCS entry not updated", self.pid());
+        }
+        Ok(())
+    }
+
+    /// Forgets the threads registered with a sampler that is gone.
+    pub(super) fn forget_registrations(&mut self) {
+        self.threads.clear();
+        self.not_python.clear();
+    }
+
+    /// Removes the process and its threads from the eBPF program's maps.
+    pub(super) fn unregister(&self, kernel: &mut dyn KernelMaps) {
+        for tid in self.threads.keys() {
+            kernel.remove_py_thread(*tid);
+        }
+        kernel.remove_py_process(self.pid());
+    }
+
+    pub(super) fn carry_frames(&mut self, carry: &mut FrameCarry<'_>) {
+        self.resolver.carry_frames(carry);
+        for thread in self.threads.values_mut() {
+            thread.carry_frames(carry);
+        }
+    }
+
+    /// Forgets every frame id and the chains that hold them.
+    pub(super) fn clear_frame_ids(&mut self) {
+        self.resolver.clear_frame_ids();
+        for thread in self.threads.values_mut() {
+            thread.clear();
+        }
+    }
+
+    /// A sample of a thread the eBPF program does not know: a thread started since the last read
+    /// of the thread list, or one that runs no Python (remembered, so it costs no more reads).
+    pub(super) fn unknown_thread_sampled(&mut self, tid: u32, kernel: &mut dyn KernelMaps) {
+        if self.threads.contains_key(&tid) || self.not_python.contains(&tid) || self.threads_read.elapsed() < UNKNOWN_THREAD_REFRESH {
+            return;
+        }
+        self.refresh_threads(kernel);
+        // An empty list is an interpreter still starting up: its main thread is not bound yet.
+        if !self.threads.contains_key(&tid) && !self.threads.is_empty() {
+            // Native threads that come and go would otherwise pile up here for the process's life.
+            if self.not_python.len() >= MAX_NOT_PYTHON_THREADS {
+                self.not_python.clear();
+            }
+            self.not_python.insert(tid);
+        }
+    }
+
+    /// Registers new threads and drops dead ones; false when the process is gone.
+    pub(super) fn refresh_threads(&mut self, kernel: &mut dyn KernelMaps) -> bool {
+        self.threads_read = Instant::now();
+        let Ok(threads) = self.resolver.py.threads() else {
+            return std::path::Path::new(&format!("/proc/{}", self.pid())).exists();
+        };
+        let live: HashSet<u32> = threads.iter().map(|t| t.tid).collect();
+        if live.len() != self.threads.len() || !live.iter().all(|tid| self.threads.contains_key(tid)) {
+            // A thread that ran no Python may run it now.
+            self.not_python.clear();
+        }
+        self.threads.retain(|tid, _| {
+            let keep = live.contains(tid);
+            if !keep {
+                kernel.remove_py_thread(*tid);
+            }
+            keep
+        });
+        self.find_attached_states(kernel);
+        for thread in threads {
+            let known = self.threads.get(&thread.tid).is_some_and(|t| t.tstate == thread.tstate);
+            let entry = PyThreadEntry { tstate: thread.tstate, ns_tid: thread.ns_tid, _pad: 0 };
+            if !known && kernel.set_py_thread(thread.tid, &entry).is_ok() {
+                kernel.remove_marker_chain(thread.tid);
+                self.threads.insert(thread.tid, Thread::new(thread.tstate));
+            }
+        }
+        true
+    }
+
+    /// Threads may switch interpreters between reads of the thread list: once the process has
+    /// subinterpreters, the eBPF program looks up the thread state attached at each sample (where
+    /// thread states say which one is: 3.12+).
+    fn find_attached_states(&mut self, kernel: &mut dyn KernelMaps) {
+        if self.resolver.py.has_subinterpreters() && self.config.tstate_status != NO_OFFSET && self.config.flags & py_proc_flags::FIND_ATTACHED == 0 {
+            self.config.flags |= py_proc_flags::FIND_ATTACHED;
+            if kernel.set_py_process(self.pid(), &self.config).is_err() {
+                self.config.flags &= !py_proc_flags::FIND_ATTACHED;
+            }
+        }
+    }
+}

@@ -1,0 +1,406 @@
+//! The Python side of the sample path on real interpreters, with the kernel's maps faked
+//! ([`FakeKernel`]): samples are built as the eBPF program builds them (the frames read here with
+//! `frame_records`, as it reads them), and the process's memory is read through an overlay that
+//! takes pyebpf's one write and any change a test makes, so nothing is ever written into the
+//! interpreter. Covers the code-identity proof, the 3.15 marker protocol and task placement.
+
+use std::cell::RefCell;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use pyebpf_common::{origin, py_status, task_status, type_flags, SampleRecord};
+
+use super::tasks::{waiting_task_stacks, TaskPart};
+use super::*;
+use crate::budget::SharedBudget;
+use crate::cpython::asyncio::AsyncioOffsets;
+use crate::cpython::memory::{MemCounters, MemError, ReadMemory, WriteMemory};
+use crate::cpython::runtime;
+use crate::kernel_maps::fake::FakeKernel;
+use crate::merge::PyStackItem;
+use crate::stack::{Frame, FrameId};
+
+/// A live process's memory with test changes laid over it; writes go to the overlay only.
+struct Overlay {
+    base: ProcessMemory,
+    patches: RefCell<Vec<(u64, Vec<u8>)>>,
+    writes: RefCell<Vec<(u64, u64)>>,
+    /// Laid over the memory right after the next write: the thread moving meanwhile.
+    after_write: RefCell<Option<(u64, Vec<u8>)>>,
+}
+
+impl Overlay {
+    fn new(pid: u32) -> Self {
+        Overlay { base: ProcessMemory::new(pid), patches: RefCell::default(), writes: RefCell::default(), after_write: RefCell::default() }
+    }
+
+    fn patch(&self, addr: u64, bytes: &[u8]) {
+        self.patches.borrow_mut().push((addr, bytes.to_vec()));
+    }
+}
+
+impl ReadMemory for Overlay {
+    fn read(&self, addr: u64, buf: &mut [u8]) -> Result<(), MemError> {
+        self.base.read(addr, buf)?;
+        for (at, bytes) in self.patches.borrow().iter() {
+            for (i, byte) in bytes.iter().enumerate() {
+                if let Some(offset) = (at + i as u64).checked_sub(addr).filter(|&offset| offset < buf.len() as u64) {
+                    buf[offset as usize] = *byte;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn read_many(&self, requests: &mut [(u64, &mut [u8])]) -> usize {
+        let mut filled = 0;
+        for (addr, buf) in requests.iter_mut() {
+            if self.read(*addr, buf).is_err() {
+                break;
+            }
+            filled += 1;
+        }
+        filled
+    }
+
+    fn counters(&self) -> MemCounters {
+        self.base.counters()
+    }
+}
+
+impl WriteMemory for Overlay {
+    fn write_u64(&self, addr: u64, value: u64) -> Result<(), MemError> {
+        self.writes.borrow_mut().push((addr, value));
+        self.patch(addr, &value.to_le_bytes());
+        if let Some((at, bytes)) = self.after_write.borrow_mut().take() {
+            self.patch(at, &bytes);
+        }
+        Ok(())
+    }
+}
+
+struct Target(Child);
+
+impl Drop for Target {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Two threads stopped at known depths: the main thread in `main_leaf` under `main_mid` and
+/// `main_top`, a worker in `worker_leaf`; each blocked until the process is killed.
+const BLOCKED: &str = "
+import sys, threading
+hold = threading.Event()
+def worker_leaf(): hold.wait()
+def worker_mid(): worker_leaf()
+def main_leaf(ready):
+    open(ready, 'w').close()
+    hold.wait()
+def main_mid(ready): main_leaf(ready)
+def main_top(ready): main_mid(ready)
+threading.Thread(target=worker_mid, daemon=True).start()
+main_top(sys.argv[1])
+";
+
+/// Starts Debian's `python3.X` on [`BLOCKED`] and attaches to it through an [`Overlay`].
+fn start(version: &str) -> (Target, PyProcess<Overlay>) {
+    let python = pyebpf_tests::test_pythons().join(format!("usr/bin/python{version}"));
+    assert!(python.exists(), "test interpreter missing: {}", python.display());
+    let dir = tempfile::tempdir().unwrap();
+    let ready = dir.path().join("ready");
+    let target = Target(Command::new(&python).args(["-c", BLOCKED]).arg(&ready).stdin(Stdio::null()).spawn().unwrap());
+    let started = Instant::now();
+    while !ready.exists() {
+        assert!(started.elapsed() < Duration::from_secs(30), "{} did not get ready", python.display());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // The ready file is made just before the wait: let the thread reach it.
+    std::thread::sleep(Duration::from_millis(200));
+    let pid = target.0.id();
+    let address = runtime::find_runtime(pid).unwrap().address;
+    let py = PyProcess::with_memory(pid, Overlay::new(pid), address).unwrap();
+    (target, py)
+}
+
+/// The process attached to and registered, as `Pythons::discover` does with a live one.
+fn registered(py: PyProcess<Overlay>, options: SamplingOptions, kernel: &mut FakeKernel) -> Pythons<Overlay> {
+    let pid = py.pid();
+    let mut pythons = Pythons::new(options);
+    pythons.insert(py, &mut Stats::default());
+    pythons.register(pid, kernel);
+    assert!(kernel.processes.contains_key(&pid), "the process was not registered");
+    pythons
+}
+
+const OPTIONS: SamplingOptions = SamplingOptions { marker: true, read_only: false, max_frames: 512, async_aware: false };
+
+/// A sample of thread `tid` as the eBPF program records one that walked the whole chain.
+fn sample(pythons: &mut Pythons<Overlay>, pid: u32, tid: u32) -> Box<SampleRecord> {
+    // SAFETY: all-zero bytes are a valid SampleRecord (plain data).
+    let mut record = unsafe { Box::<SampleRecord>::new_zeroed().assume_init() };
+    record.tgid = pid;
+    record.tid = tid;
+    record.origin = origin::ON_CPU;
+    assert!(pythons.capture_waiting(pid, tid, &mut record), "thread {tid} is not registered");
+    assert_eq!(record.py.status & py_status::COMPLETE, py_status::COMPLETE, "the chain was not read whole");
+    record
+}
+
+/// Function names of a resolved stack, innermost first.
+fn names(frames: &FrameTable, items: &[PyItem]) -> Vec<String> {
+    items
+        .iter()
+        .filter_map(|item| match item {
+            PyStackItem::Frame(id) => Some(frame_name(frames, *id)),
+            PyStackItem::SegmentEnd { .. } => None,
+        })
+        .collect()
+}
+
+fn frame_name(frames: &FrameTable, id: FrameId) -> String {
+    match frames.frame(id) {
+        Frame::Python(frame) => frame.qualname.to_string(),
+        Frame::Task(name) => format!("[task {name}]"),
+        other => format!("{other:?}"),
+    }
+}
+
+fn resolve(
+    pythons: &mut Pythons<Overlay>,
+    record: &SampleRecord,
+    kernel: &mut FakeKernel,
+    stats: &mut Stats,
+    frames: &mut FrameTable,
+) -> (PythonStack, Vec<String>) {
+    let mut items = Vec::new();
+    let outcome = pythons.python_stack(record, kernel, stats, frames, &mut items);
+    (outcome, names(frames, &items))
+}
+
+/// The innermost frame's index in `record` running function `name`.
+fn frame_running(pythons: &mut Pythons<Overlay>, record: &SampleRecord, name: &str) -> usize {
+    let process = pythons.processes.get_mut(&record.tgid).unwrap();
+    (0..record.py.frames_len as usize)
+        .find(|&i| {
+            let link = process.resolver.link(&record.py_frames[i]);
+            process.resolver.py.frame_info(&link).ok().flatten().is_some_and(|resolved| &*resolved.frame.qualname == name)
+        })
+        .unwrap_or_else(|| panic!("no frame runs {name}"))
+}
+
+#[test]
+fn a_code_object_is_named_only_while_it_is_the_one_the_sample_saw() {
+    for version in ["3.13", "3.15"] {
+        let (target, py) = start(version);
+        let pid = target.0.id();
+        let mut kernel = FakeKernel::default();
+        let mut pythons = registered(py, SamplingOptions { marker: false, ..OPTIONS }, &mut kernel);
+        let record = sample(&mut pythons, pid, pid);
+        let (mut stats, mut frames) = (Stats::default(), FrameTable::default());
+        let (outcome, stack) = resolve(&mut pythons, &record, &mut kernel, &mut stats, &mut frames);
+        assert_eq!(outcome, PythonStack::Whole, "{version}");
+        let at = stack.iter().position(|name| name == "main_leaf").unwrap_or_else(|| panic!("{version}: {stack:?}"));
+        assert_eq!(stack[at..], ["main_leaf", "main_mid", "main_top", "<module>"], "{version}");
+
+        // The code object of `main_mid` freed and its address taken by another since the sample:
+        // a new process (no cache) must not name it, and cuts the stack there.
+        let (target, py) = start(version);
+        let pid = target.0.id();
+        let mut pythons = registered(py, SamplingOptions { marker: false, ..OPTIONS }, &mut kernel);
+        let record = sample(&mut pythons, pid, pid);
+        let mid = record.py_frames[frame_running(&mut pythons, &record, "main_mid")];
+        let process = pythons.processes.get_mut(&pid).unwrap();
+        let crate::cpython::offsets::CodeIdentity::Version(at) = process.resolver.py.offsets().code_identity else { panic!("{version} has co_version") };
+        process.resolver.py.memory().patch(mid.code + at, &(mid.code_version + 1).to_le_bytes());
+        process.resolver.py.forget_code(mid.code);
+        let mut stats = Stats::default();
+        let (outcome, stack) = resolve(&mut pythons, &record, &mut kernel, &mut stats, &mut frames);
+        assert_eq!(outcome, PythonStack::Cut, "{version}: {stack:?}");
+        assert_eq!(stack.last().map(String::as_str), Some("main_leaf"), "{version}: the stack goes on past the freed code object: {stack:?}");
+        assert_eq!(stats.truncated_samples, 1, "{version}");
+    }
+}
+
+#[test]
+fn a_marker_chain_is_proven_then_joined_and_a_moving_thread_gets_none() {
+    let (target, py) = start("3.15");
+    let pid = target.0.id();
+    let mut kernel = FakeKernel::default();
+    let mut pythons = registered(py, OPTIONS, &mut kernel);
+    let (mut stats, mut frames) = (Stats::default(), FrameTable::default());
+    let record = sample(&mut pythons, pid, pid);
+    let (outcome, whole) = resolve(&mut pythons, &record, &mut kernel, &mut stats, &mut frames);
+    assert_eq!(outcome, PythonStack::Whole);
+    // The chain read past the kernel's walk was proven, and told to the kernel.
+    assert_eq!(stats.markers_established, 1, "{stats:?}");
+    let chain = kernel.markers.get(&pid).copied().expect("no marker chain for the main thread");
+    let walked: Vec<u64> = record.py_frames[..record.py.frames_len as usize].iter().map(|frame| frame.addr()).collect();
+    assert_eq!(&chain.addrs[..chain.len as usize], &walked[..], "the chain is not the thread's frames");
+    // The one write: the main thread state's marker, pointed at its current frame.
+    let py = &pythons.processes[&pid].resolver.py;
+    let tstate = pythons.processes[&pid].threads[&pid].tstate;
+    assert_eq!(*py.memory().writes.borrow(), [(tstate + py.offsets().tstate_last_profiled_frame.unwrap(), walked[0])]);
+
+    // The kernel stops at the marker: a sample that joined it there gets the chain's proven tail.
+    let mut joined = record.clone();
+    joined.py.frames_len = 1;
+    joined.py.status = py_status::THREAD_KNOWN | py_status::FRAME_READ | py_status::JOINED;
+    joined.py.marker_gen = chain.gen;
+    joined.py.marker_position = 0;
+    let (outcome, stack) = resolve(&mut pythons, &joined, &mut kernel, &mut stats, &mut frames);
+    assert_eq!((outcome, &stack), (PythonStack::Whole, &whole));
+    assert_eq!((stats.marker_joins, stats.frames_joined), (1, walked.len() as u64 - 1));
+    // A chain the kernel names but userspace no longer has (a replaced one): cut, not guessed.
+    joined.py.marker_gen = chain.gen + 100;
+    let (outcome, stack) = resolve(&mut pythons, &joined, &mut kernel, &mut stats, &mut frames);
+    assert_eq!((outcome, stack.len()), (PythonStack::Cut, 1));
+
+    // A worker's thread state lives on the heap: never written, however deep its stack.
+    let worker = *pythons.processes[&pid].threads.keys().find(|&&tid| tid != pid).expect("the worker thread is registered");
+    let record = sample(&mut pythons, pid, worker);
+    resolve(&mut pythons, &record, &mut kernel, &mut stats, &mut frames);
+    assert!(!kernel.markers.contains_key(&worker));
+    assert_eq!(pythons.processes[&pid].resolver.py.memory().writes.borrow().len(), 1);
+}
+
+#[test]
+fn a_thread_that_moves_while_its_chain_is_read_gets_no_chain() {
+    let (target, py) = start("3.15");
+    let pid = target.0.id();
+    let mut kernel = FakeKernel::default();
+    let mut pythons = registered(py, OPTIONS, &mut kernel);
+    let process = &pythons.processes[&pid];
+    let (tstate, offsets) = (process.threads[&pid].tstate, process.resolver.py.offsets());
+    // Its marker frame returns right after the write: the sequence number moves.
+    let seq = process.resolver.py.read_marker_state(tstate).unwrap().seq;
+    let moved = (tstate + offsets.tstate_last_profiled_seq.unwrap(), (seq + 1).to_le_bytes().to_vec());
+    *process.resolver.py.memory().after_write.borrow_mut() = Some(moved);
+    let (mut stats, mut frames) = (Stats::default(), FrameTable::default());
+    let record = sample(&mut pythons, pid, pid);
+    let (outcome, _) = resolve(&mut pythons, &record, &mut kernel, &mut stats, &mut frames);
+    assert_eq!(outcome, PythonStack::Whole, "the sample itself is whole");
+    assert_eq!((stats.markers_established, stats.marker_races), (0, 1));
+    assert!(kernel.markers.is_empty(), "a chain read while the thread moved was told to the kernel");
+}
+
+/// A captured task named `name`, running (or suspended) in the frame at `coro_frame`, its
+/// coroutine's `frames` following in the record.
+fn task(name: &str, coro_frame: u64, frames: u32) -> pyebpf_common::TaskRecord {
+    // SAFETY: all-zero bytes are a valid TaskRecord (plain data).
+    let mut task: pyebpf_common::TaskRecord = unsafe { std::mem::zeroed() };
+    task.task = 0x1000 + name.len() as u64;
+    task.coro_frame = coro_frame;
+    task.name_flags = type_flags::UNICODE_SUBCLASS;
+    task.name_len = name.len() as u64;
+    // Compact ASCII, one byte per character.
+    task.name_state = (1 << 5) | (1 << 2);
+    task.name[..name.len()].copy_from_slice(name.as_bytes());
+    task.frames_len = frames;
+    task
+}
+
+#[test]
+fn a_task_chain_goes_right_outside_its_coroutine_frame_and_ends_at_an_unproven_frame() {
+    let (target, py) = start("3.14");
+    let pid = target.0.id();
+    let mut kernel = FakeKernel::default();
+    let mut pythons = registered(py, SamplingOptions { async_aware: true, ..OPTIONS }, &mut kernel);
+    let process = pythons.processes.get_mut(&pid).unwrap();
+    let objects = process.resolver.py.offsets().objects.clone().expect("3.14 has object offsets");
+    let table = AsyncioOffsets {
+        task_size: 0,
+        task_name: 0,
+        task_awaited_by: 0,
+        task_is_task: 0,
+        task_awaited_by_is_set: 0,
+        task_coro: 0,
+        task_node: 0,
+        interp_tasks_head: 0,
+        thread_running_loop: 0,
+        thread_running_task: 0,
+        thread_tasks_head: 0,
+    };
+    process.tasks = Tasks::On(Box::new((objects, table)));
+    let mut record = sample(&mut pythons, pid, pid);
+    // `main_mid` runs the running task's coroutine; the task awaiting it is suspended in a
+    // coroutine frame (here the worker's `worker_mid`, any proven frame will do).
+    let mid = frame_running(&mut pythons, &record, "main_mid");
+    let worker = *pythons.processes[&pid].threads.keys().find(|&&tid| tid != pid).unwrap();
+    let worker_record = sample(&mut pythons, pid, worker);
+    let awaiting_frame = worker_record.py_frames[frame_running(&mut pythons, &worker_record, "worker_mid")];
+    let walked = record.py.frames_len as usize;
+    record.py_frames[walked] = awaiting_frame;
+    record.tasks.len = 2;
+    record.tasks.status = task_status::RUNNING;
+    record.tasks.tasks[0] = task("inner", record.py_frames[mid].addr(), 0);
+    record.tasks.tasks[1] = task("outer", 0, 1);
+    let (mut stats, mut frames) = (Stats::default(), FrameTable::default());
+    let (_, stack) = resolve(&mut pythons, &record, &mut kernel, &mut stats, &mut frames);
+    let at = stack.iter().position(|name| name == "main_mid").unwrap();
+    assert_eq!(stack[at..], ["main_mid", "[task inner]", "worker_mid", "[task outer]", "main_top", "<module>"], "{stack:?}");
+    assert_eq!((stats.tasks.placed, stats.tasks.chains_cut, stats.tasks.unplaced), (1, 0, 0));
+
+    // The awaiting task's frame no longer the code object the capture saw: the chain ends there.
+    record.py_frames[walked].code_version += 1;
+    let (_, stack) = resolve(&mut pythons, &record, &mut kernel, &mut stats, &mut frames);
+    assert_eq!(stack[at..], ["main_mid", "[task inner]", "main_top", "<module>"], "{stack:?}");
+    assert_eq!(stats.tasks.chains_cut, 1);
+
+    // A running task whose coroutine frame is not in the stack (between two steps): not placed.
+    record.tasks.tasks[0].coro_frame = 8;
+    let (_, stack) = resolve(&mut pythons, &record, &mut kernel, &mut stats, &mut frames);
+    assert!(!stack.iter().any(|name| name.starts_with("[task")), "{stack:?}");
+    assert_eq!(stats.tasks.unplaced, 1);
+}
+
+#[test]
+fn frame_ids_stay_within_their_own_bound_and_the_total() {
+    static TOTAL: SharedBudget = SharedBudget::new(5);
+    let bounded = || frames::FrameIds::bounded(3, &TOTAL);
+    let (mut first, mut second) = (bounded(), bounded());
+    for code in 0..4 {
+        first.insert((code, 1, 0), None);
+    }
+    // The fourth went past the process's bound: the first three were forgotten.
+    assert_eq!((first.len(), TOTAL.used()), (1, 1));
+    first.insert((1, 1, 0), None);
+    first.insert((2, 1, 0), None);
+    second.insert((7, 1, 0), None);
+    second.insert((8, 1, 0), None);
+    assert_eq!(TOTAL.used(), 5);
+    // At the total, the process inserting forgets its own; the other keeps what it has.
+    second.insert((9, 1, 0), None);
+    assert_eq!((first.len(), second.len(), TOTAL.used()), (3, 1, 4));
+    assert_eq!(second.get(&(9, 1, 0)), Some(None));
+    drop(first);
+    assert_eq!(TOTAL.used(), 1);
+}
+
+fn part(task: u64, awaited_by: u64, frame: FrameId) -> TaskPart {
+    TaskPart { task, awaited_by, frames: vec![frame, 100 + frame], cut: false }
+}
+
+#[test]
+fn waiting_task_stacks_nest_under_the_awaiters_read_with_them() {
+    // Task 1 awaits nothing, 2 awaits 1, 3 awaits 2, 4 awaits a task not read.
+    let parts = [part(1, 0, 1), part(2, 1, 2), part(3, 2, 3), part(4, 9, 4)];
+    let mut stacks = Vec::new();
+    waiting_task_stacks(&parts, &mut stacks);
+    assert_eq!(stacks[0], (vec![1, 101], false));
+    assert_eq!(stacks[2], (vec![3, 103, 2, 102, 1, 101], false));
+    assert_eq!(stacks[3], (vec![4, 104], false));
+}
+
+#[test]
+fn waiting_task_chains_that_loop_or_run_deep_are_cut() {
+    let looping = [part(1, 2, 1), part(2, 1, 2)];
+    let mut stacks = Vec::new();
+    waiting_task_stacks(&looping, &mut stacks);
+    assert_eq!(stacks[0], (vec![1, 101, 2, 102], true));
+    let deep: Vec<TaskPart> = (1..=12).map(|n| part(n, n + 1, n as FrameId)).collect();
+    waiting_task_stacks(&deep, &mut stacks);
+    assert_eq!((stacks[0].0.len(), stacks[0].1), (2 * pyebpf_common::MAX_TASKS, true));
+    assert_eq!(stacks[11], (vec![12, 112], false));
+}

@@ -1,0 +1,315 @@
+//! A profiling session: turns what the eBPF program sends (samples, off-CPU intervals, waiting
+//! tasks, process events) into weighted stacks in a [`Profile`]. `record` and `top` both run one.
+//!
+//! One sample's trip: [`Session::resolve`] names the process and applies the filter
+//! ([`processes`]), has [`Pythons`] turn the frames the kernel walked into a proven Python stack,
+//! has [`native::NativeStacks`] unwind, symbolize and merge the native frames around it, and has
+//! [`off_cpu::OffCpu`] count it for what it stands for (a period, or an interval off CPU).
+//! What is known of a process is forgotten in one place, [`Session::forget`].
+
+mod native;
+mod off_cpu;
+mod processes;
+#[cfg(test)]
+mod tests;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Result;
+use pyebpf_common::{origin, py_status, OffCpuEnd, OffCpuStart, ProcessEvent, SampleRecord, WaitingTasks};
+
+use crate::bpf::{Sampler, SamplerOptions};
+use crate::cli::{Mode, UnwindMode};
+use crate::filter::SampleFilter;
+use crate::kernel_maps::KernelMaps;
+use crate::process;
+use crate::python::{PyItem, Pythons, SamplingOptions, TaskStack};
+use crate::reader::{Record, RecordBatch};
+use crate::stack::{Frame, FrameCarry, FrameId, Profile, SampleStack, ThreadState};
+use crate::stats::Stats;
+use crate::waits::{wait_reason, waiting_record, KernelSymbols};
+use native::NativeStacks;
+use off_cpu::{monotonic_ns, OffCpu};
+use processes::ProcessTable;
+
+/// How often lost samples are checked and periodic upkeep runs.
+pub const TICK: Duration = Duration::from_millis(250);
+
+/// What a session resolves, and how.
+#[derive(Clone, Debug)]
+pub struct SessionOptions {
+    pub sampling: SamplingOptions,
+    /// Python frames only where a sample has them (`--no-native`).
+    pub no_native: bool,
+    pub filter: SampleFilter,
+    pub unwind: UnwindMode,
+    /// What the profile measures: which records count, and how much.
+    pub mode: Mode,
+    /// Show kernel frames (`--kernel`); off-CPU records carry them anyway, to tell why.
+    pub kernel: bool,
+}
+
+/// Buffers reused from sample to sample, so a sample seen before allocates nothing.
+#[derive(Default)]
+struct Scratch {
+    python: Vec<PyItem>,
+    frames: Vec<FrameId>,
+    task_stacks: Vec<TaskStack>,
+}
+
+/// Turns raw records into stacks.
+pub struct Session {
+    options: SessionOptions,
+    processes: ProcessTable,
+    python: Pythons,
+    native: NativeStacks,
+    off_cpu: OffCpu,
+    scratch: Scratch,
+    /// The frame table the cached frame ids belong to.
+    frames_generation: u64,
+}
+
+impl Session {
+    pub fn new(options: SessionOptions) -> Self {
+        Session {
+            processes: ProcessTable::default(),
+            python: Pythons::new(options.sampling),
+            native: NativeStacks::new(options.unwind, options.no_native),
+            off_cpu: OffCpu::new(options.mode.counts_waits()),
+            scratch: Scratch::default(),
+            frames_generation: 0,
+            options,
+        }
+    }
+
+    /// Attaches to the processes already running (every process, or the sampler's targets),
+    /// loads the sampler, registers them, and starts sampling: how `record` and `top` begin.
+    pub fn start_sampler(&mut self, options: &SamplerOptions, stats: &mut Stats) -> Result<Sampler> {
+        let kept = self.attach_all(options.targets.clone().unwrap_or_else(process::all_pids), stats);
+        let mut sampler = Sampler::start(options)?;
+        self.register_all(&mut sampler, kept);
+        sampler.start_sampling()?;
+        Ok(sampler)
+    }
+
+    /// Attaches to processes already running (those the filter keeps), before sampling starts.
+    fn attach_all(&mut self, pids: impl IntoIterator<Item = u32>, stats: &mut Stats) -> Vec<u32> {
+        let kept: Vec<u32> = pids.into_iter().filter(|&pid| self.options.filter.keeps_process(&self.processes.name(pid, &[]))).collect();
+        self.python.attach_all(kept.iter().copied(), stats);
+        kept
+    }
+
+    /// Tells the eBPF program about the processes attached so far, and has it watch the waits of
+    /// those profiled (a thread that waits from the start on is counted too).
+    fn register_all(&mut self, kernel: &mut dyn KernelMaps, kept: Vec<u32>) {
+        self.python.register_all(kernel);
+        if !self.options.mode.counts_waits() {
+            return;
+        }
+        for &pid in &kept {
+            if !self.options.filter.python_only || self.python.is_python(pid) {
+                self.off_cpu.watch(pid, kernel);
+            }
+        }
+        self.off_cpu.take_baseline(monotonic_ns());
+    }
+
+    /// Measures `mode` from now on, with a sampler started afresh ([`Self::start_sampler`]): what
+    /// the old sampler's maps held is gone with it.
+    pub fn set_mode(&mut self, mode: Mode) {
+        self.options.mode = mode;
+        self.off_cpu = OffCpu::new(mode.counts_waits());
+        self.native.forget_copying();
+        self.python.forget_registrations();
+    }
+
+    /// The recording starts now: off-CPU time before is not its.
+    pub fn start_recording(&mut self) {
+        self.off_cpu.start_recording(monotonic_ns());
+    }
+
+    /// Moves the frames the caches keep ids of into the next period's table.
+    pub fn carry_frames(&mut self, carry: &mut FrameCarry<'_>) {
+        self.native.carry_frames(carry);
+        self.python.carry_frames(carry);
+        self.off_cpu.carry_frames(carry);
+        self.frames_generation = carry.new_generation();
+    }
+
+    /// Resolves the sample's stack and counts it in `profile`; false when the filter drops it
+    /// (checked before any remote read).
+    pub fn resolve(&mut self, record: &SampleRecord, kernel: &mut dyn KernelMaps, stats: &mut Stats, profile: &mut Profile) -> bool {
+        self.follow_frame_table(profile);
+        let Some((comm, labels)) = self.admit(record, kernel, stats) else { return false };
+        let Scratch { python, frames, .. } = &mut self.scratch;
+        let outcome = self.python.python_stack(record, kernel, stats, &mut profile.frames, python);
+        self.native.stack(record, outcome, python, kernel, stats, &mut profile.frames, frames);
+        let state = thread_state(record, frames, self.options.kernel, profile);
+        let sample = SampleStack { pid: record.tgid, tid: record.tid, comm: &comm, frames, truncated: outcome.is_cut(), labels: Some(&labels), state };
+        self.off_cpu.count(record, sample, stats, profile);
+        true
+    }
+
+    /// A table the caches were not carried into: their ids would name other frames there.
+    fn follow_frame_table(&mut self, profile: &Profile) {
+        if profile.frames.generation() != self.frames_generation {
+            self.native.clear_frame_ids();
+            self.python.clear_frame_ids();
+            self.off_cpu.clear_captures();
+            self.frames_generation = profile.frames.generation();
+        }
+    }
+
+    /// The process's name and labels when the filter and the mode keep the record; attaches to
+    /// the process (and watches its waits) on its first sample.
+    fn admit(&mut self, record: &SampleRecord, kernel: &mut dyn KernelMaps, stats: &mut Stats) -> Option<(Arc<str>, Arc<crate::stack::ProcessLabels>)> {
+        let comm = self.processes.name(record.tgid, &record.comm);
+        let filter = &self.options.filter;
+        if !filter.keeps_process(&comm) {
+            return None;
+        }
+        let labels = self.processes.sampled(record.tgid);
+        self.python.discover(record.tgid, kernel, stats);
+        if filter.python_only && !self.python.is_python(record.tgid) {
+            return None;
+        }
+        self.off_cpu.watch(record.tgid, kernel);
+        self.counts(record).then_some((comm, labels))
+    }
+
+    /// Whether the mode counts this record: off-CPU mode only intervals, GIL mode only samples
+    /// of threads holding the GIL.
+    fn counts(&self, record: &SampleRecord) -> bool {
+        match self.options.mode {
+            Mode::Cpu | Mode::Wall => true,
+            Mode::OffCpu => record.origin == origin::OFF_CPU,
+            Mode::Gil => record.origin == origin::ON_CPU && record.py.status & py_status::HOLDS_GIL != 0,
+        }
+    }
+
+    /// The waiting tasks of a thread at its capture just resolved, counted as the capture counts.
+    pub fn waiting_tasks(&mut self, waiting: &WaitingTasks, stats: &mut Stats, profile: &mut Profile) {
+        let Some(capture) = self.off_cpu.take_task_capture(waiting.tid, waiting.time_ns) else { return };
+        let stacks = &mut self.scratch.task_stacks;
+        self.python.waiting_stacks(capture.pid, waiting, &mut profile.frames, stacks, stats);
+        self.off_cpu.count_tasks(&capture, waiting.tid, stacks, profile);
+    }
+
+    /// A thread captured as it left the CPU came back: its stacks count for the time it was away.
+    pub fn end_wait(&mut self, end: &OffCpuEnd, stats: &mut Stats, profile: &mut Profile) {
+        self.off_cpu.end_wait(end, stats, profile);
+    }
+
+    /// Counts the threads of watched processes that are still off CPU at the end, each up to now:
+    /// those captured as they left with the stacks captured then; those blocked since before the
+    /// switch hook watched them with stacks read now, kept only if their context-switch count
+    /// proves they have not run meanwhile.
+    pub fn count_open_waits(&mut self, kernel: &mut dyn KernelMaps, stats: &mut Stats, profile: &mut Profile) {
+        let throughout = self.off_cpu.count_open(kernel, monotonic_ns(), stats, profile);
+        if throughout.is_empty() {
+            return;
+        }
+        let kernel_symbols = KernelSymbols::read();
+        for (tid, start) in throughout {
+            self.count_blocked_throughout(tid, &start, &kernel_symbols, kernel, stats, profile);
+        }
+    }
+
+    /// A thread blocked since before the switch hook watched it, read now and counted if it has
+    /// provably not run since.
+    fn count_blocked_throughout(
+        &mut self,
+        tid: u32,
+        start: &OffCpuStart,
+        kernel_symbols: &KernelSymbols,
+        kernel: &mut dyn KernelMaps,
+        stats: &mut Stats,
+        profile: &mut Profile,
+    ) {
+        let Some(mut record) = waiting_record(tid, start, monotonic_ns(), kernel_symbols) else { return };
+        if !self.python.capture_waiting(start.tgid, tid, &mut record) {
+            record.py = Default::default();
+        }
+        let mut task_stacks = Vec::new();
+        self.python.read_waiting_stacks(start.tgid, tid, &mut profile.frames, &mut task_stacks, stats);
+        if !self.off_cpu.blocked_since_start(start.tgid, tid) || !self.resolve(&record, kernel, stats, profile) {
+            return;
+        }
+        stats.off_cpu.open_at_end += 1;
+        let comm = self.processes.name(start.tgid, &record.comm);
+        let labels = self.processes.sampled(start.tgid);
+        for (frames, truncated) in &task_stacks {
+            let sample = SampleStack { pid: start.tgid, tid, comm: &comm, frames, truncated: *truncated, labels: Some(&labels), state: ThreadState::TaskWait };
+            profile.add_sample(sample, crate::stack::Weight { samples: 1, ns: record.weight_ns });
+        }
+    }
+
+    /// Periodic upkeep: thread lists re-read, and processes gone without an event forgotten.
+    pub fn upkeep(&mut self, kernel: &mut dyn KernelMaps) {
+        self.python.upkeep(kernel);
+        self.native.expire_unmapped();
+        for pid in self.processes.stale() {
+            self.forget(pid, kernel);
+        }
+    }
+
+    /// An exec or exit, read after the process's earlier samples were resolved: what was known
+    /// of it no longer holds, and its next sample (a new program, or another process reusing the
+    /// PID) is classified, named and symbolized afresh.
+    pub fn process_event(&mut self, event: &ProcessEvent, kernel: &mut dyn KernelMaps) {
+        self.forget(event.tgid, kernel);
+    }
+
+    /// Forgets everything known of `pid`, in every holder.
+    fn forget(&mut self, pid: u32, kernel: &mut dyn KernelMaps) {
+        self.off_cpu.forget(pid, kernel);
+        self.processes.forget(pid);
+        self.python.forget(pid, kernel);
+        self.native.forget(pid, kernel);
+    }
+
+    /// The session's own counts, into `stats` at the end.
+    pub fn finish(&self, stats: &mut Stats) {
+        stats.code_cache = self.python.code_cache_counters();
+        self.python.unreadable_tasks(stats);
+    }
+}
+
+/// What the thread was doing: on CPU, or why it waited (from the kernel frames, which are then
+/// dropped unless asked for).
+fn thread_state(record: &SampleRecord, frames: &mut Vec<FrameId>, show_kernel: bool, profile: &Profile) -> ThreadState {
+    if record.origin != origin::OFF_CPU {
+        return ThreadState::OnCpu;
+    }
+    let state = wait_reason(record.wait_state, frames.iter().map(|&id| profile.frames.frame(id)));
+    if !show_kernel {
+        frames.retain(|&id| !matches!(profile.frames.frame(id), Frame::Kernel(_)));
+    }
+    state
+}
+
+/// Resolves a batch of records in order: samples become stacks in `profile`, events update the session.
+pub fn add_samples(batch: &mut RecordBatch, session: &mut Session, kernel: &mut dyn KernelMaps, profile: &mut Profile, stats: &mut Stats) {
+    if let Some(delay) = test_consumer_delay() {
+        std::thread::sleep(delay);
+    }
+    while let Some(record) = batch.next() {
+        match record {
+            Record::Sample(record) => {
+                stats.samples += 1;
+                session.resolve(record, kernel, stats, profile);
+            }
+            Record::Event(event) => session.process_event(&event, kernel),
+            Record::OffCpuEnd(end) => session.end_wait(&end, stats, profile),
+            Record::WaitingTasks(waiting) => session.waiting_tasks(waiting, stats, profile),
+        }
+    }
+}
+
+/// `PYEBPF_TEST_CONSUMER_DELAY_MS`: stalls the consumer before each batch, so tests can show that
+/// stacks stay true when userspace falls behind the sampled threads.
+fn test_consumer_delay() -> Option<Duration> {
+    static DELAY: std::sync::OnceLock<Option<Duration>> = std::sync::OnceLock::new();
+    *DELAY.get_or_init(|| std::env::var("PYEBPF_TEST_CONSUMER_DELAY_MS").ok()?.parse().ok().map(Duration::from_millis))
+}

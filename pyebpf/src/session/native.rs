@@ -1,0 +1,146 @@
+//! A sample's native stack: kernel frames, user frames unwound from the stack copy where the
+//! sample has one (else the kernel's frame-pointer walk), symbolized, and the Python stack merged
+//! in by stack address.
+
+use hashbrown::HashSet;
+use pyebpf_common::{user_status, SampleRecord};
+
+use crate::cli::UnwindMode;
+use crate::kernel_maps::KernelMaps;
+use crate::merge::{python_frames, Merged, Merger, NativeStack};
+use crate::native_ids::{IdLevel, NativeIds};
+use crate::python::{PyItem, PythonStack};
+use crate::stack::{FrameCarry, FrameId, FrameTable};
+use crate::stats::Stats;
+use crate::symbolize::Symbolizer;
+use crate::unwind::{Snapshot, StackUnwinder, Unwound};
+
+/// Turns the native part of samples into frames, caching what it learns per process and file.
+pub struct NativeStacks {
+    symbolizer: Symbolizer,
+    ids: NativeIds,
+    unwinder: StackUnwinder,
+    unwind: UnwindMode,
+    /// Python frames only (`--no-native`), where the sample has them.
+    no_native: bool,
+    /// Processes whose stacks the eBPF program copies (`--unwind auto`).
+    copying: HashSet<u32>,
+    levels: Vec<IdLevel>,
+    merger: Merger,
+}
+
+impl NativeStacks {
+    pub fn new(unwind: UnwindMode, no_native: bool) -> Self {
+        NativeStacks {
+            symbolizer: Symbolizer::new(),
+            ids: NativeIds::default(),
+            unwinder: StackUnwinder::new(),
+            unwind,
+            no_native,
+            copying: HashSet::new(),
+            levels: Vec::new(),
+            merger: Merger::default(),
+        }
+    }
+
+    /// The sample's whole stack into `out`, innermost first: kernel frames, then user frames with
+    /// the Python stack `python` (of outcome `outcome`) merged in.
+    pub fn stack(
+        &mut self,
+        record: &SampleRecord,
+        outcome: PythonStack,
+        python: &[PyItem],
+        kernel: &mut dyn KernelMaps,
+        stats: &mut Stats,
+        table: &mut FrameTable,
+        out: &mut Vec<FrameId>,
+    ) {
+        out.clear();
+        if self.no_native && outcome.is_python() {
+            out.extend(python_frames(python).copied());
+            return;
+        }
+        let kernel_len = (record.kernel_len as usize).min(record.kernel_stack.len());
+        self.ids.kernel_frames(&mut self.symbolizer, table, &record.kernel_stack[..kernel_len], out);
+        // Unwound from the stack copy where the sample has one, else the kernel's frame-pointer walk.
+        let unwound = (record.stack_len > 0).then(|| self.unwind_copy(record, stats));
+        let (addrs, bases) = match &unwound {
+            Some(unwound) => (&unwound.addrs[..], &unwound.frame_bases[..]),
+            None => {
+                let user_len = (record.user_len as usize).min(record.user_stack.len());
+                let bases_len = (record.frame_bases_len as usize).min(record.user_frame_bases.len());
+                (&record.user_stack[..user_len], &record.user_frame_bases[..bases_len])
+            }
+        };
+        self.ids.user_levels(&mut self.symbolizer, table, record.tgid, addrs, &mut self.levels);
+        let stack = NativeStack { levels: &self.levels, frame_bases: bases, sp: record.user_sp };
+        if unwound.is_none() && self.needs_copies(record, &stack, addrs) && self.copying.insert(record.tgid) {
+            if let Err(err) = kernel.copy_stacks_of(record.tgid) {
+                log::debug!("process {}: stacks stay frame-pointer unwound: {err}", record.tgid);
+            }
+        }
+        let ids = &self.ids;
+        if outcome.is_python() {
+            self.merger.merge(&stack, python, |piece| match piece {
+                Merged::Native(level) => out.extend_from_slice(ids.frames(level)),
+                Merged::Python(&id) => out.push(id),
+            });
+        } else {
+            for level in &self.levels[..stack.trusted_levels()] {
+                out.extend_from_slice(ids.frames(level));
+            }
+        }
+    }
+
+    /// `--unwind auto`: a frame-pointer walk that reached neither a zero frame pointer nor the C
+    /// library's start code has the process's later samples carry stack copies.
+    fn needs_copies(&self, record: &SampleRecord, stack: &NativeStack<'_, IdLevel>, addrs: &[u64]) -> bool {
+        self.unwind == UnwindMode::Auto && !addrs.is_empty() && record.user_status & user_status::FP_COMPLETE == 0 && !stack.reaches_start_code()
+    }
+
+    /// A sample's user stack unwound from its copy, with what it cost counted in `stats`.
+    fn unwind_copy(&mut self, record: &SampleRecord, stats: &mut Stats) -> Unwound {
+        let stack = &record.stack_tail[..(record.stack_len as usize).min(record.stack_tail.len())];
+        let started = thread_cpu_ns();
+        let unwound = self.unwinder.unwind(record.tgid, &Snapshot { ip: record.user_stack[0], sp: record.user_sp, bp: record.user_bp, stack });
+        stats.count_unwind(&unwound, stack.len(), record.user_status & user_status::SNAPSHOT_FULL != 0, thread_cpu_ns().saturating_sub(started));
+        unwound
+    }
+
+    /// Drops what is known of `pid`'s address space, and stops copying its stacks.
+    pub fn forget(&mut self, pid: u32, kernel: &mut dyn KernelMaps) {
+        self.symbolizer.forget_process(pid);
+        self.ids.forget_process(pid);
+        self.unwinder.forget_process(pid);
+        if self.copying.remove(&pid) {
+            kernel.stop_copying_stacks_of(pid);
+        }
+    }
+
+    /// A new sampler copies no stacks yet.
+    pub fn forget_copying(&mut self) {
+        self.copying.clear();
+    }
+
+    pub fn expire_unmapped(&mut self) {
+        self.ids.expire_unmapped();
+    }
+
+    pub fn carry_frames(&mut self, carry: &mut FrameCarry<'_>) {
+        self.ids.carry_frames(carry);
+    }
+
+    pub fn clear_frame_ids(&mut self) {
+        self.ids.clear();
+    }
+}
+
+/// CPU time of the calling thread so far: what one step costs, also on a busy host.
+fn thread_cpu_ns() -> u64 {
+    let mut now = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime fills the timespec it is given.
+    if unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut now) } != 0 {
+        return 0;
+    }
+    now.tv_sec as u64 * 1_000_000_000 + now.tv_nsec as u64
+}
