@@ -24,7 +24,7 @@ pub enum BpfError {
     NotPermitted,
     #[error("permission denied: pyebpf lacks {0} (it needs root, or CAP_BPF, CAP_PERFMON and CAP_SYS_PTRACE)")]
     MissingCapabilities(String),
-    #[error("--ring-buffer-kb must be a power of two from 4 to {max}, not {0}", max = crate::cli::MAX_RING_BUFFER_KB)]
+    #[error("--ring-buffer-kb must be a power of two from 4 to {max}, not {0}", max = MAX_RING_BUFFER_KB)]
     RingBufferSize(u32),
     #[error("cannot load the eBPF sampler (is BPF available in this kernel?): {0}")]
     Load(aya::EbpfError),
@@ -46,6 +46,28 @@ pub enum BpfError {
 
 fn map_error(name: &'static str) -> impl FnOnce(aya::maps::MapError) -> BpfError {
     move |cause| BpfError::Map { name, cause }
+}
+
+/// The largest ring buffer: its pages stay locked in kernel memory for the whole recording.
+pub const MAX_RING_BUFFER_KB: u32 = 256 * 1024;
+
+/// Whether a ring buffer of `kb` KiB can be made: a power of two from 4 KiB (a page) to
+/// [`MAX_RING_BUFFER_KB`].
+pub fn ring_buffer_kb_fits(kb: u32) -> bool {
+    (4..=MAX_RING_BUFFER_KB).contains(&kb) && kb.is_power_of_two()
+}
+
+/// How native user stacks are unwound (`--unwind`).
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum UnwindMode {
+    /// Frame pointers only, in the kernel: cheapest; stops in code built without them
+    Fp,
+    /// Every sampled stack is copied and unwound in userspace from the call frame information
+    /// (.eh_frame, .debug_frame) of each mapped file
+    Dwarf,
+    /// Frame pointers, switched to CFI for a process once one of its frame-pointer stacks ends
+    /// before the stack's root
+    Auto,
 }
 
 /// What to sample.
@@ -166,7 +188,7 @@ impl Sampler {
             return Err(BpfError::NoObject);
         }
         let kb = options.ring_buffer_kb;
-        if !(4..=crate::cli::MAX_RING_BUFFER_KB).contains(&kb) || !kb.is_power_of_two() {
+        if !ring_buffer_kb_fits(kb) {
             return Err(BpfError::RingBufferSize(kb));
         }
         // Every program reads kernel types (the current task, fork's task_structs), so a kernel

@@ -8,6 +8,7 @@ pub mod cpython;
 pub mod filter;
 pub mod kernel_btf;
 pub mod merge;
+pub mod mode;
 pub mod native_ids;
 pub mod output;
 pub mod process;

@@ -10,10 +10,11 @@ use anyhow::{Context, Result};
 use hashbrown::{HashMap, HashSet};
 use pyebpf_common::{origin, py_status, task_status, user_status, OffCpuEnd, OffCpuStart, ProcessEvent, SampleRecord, WaitingTasks};
 
-use crate::bpf::{check_privileges, Sampler, SamplerOptions};
-use crate::cli::{GroupBy, Mode, RecordArgs, UnwindMode};
+use crate::bpf::{check_privileges, Sampler, SamplerOptions, UnwindMode};
+use crate::cli::{GroupBy, RecordArgs};
 use crate::filter::SampleFilter;
 use crate::merge::{python_frames, Merged, Merger, NativeStack};
+use crate::mode::Mode;
 use crate::native_ids::{IdLevel, NativeIds};
 use crate::output::{self, Files, OutputError, ProfileSink, Rendering};
 use crate::process::{self, Launched, ProcessNames, Watched};

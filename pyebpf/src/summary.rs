@@ -4,7 +4,7 @@ use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::sync::Arc;
 
-use crate::cli::Mode;
+use crate::mode::Mode;
 use crate::stack::{Frame, Profile};
 use crate::stats::{NamedProcesses, OffCpuTotals, Stats, TaskTotals};
 
