@@ -24,7 +24,7 @@ pub enum BpfError {
     NotPermitted,
     #[error("permission denied: pyebpf lacks {0} (it needs root, or CAP_BPF, CAP_PERFMON and CAP_SYS_PTRACE)")]
     MissingCapabilities(String),
-    #[error("--ring-buffer-kb must be a power of two from 4 to {max}, not {0}", max = crate::cli::MAX_RING_BUFFER_KB)]
+    #[error("--ring-buffer-kb must be a power of two from 4 to {max}, not {0}", max = MAX_RING_BUFFER_KB)]
     RingBufferSize(u32),
     #[error("cannot load the eBPF sampler (is BPF available in this kernel?): {0}")]
     Load(aya::EbpfError),
@@ -46,6 +46,28 @@ pub enum BpfError {
 
 fn map_error(name: &'static str) -> impl FnOnce(aya::maps::MapError) -> BpfError {
     move |cause| BpfError::Map { name, cause }
+}
+
+/// The largest ring buffer: its pages stay locked in kernel memory for the whole recording.
+pub const MAX_RING_BUFFER_KB: u32 = 256 * 1024;
+
+/// Whether a ring buffer of `kb` KiB can be made: a power of two from 4 KiB (a page) to
+/// [`MAX_RING_BUFFER_KB`].
+pub fn ring_buffer_kb_fits(kb: u32) -> bool {
+    (4..=MAX_RING_BUFFER_KB).contains(&kb) && kb.is_power_of_two()
+}
+
+/// How native user stacks are unwound (`--unwind`).
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum UnwindMode {
+    /// Frame pointers only, in the kernel: cheapest; stops in code built without them
+    Fp,
+    /// Every sampled stack is copied and unwound in userspace from the call frame information
+    /// (.eh_frame, .debug_frame) of each mapped file
+    Dwarf,
+    /// Frame pointers, switched to CFI for a process once one of its frame-pointer stacks ends
+    /// before the stack's root
+    Auto,
 }
 
 /// What to sample.
@@ -158,6 +180,95 @@ where
     ebpf.program_mut(name).ok_or(BpfError::StaleObject(name))?.try_into().map_err(BpfError::Program)
 }
 
+/// The eBPF programs' diagnostics are compiled in but off (and removed by the verifier) unless
+/// debug logging is on.
+fn kernel_log_level() -> u8 {
+    if log::log_enabled!(log::Level::Debug) {
+        aya_log::Level::Debug as u8
+    } else {
+        0
+    }
+}
+
+/// Loads the object with its globals and map sizes set; returns it, the kernel's BTF as aya reads
+/// it (to load the BTF-typed hooks) and the number of possible CPUs.
+fn load_object(kb: u32, log_level: u8) -> Result<(Ebpf, aya::Btf, u32), BpfError> {
+    // Every program reads kernel types (the current task, fork's task_structs), so a kernel
+    // without BTF is reported here, in one line, rather than as a verifier log.
+    let kernel_btf = Btf::from_kernel()?;
+    // The hooks read the ids of the tasks they are given at these offsets, constants to the
+    // verifier once set (see the eBPF crate's `task` module).
+    let task_pid_offset = kernel_btf.member_offset("task_struct", "pid")?;
+    let task_tgid_offset = kernel_btf.member_offset("task_struct", "tgid")?;
+    let aya_btf = aya::Btf::from_sys_fs().map_err(BpfError::AyaBtf)?;
+    let cpus = aya::util::nr_cpus().map_err(|(_, err)| BpfError::Cpus(err))? as u32;
+    let ebpf = EbpfLoader::new()
+        .btf(Some(&aya_btf))
+        .override_global(aya_log::LEVEL, &log_level, false)
+        .override_global(globals::TASK_PID_OFFSET, &task_pid_offset, true)
+        .override_global(globals::TASK_TGID_OFFSET, &task_tgid_offset, true)
+        .map_max_entries(maps::SAMPLES, kb * 1024)
+        // One record per CPU for samples, one for the switch hooks.
+        .map_max_entries(maps::SCRATCH, 2 * cpus)
+        .load(EBPF_OBJECT)
+        .map_err(|err| if is_permission_error(&err) { BpfError::NotPermitted } else { BpfError::Load(err) })?;
+    Ok((ebpf, aya_btf, cpus))
+}
+
+/// The configuration flags `options` ask for.
+fn flags_for(options: &SamplerOptions) -> u32 {
+    let wanted = [
+        (options.kernel_stacks, config_flags::KERNEL_STACK),
+        (options.snapshot_all, config_flags::SNAPSHOT_ALL),
+        (options.gil, config_flags::GIL),
+        (options.waiting_tasks, config_flags::WAITING_TASKS),
+        (options.targets.is_some(), config_flags::FILTER_TARGETS),
+        (options.follow_forks, config_flags::FOLLOW_FORKS),
+    ];
+    wanted.iter().filter(|(on, _)| *on).fold(0, |flags, (_, flag)| flags | flag)
+}
+
+/// Fills the target set and the configuration the programs read; returns the target set.
+fn configure(ebpf: &mut Ebpf, options: &SamplerOptions, cpus: u32) -> Result<HashMap<MapData, u32, u8>, BpfError> {
+    let mut targets: HashMap<MapData, u32, u8> = HashMap::try_from(take_map(ebpf, maps::TARGETS)?).map_err(map_error(maps::TARGETS))?;
+    for pid in options.targets.iter().flatten() {
+        targets.insert(pid, 1, 0).map_err(map_error(maps::TARGETS))?;
+    }
+    let off_cpu_min_ns = options.off_cpu_min.map_or(0, |min| min.as_nanos().try_into().unwrap_or(u64::MAX));
+    let kb = options.ring_buffer_kb;
+    let config = Config { own_tgid: std::process::id(), flags: flags_for(options), wakeup_bytes: kb * 1024 / 4, cpus, off_cpu_min_ns };
+    let mut config_map: Array<_, Config> =
+        Array::try_from(ebpf.map_mut(maps::CONFIG).ok_or(BpfError::StaleObject(maps::CONFIG))?).map_err(map_error(maps::CONFIG))?;
+    config_map.set(0, config, 0).map_err(map_error(maps::CONFIG))?;
+    Ok(targets)
+}
+
+/// Loads the BTF-typed program `name` for the kernel's `tracepoint` and attaches it.
+fn attach_tracepoint(ebpf: &mut Ebpf, name: &'static str, tracepoint: &str, btf: &aya::Btf) -> Result<(), BpfError> {
+    let program: &mut BtfTracePoint = program_mut(ebpf, name)?;
+    program.load(tracepoint, btf).map_err(BpfError::Program)?;
+    program.attach().map_err(BpfError::Program)?;
+    Ok(())
+}
+
+/// Attaches the fork, exec and exit hooks and, for off-CPU intervals, the switch hook; returns
+/// the programs `options` choose.
+fn attach_hooks(ebpf: &mut Ebpf, options: &SamplerOptions, btf: &aya::Btf) -> Result<Programs, BpfError> {
+    if options.follow_forks {
+        attach_tracepoint(ebpf, programs::FOLLOW_FORK, "sched_process_fork", btf)?;
+    }
+    // exec and exit tell userspace when a process's state stops being valid.
+    for (name, tracepoint) in [(programs::PROCESS_EXEC, "sched_process_exec"), (programs::PROCESS_EXIT, "sched_process_exit")] {
+        attach_tracepoint(ebpf, name, tracepoint, btf)?;
+    }
+    let loaded = Programs::for_options(options);
+    if options.off_cpu_min.is_some() {
+        // BTF-typed: no kprobes (these kernels have none) or tracefs are needed.
+        attach_tracepoint(ebpf, loaded.switch, "sched_switch", btf)?;
+    }
+    Ok(loaded)
+}
+
 impl Sampler {
     /// Loads and configures the programs and attaches the lifecycle hooks; [`Sampler::start_sampling`]
     /// then starts the sampling.
@@ -166,83 +277,29 @@ impl Sampler {
             return Err(BpfError::NoObject);
         }
         let kb = options.ring_buffer_kb;
-        if !(4..=crate::cli::MAX_RING_BUFFER_KB).contains(&kb) || !kb.is_power_of_two() {
+        if !ring_buffer_kb_fits(kb) {
             return Err(BpfError::RingBufferSize(kb));
         }
-        // Every program reads kernel types (the current task, fork's task_structs), so a kernel
-        // without BTF is reported here, in one line, rather than as a verifier log.
-        let kernel_btf = Btf::from_kernel()?;
-        // The hooks read the ids of the tasks they are given at these offsets, constants to the
-        // verifier once set (see the eBPF crate's `task` module).
-        let task_pid_offset = kernel_btf.member_offset("task_struct", "pid")?;
-        let task_tgid_offset = kernel_btf.member_offset("task_struct", "tgid")?;
-        let aya_btf = aya::Btf::from_sys_fs().map_err(BpfError::AyaBtf)?;
-        // The eBPF programs' diagnostics are compiled in but off (and removed by the verifier)
-        // unless debug logging is on.
-        let log_level = if log::log_enabled!(log::Level::Debug) { aya_log::Level::Debug as u8 } else { 0 };
-        let cpus = aya::util::nr_cpus().map_err(|(_, err)| BpfError::Cpus(err))? as u32;
-        let mut ebpf = EbpfLoader::new()
-            .btf(Some(&aya_btf))
-            .override_global(aya_log::LEVEL, &log_level, false)
-            .override_global(globals::TASK_PID_OFFSET, &task_pid_offset, true)
-            .override_global(globals::TASK_TGID_OFFSET, &task_tgid_offset, true)
-            .map_max_entries(maps::SAMPLES, kb * 1024)
-            // One record per CPU for samples, one for the switch hooks.
-            .map_max_entries(maps::SCRATCH, 2 * cpus)
-            .load(EBPF_OBJECT)
-            .map_err(|err| if is_permission_error(&err) { BpfError::NotPermitted } else { BpfError::Load(err) })?;
-
-        let mut flags = 0;
-        if options.kernel_stacks {
-            flags |= config_flags::KERNEL_STACK;
-        }
-        if options.snapshot_all {
-            flags |= config_flags::SNAPSHOT_ALL;
-        }
-        if options.gil {
-            flags |= config_flags::GIL;
-        }
-        if options.waiting_tasks {
-            flags |= config_flags::WAITING_TASKS;
-        }
-        let mut targets: HashMap<MapData, u32, u8> = HashMap::try_from(take_map(&mut ebpf, maps::TARGETS)?).map_err(map_error(maps::TARGETS))?;
-        if let Some(pids) = &options.targets {
-            flags |= config_flags::FILTER_TARGETS;
-            for pid in pids {
-                targets.insert(pid, 1, 0).map_err(map_error(maps::TARGETS))?;
-            }
-        }
-        if options.follow_forks {
-            flags |= config_flags::FOLLOW_FORKS;
-        }
-        let off_cpu_min_ns = options.off_cpu_min.map_or(0, |min| min.as_nanos().try_into().unwrap_or(u64::MAX));
-        let config = Config { own_tgid: std::process::id(), flags, wakeup_bytes: kb * 1024 / 4, cpus, off_cpu_min_ns };
-        let mut config_map: Array<_, Config> =
-            Array::try_from(ebpf.map_mut(maps::CONFIG).ok_or(BpfError::StaleObject(maps::CONFIG))?).map_err(map_error(maps::CONFIG))?;
-        config_map.set(0, config, 0).map_err(map_error(maps::CONFIG))?;
-
-        if options.follow_forks {
-            let program: &mut BtfTracePoint = program_mut(&mut ebpf, programs::FOLLOW_FORK)?;
-            program.load("sched_process_fork", &aya_btf).map_err(BpfError::Program)?;
-            program.attach().map_err(BpfError::Program)?;
-        }
-        // exec and exit tell userspace when a process's state stops being valid.
-        for (name, tracepoint) in [(programs::PROCESS_EXEC, "sched_process_exec"), (programs::PROCESS_EXIT, "sched_process_exit")] {
-            let program: &mut BtfTracePoint = program_mut(&mut ebpf, name)?;
-            program.load(tracepoint, &aya_btf).map_err(BpfError::Program)?;
-            program.attach().map_err(BpfError::Program)?;
-        }
-        let loaded = Programs::for_options(options);
-        if options.off_cpu_min.is_some() {
-            // BTF-typed: no kprobes (these kernels have none) or tracefs are needed.
-            let program: &mut BtfTracePoint = program_mut(&mut ebpf, loaded.switch)?;
-            program.load("sched_switch", &aya_btf).map_err(BpfError::Program)?;
-            program.attach().map_err(BpfError::Program)?;
-        }
+        let log_level = kernel_log_level();
+        let (mut ebpf, aya_btf, cpus) = load_object(kb, log_level)?;
+        let targets = configure(&mut ebpf, options, cpus)?;
+        let loaded = attach_hooks(&mut ebpf, options, &aya_btf)?;
         let program_stats = options.program_stats.then(|| aya::sys::enable_stats(aya::sys::Stats::RunTime).ok()).flatten();
         let program: &mut PerfEvent = program_mut(&mut ebpf, loaded.sample)?;
         program.load().map_err(BpfError::Program)?;
+        Sampler::with_maps(ebpf, options, loaded, program_stats, log_level, targets)
+    }
 
+    /// The sampler of the loaded object: the maps userspace reads and writes taken out of it, and
+    /// the ring-buffer reader started.
+    fn with_maps(
+        mut ebpf: Ebpf,
+        options: &SamplerOptions,
+        programs: Programs,
+        program_stats: Option<std::os::fd::OwnedFd>,
+        log_level: u8,
+        targets: HashMap<MapData, u32, u8>,
+    ) -> Result<Sampler, BpfError> {
         let kernel_log =
             if log_level == 0 { None } else { aya_log::EbpfLogger::init(&mut ebpf).map_err(|err| log::debug!("eBPF diagnostics unavailable: {err}")).ok() };
         let samples = RingBuf::try_from(take_map(&mut ebpf, maps::SAMPLES)?).map_err(map_error(maps::SAMPLES))?;
@@ -257,10 +314,10 @@ impl Sampler {
         Ok(Sampler {
             ebpf,
             frequency_hz: options.frequency_hz,
-            programs: loaded,
+            programs,
             _program_stats: program_stats,
             kernel_log,
-            samples: RingReader::start(samples, kb as usize * 1024).map_err(BpfError::Poll)?,
+            samples: RingReader::start(samples, options.ring_buffer_kb as usize * 1024).map_err(BpfError::Poll)?,
             lost,
             targets,
             py_procs,
@@ -291,12 +348,12 @@ impl Sampler {
         self.samples.queued()
     }
 
-    /// Batches and samples the reader thread dropped because the consumer was behind.
     /// The sampler and switch hook loaded.
     pub fn programs(&self) -> Programs {
         self.programs
     }
 
+    /// Batches and samples the reader thread dropped because the consumer was behind.
     pub fn reader_drops(&self) -> (u64, u64) {
         let drops = self.samples.drops();
         (drops.batches.load(std::sync::atomic::Ordering::Relaxed), drops.samples.load(std::sync::atomic::Ordering::Relaxed))

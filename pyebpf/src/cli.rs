@@ -5,6 +5,10 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
+use crate::bpf::{ring_buffer_kb_fits, UnwindMode, MAX_RING_BUFFER_KB};
+use crate::mode::Mode;
+use crate::output::OutputFormat;
+
 #[derive(Parser, Debug)]
 #[command(
     name = "pyebpf",
@@ -111,63 +115,6 @@ pub struct ModeArgs {
     /// at most 8 tasks per chain and 16 waiting tasks per capture
     #[arg(long = "async-aware")]
     pub async_aware: bool,
-}
-
-#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
-pub enum OutputFormat {
-    /// gzip-compressed profile.proto, for `go tool pprof`, Grafana/Pyroscope, speedscope
-    Pprof,
-    /// One line per stack, `frame;frame;... count`, for flamegraph.pl and inferno
-    Collapsed,
-    /// An interactive flame graph (SVG) to open in a browser
-    Svg,
-    /// speedscope's JSON file format, for `https://www.speedscope.app` or `npx speedscope`
-    Speedscope,
-}
-
-/// How native user stacks are unwound (`--unwind`).
-#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
-pub enum UnwindMode {
-    /// Frame pointers only, in the kernel: cheapest; stops in code built without them
-    Fp,
-    /// Every sampled stack is copied and unwound in userspace from the call frame information
-    /// (.eh_frame, .debug_frame) of each mapped file
-    Dwarf,
-    /// Frame pointers, switched to CFI for a process once one of its frame-pointer stacks ends
-    /// before the stack's root
-    Auto,
-}
-
-/// What a profile measures (`--mode`).
-#[derive(ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub enum Mode {
-    /// Time on CPU: samples of running threads
-    #[default]
-    Cpu,
-    /// Wall-clock time: samples on CPU and every interval off CPU (sleeping, waiting on a lock,
-    /// I/O or the GIL), so each thread's shares add up to its time
-    Wall,
-    /// Time off CPU only: each interval a thread waited, with the stack it waited in
-    OffCpu,
-    /// Time holding the GIL: samples of Python threads that held it (CPython 3.8+)
-    Gil,
-}
-
-impl Mode {
-    /// Whether the mode counts off-CPU intervals (the scheduler hooks are attached).
-    pub fn counts_waits(self) -> bool {
-        matches!(self, Mode::Wall | Mode::OffCpu)
-    }
-
-    /// What a profile of this mode measures, for titles and summaries.
-    pub fn measures(self) -> &'static str {
-        match self {
-            Mode::Cpu => "CPU time",
-            Mode::Wall => "wall-clock time",
-            Mode::OffCpu => "off-CPU time",
-            Mode::Gil => "time holding the GIL",
-        }
-    }
 }
 
 /// `--off-cpu-min` unless given: a thread is captured at most this often after its burst. A
@@ -307,9 +254,6 @@ const MAX_SECONDS: u64 = 365 * 24 * 3600;
 /// The shortest `--duration`: a millisecond (`1e-12` would be a recording of no time at all).
 const MIN_DURATION: f64 = 0.001;
 
-/// The largest ring buffer: its pages stay locked in kernel memory for the whole recording.
-pub const MAX_RING_BUFFER_KB: u32 = 256 * 1024;
-
 /// `--duration`: a finite number of seconds from [`MIN_DURATION`] to [`MAX_SECONDS`].
 fn parse_duration(text: &str) -> Result<Duration, String> {
     let seconds: f64 = text.trim().parse().map_err(|_| "not a number of seconds".to_string())?;
@@ -323,10 +267,7 @@ fn parse_duration(text: &str) -> Result<Duration, String> {
 fn parse_ring_buffer_kb(text: &str) -> Result<u32, String> {
     let bad = || format!("must be a power of two from 4 to {MAX_RING_BUFFER_KB} (256 MiB)");
     let kb: u32 = text.trim().parse().map_err(|_| bad())?;
-    if !(4..=MAX_RING_BUFFER_KB).contains(&kb) || !kb.is_power_of_two() {
-        return Err(bad());
-    }
-    Ok(kb)
+    ring_buffer_kb_fits(kb).then_some(kb).ok_or_else(bad)
 }
 
 #[derive(Args, Debug)]

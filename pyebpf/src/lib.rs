@@ -9,6 +9,7 @@ pub mod filter;
 pub mod kernel_btf;
 pub mod kernel_maps;
 pub mod merge;
+pub mod mode;
 pub mod native_ids;
 pub mod output;
 pub mod process;

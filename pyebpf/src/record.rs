@@ -8,8 +8,9 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result};
 
-use crate::bpf::{check_privileges, Sampler, SamplerOptions};
-use crate::cli::{GroupBy, Mode, RecordArgs, UnwindMode};
+use crate::bpf::{check_privileges, Sampler, SamplerOptions, UnwindMode};
+use crate::cli::{GroupBy, RecordArgs};
+use crate::mode::Mode;
 use crate::output::{self, Files, OutputError, ProfileSink, Rendering};
 use crate::process::{self, Launched, Watched};
 use crate::progress::Progress;

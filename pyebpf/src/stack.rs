@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use hashbrown::HashMap;
 
-use crate::cli::Mode;
+use crate::mode::Mode;
 
 /// A loaded file in a process's address space (one executable mapping of `/proc/PID/maps`).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]

@@ -4,7 +4,7 @@ use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::sync::Arc;
 
-use crate::cli::Mode;
+use crate::mode::Mode;
 use crate::stack::{Frame, Profile};
 use crate::stats::{NamedProcesses, OffCpuTotals, Stats, TaskTotals};
 
@@ -177,8 +177,9 @@ fn share(part: u64, whole: u64) -> f64 {
     }
 }
 
-impl fmt::Display for Summary {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+impl Summary {
+    /// The run: samples, processes, the time measured and, for waits, the off-CPU intervals.
+    fn write_run(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         // The first line stays as it always was: scripts read it.
         writeln!(f, "pyebpf: wrote {} samples of {} processes to {} ({} lost)", self.samples, self.processes, self.output, self.lost)?;
         writeln!(
@@ -201,6 +202,11 @@ impl fmt::Display for Summary {
                 o.carried_ns as f64 / 1e9
             )?;
         }
+        Ok(())
+    }
+
+    /// The top Python functions, and what the listing leaves out.
+    fn write_top(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         if self.top.is_empty() {
             writeln!(f, "  no Python frames were sampled")?;
         } else if self.mode == Mode::Cpu {
@@ -227,6 +233,11 @@ impl fmt::Display for Summary {
         if !self.unsupported_pythons.is_empty() {
             writeln!(f, "  native frames only (pyebpf reads CPython 3.8 to 3.15): {}", self.unsupported_pythons)?;
         }
+        Ok(())
+    }
+
+    /// How samples were placed in asyncio tasks, with `--async-aware`.
+    fn write_tasks(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let tasks = &self.tasks;
         if tasks.enabled {
             writeln!(
@@ -247,6 +258,15 @@ impl fmt::Display for Summary {
         if !tasks.unsupported.is_empty() {
             writeln!(f, "  no asyncio tasks (pyebpf reads them from CPython 3.14 on): {}", tasks.unsupported)?;
         }
+        Ok(())
+    }
+}
+
+impl fmt::Display for Summary {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.write_run(f)?;
+        self.write_top(f)?;
+        self.write_tasks(f)?;
         write!(f, "  lost: {}, Python stacks truncated: {}, unresolved (no frames): {}", self.lost, self.truncated, self.unresolved)?;
         if let Some(command) = &self.open_command {
             write!(f, "\n  open it: {command}")?;

@@ -11,9 +11,9 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use pyebpf::bpf::{Sampler, SamplerOptions};
-use pyebpf::cli::{Mode, UnwindMode};
+use pyebpf::bpf::{Sampler, SamplerOptions, UnwindMode};
 use pyebpf::filter::SampleFilter;
+use pyebpf::mode::Mode;
 use pyebpf::python_sampling::SamplingOptions;
 use pyebpf::reader::{Record, RecordBatch};
 use pyebpf::record::SampleResolver;

@@ -59,7 +59,10 @@ pub enum PyError {
     NotPython(u32),
     #[error("cannot open {}, the interpreter of process {pid}: {cause} (files in directories pyebpf's user cannot enter need CAP_DAC_READ_SEARCH)", path.display())]
     InterpreterUnreadable { pid: u32, path: std::path::PathBuf, cause: std::io::Error },
-    #[error("no _Py_DebugOffsets in _PyRuntime: CPython older than 3.13?")]
+    /// No `xdebugpy` cookie at `_PyRuntime`. Before 3.13 there is none, and [`PyProcess::attach`]
+    /// reads the process with pyebpf's table of its version instead: the error remains only when
+    /// that version is unknown too.
+    #[error("no _Py_DebugOffsets in _PyRuntime, and neither Py_Version nor the interpreter's file name tells the CPython version")]
     NoDebugOffsets,
     #[error("CPython {0} is not supported (3.8 to 3.14 and 3.15.0b4 or later are)")]
     UnsupportedVersion(PyVersion),

@@ -26,7 +26,7 @@ use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt, PermissionsExt
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use crate::cli::OutputFormat;
+use super::OutputFormat;
 
 use super::OutputError;
 

@@ -18,10 +18,22 @@ use std::path::{Path, PathBuf};
 
 use thiserror::Error;
 
-use crate::cli::OutputFormat;
 use crate::stack::{Frame, KernelFrame, NativeFrame, Profile, PythonFrame, Stack, ThreadState, Weight};
 
 use destination::{Destination, STDOUT};
+
+/// The file formats a profile is written in (`--format`).
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OutputFormat {
+    /// gzip-compressed profile.proto, for `go tool pprof`, Grafana/Pyroscope, speedscope
+    Pprof,
+    /// One line per stack, `frame;frame;... count`, for flamegraph.pl and inferno
+    Collapsed,
+    /// An interactive flame graph (SVG) to open in a browser
+    Svg,
+    /// speedscope's JSON file format, for `https://www.speedscope.app` or `npx speedscope`
+    Speedscope,
+}
 
 #[derive(Debug, Error)]
 pub enum OutputError {

@@ -15,7 +15,7 @@ use flate2::write::GzEncoder;
 use flate2::Compression;
 use prost::Message;
 
-use crate::cli::Mode;
+use crate::mode::Mode;
 use crate::stack::{Frame, KernelFrame, Module, NativeFrame, Profile, PythonFrame, Stack, Weight};
 
 use super::{kernel_name, native_name, task_name};
@@ -322,7 +322,7 @@ mod tests {
     fn go_tool_pprof_reads_functions_lines_and_counts() {
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("profile.pb.gz");
-        crate::output::write_profile(&sample_profile(), &file, crate::cli::OutputFormat::Pprof, &crate::output::Rendering::default()).unwrap();
+        crate::output::write_profile(&sample_profile(), &file, crate::output::OutputFormat::Pprof, &crate::output::Rendering::default()).unwrap();
 
         let raw = go_pprof("-raw", &file);
         assert!(raw.contains("samples/count cpu/nanoseconds"), "{raw}");

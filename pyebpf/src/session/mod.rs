@@ -19,10 +19,10 @@ use std::time::Duration;
 use anyhow::Result;
 use pyebpf_common::{origin, py_status, OffCpuEnd, OffCpuStart, ProcessEvent, SampleRecord, WaitingTasks};
 
-use crate::bpf::{Sampler, SamplerOptions};
-use crate::cli::{Mode, UnwindMode};
+use crate::bpf::{Sampler, SamplerOptions, UnwindMode};
 use crate::filter::SampleFilter;
 use crate::kernel_maps::KernelMaps;
+use crate::mode::Mode;
 use crate::process;
 use crate::python::{PyItem, Pythons, SamplingOptions, TaskStack};
 use crate::reader::{Record, RecordBatch};

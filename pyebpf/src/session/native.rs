@@ -5,7 +5,7 @@
 use hashbrown::HashSet;
 use pyebpf_common::{user_status, SampleRecord};
 
-use crate::cli::UnwindMode;
+use crate::bpf::UnwindMode;
 use crate::kernel_maps::KernelMaps;
 use crate::merge::{python_frames, Merged, Merger, NativeStack};
 use crate::native_ids::{IdLevel, NativeIds};

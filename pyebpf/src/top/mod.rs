@@ -10,8 +10,9 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use ratatui::crossterm::event::{Event, KeyCode, KeyEvent, KeyEventKind, KeyModifiers};
 
-use crate::bpf::{check_privileges, SamplerOptions};
-use crate::cli::{Mode, TopArgs, UnwindMode, DEFAULT_MAX_PYTHON_FRAMES, DEFAULT_RING_BUFFER_KB};
+use crate::bpf::{check_privileges, SamplerOptions, UnwindMode};
+use crate::cli::{TopArgs, DEFAULT_MAX_PYTHON_FRAMES, DEFAULT_RING_BUFFER_KB};
+use crate::mode::Mode;
 use crate::process::{self, Watched};
 use crate::python::SamplingOptions;
 use crate::reader::RecordBatch;
