@@ -209,9 +209,13 @@ impl PyFrameRecord {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct PyCapture {
-    /// Address of the thread's `PyThreadState`.
+    /// Address of the thread's `PyThreadState`: the one userspace registered or, with
+    /// [`py_proc_flags::FIND_ATTACHED`] when that one is not attached, the one attached now.
     pub tstate: u64,
-    /// `tstate->current_frame`: the innermost `_PyInterpreterFrame`, 0 if none.
+    /// The thread's innermost frame (0 if it runs no Python code), read from `tstate`: on 3.13+
+    /// `tstate->current_frame` and on 3.11 and 3.12 `tstate->cframe->current_frame` (both a
+    /// `_PyInterpreterFrame`), before 3.11 `tstate->frame` (a `PyFrameObject`). Only meaningful
+    /// with [`py_status::FRAME_READ`].
     pub frame: u64,
     /// `tstate->last_profiled_frame` and `last_profiled_frame_seq` (3.15), else 0.
     pub last_profiled_frame: u64,

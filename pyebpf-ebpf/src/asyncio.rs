@@ -12,8 +12,10 @@ use pyebpf_common::{
     MAX_AWAITER_LINKS, MAX_PY_FRAMES, MAX_TASKS, MAX_WAITING_FRAMES, MAX_WAITING_TASKS, PY_FRAME_WINDOW, TASK_NAME_BYTES,
 };
 
-use crate::python::{frame_record, read_u32, read_u64, read_u8};
-use crate::{LOST, PY_PROCS, SAMPLES, WAITING_SCRATCH};
+use crate::emit::emit_or_count;
+use crate::frame::frame_record;
+use crate::read::{read_u32, read_u64, read_u8};
+use crate::{LOST_SAMPLES, PY_PROCS, WAITING_SCRATCH};
 
 /// A `_PyStackRef`'s tag bits.
 const STACKREF_TAG: u64 = 3;
@@ -70,6 +72,15 @@ struct TaskWalk {
     window: [u8; PY_FRAME_WINDOW],
 }
 
+/// Forgets the tasks of an earlier capture: only the tasks counted are sent, the rest of the array
+/// may hold an earlier capture's.
+#[inline(always)]
+pub fn clear_tasks(tasks: &mut TaskCapture) {
+    tasks.len = 0;
+    tasks.status = 0;
+    tasks.frames_len = 0;
+}
+
 /// Reads the running task of the thread state at `tstate` and the tasks awaiting it into
 /// `tasks`; the awaiting tasks' frames go into `frames` from `first_frame` on. Not inlined: its
 /// frame window and the frame walk's must not share one BPF stack frame.
@@ -100,6 +111,10 @@ pub fn capture_tasks(config: &PyProcConfig, tstate: u64, first_frame: u32, tasks
 }
 
 /// One task, or one frame of the last task's coroutine chain: 0 goes on, 1 stops.
+///
+/// # Safety
+/// `context` must be the `TaskWalk` of `capture_tasks`, whose `config` and `tasks` outlive the
+/// loop and whose `frames` points at `MAX_PY_FRAMES` records.
 #[inline(never)]
 unsafe extern "C" fn task_step(_index: u64, context: *mut c_void) -> i64 {
     // SAFETY: bpf_loop passes capture_tasks' `TaskWalk` back unchanged.
@@ -220,7 +235,7 @@ struct WaitingWalk {
 /// the capture sent just before; `half` is the capture's half of the scratch space.
 #[inline(never)]
 pub fn emit_waiting_tasks(tgid: u32, tid: u32, time_ns: u64, tstate: u64, half: u32) {
-    // SAFETY: plain data; see capture_python.
+    // SAFETY: plain data; see python::registered.
     let Some(config) = (unsafe { PY_PROCS.get(tgid) }) else { return };
     let Some(out) = WAITING_SCRATCH.get_ptr_mut(half) else { return };
     // SAFETY: this CPU's scratch record of this half; a program does not preempt itself on one
@@ -257,16 +272,15 @@ pub fn emit_waiting_tasks(tgid: u32, tid: u32, time_ns: u64, tstate: u64, half: 
         return;
     }
     // SAFETY: the whole record, plain data.
-    if SAMPLES.output::<WaitingTasks>(unsafe { &*out }, 0).is_err() {
-        if let Some(lost) = LOST.get_ptr_mut(0) {
-            // SAFETY: per-CPU slot, as in capture_and_emit.
-            unsafe { *lost += 1 };
-        }
-    }
+    emit_or_count::<WaitingTasks>(unsafe { &*out }, 0, LOST_SAMPLES);
 }
 
 /// One list node (a task, skipped unless suspended), or one frame of the last task's coroutine
 /// chain: 0 goes on, 1 stops.
+///
+/// # Safety
+/// `context` must be the `WaitingWalk` of `emit_waiting_tasks`, whose `config` and `out` outlive
+/// the loop.
 #[inline(never)]
 unsafe extern "C" fn waiting_step(_index: u64, context: *mut c_void) -> i64 {
     // SAFETY: bpf_loop passes emit_waiting_tasks' `WaitingWalk` back unchanged.

@@ -9,7 +9,8 @@ use aya_ebpf::{
 use aya_log_ebpf::debug;
 use pyebpf_common::{config_flags, record_kind, ProcessEvent};
 
-use crate::{task, BPF_RB_FORCE_WAKEUP, CONFIG, LOST, LOST_EVENTS, SAMPLES, TARGETS};
+use crate::emit::emit_or_count;
+use crate::{task, BPF_RB_FORCE_WAKEUP, CONFIG, LOST_EVENTS, TARGETS};
 
 /// `sched_process_fork`: with `FOLLOW_FORKS`, a child of a target becomes a target. Its arguments are the parent's and the child's `task_struct`.
 #[btf_tracepoint(function = "sched_process_fork")]
@@ -59,18 +60,14 @@ fn send_process_event(ctx: &BtfTracePointContext, kind: u32, leader_only: bool) 
             return;
         }
         if kind == record_kind::EXIT {
-            let _ = TARGETS.remove(&tgid);
+            let _ = TARGETS.remove(tgid);
         }
     }
     // SAFETY: bpf_ktime_get_ns has no preconditions.
     let time_ns = unsafe { bpf_ktime_get_ns() };
     let event = ProcessEvent { kind, tgid, time_ns, comm: bpf_get_current_comm().unwrap_or([0; 16]) };
-    if SAMPLES.output::<ProcessEvent>(&event, BPF_RB_FORCE_WAKEUP).is_err() {
+    // Its own slot: the sampler may interrupt this program on its CPU and count samples lost.
+    if !emit_or_count::<ProcessEvent>(&event, BPF_RB_FORCE_WAKEUP, LOST_EVENTS) {
         debug!(ctx, "ring buffer full: event {} of process {} dropped", kind, tgid);
-        // Its own slot: the sampler may interrupt this program on its CPU and count in slot 0.
-        if let Some(lost) = LOST.get_ptr_mut(LOST_EVENTS) {
-            // SAFETY: per-CPU slot only lifecycle programs (which do not nest) touch.
-            unsafe { *lost += 1 };
-        }
     }
 }

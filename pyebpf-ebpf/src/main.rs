@@ -1,14 +1,17 @@
 //! pyebpf's eBPF programs, one module per hook: the perf-event sampler (`sample`), the scheduler's
 //! switch hooks for off-CPU time (`switch`) and the process lifecycle (`lifecycle`). Each hook that
 //! captures stacks calls the one capture (`capture`) with its origin and weight; the maps they
-//! share are defined here.
+//! share are defined here, and every record leaves through one door (`emit`).
 #![no_std]
 #![no_main]
 
 mod asyncio;
 mod capture;
+mod emit;
+mod frame;
 mod lifecycle;
 mod python;
+mod read;
 mod sample;
 mod switch;
 mod task;
@@ -26,7 +29,9 @@ static SAMPLES: RingBuf = RingBuf::with_byte_size(4096 * 1024, 0);
 
 #[map]
 static LOST: PerCpuArray<u64> = PerCpuArray::with_max_entries(2, 0);
-/// Slot of `LOST` counting lifecycle events dropped (slot 0 counts samples).
+/// Slot of `LOST` counting samples and the records that go with them dropped.
+const LOST_SAMPLES: u32 = 0;
+/// Slot of `LOST` counting lifecycle events dropped.
 const LOST_EVENTS: u32 = 1;
 
 #[map]

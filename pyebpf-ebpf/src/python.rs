@@ -1,91 +1,67 @@
 //! The thread's interpreter state, read in the kernel at the capture: its frame chain from the
-//! innermost frame (on 3.15 only down to a marker userspace proved it knows), whether it holds
-//! the GIL, and (3.14+) its asyncio tasks.
+//! innermost frame (on 3.15 only down to a marker userspace proved it knows) and whether it holds
+//! the GIL.
 
 use core::ffi::c_void;
 
-use aya_ebpf::{helpers::bpf_probe_read_user, helpers::generated, EbpfContext};
+use aya_ebpf::{helpers::generated, EbpfContext};
 use aya_log_ebpf::debug;
 use pyebpf_common::{
-    code_fingerprint, py_proc_flags, py_status, task_status, PyCapture, PyFrameRecord, PyProcConfig, TaskCapture, CODE_FINGERPRINT_WORDS, ENTRY_FLAG,
-    FINGERPRINT_NAME_WORD, MARKER_POSITIONS, MAX_ATTACHED_STEPS, MAX_PY_FRAMES, NO_OFFSET, PY_FRAME_WINDOW,
+    py_proc_flags, py_status, PyCapture, PyFrameRecord, PyProcConfig, PyThreadEntry, MARKER_POSITIONS, MAX_ATTACHED_STEPS, MAX_PY_FRAMES, NO_OFFSET,
+    PY_FRAME_WINDOW,
 };
 
-use crate::asyncio::capture_tasks;
+use crate::frame::{frame_record, window_u64};
+use crate::read::{read_u32, read_u64};
 use crate::{PY_MARKERS, PY_PROCS, PY_THREADS};
 
-pub fn read_u64(addr: u64) -> Option<u64> {
-    // SAFETY: bpf_probe_read_user checks the address; a fault is an error, not a crash.
-    unsafe { bpf_probe_read_user(addr as *const u64).ok() }
+/// The Python process `tgid` and its thread `tid` as userspace registered them, if it did.
+#[inline(always)]
+pub fn registered(tgid: u32, tid: u32) -> Option<(&'static PyProcConfig, &'static PyThreadEntry)> {
+    // SAFETY: plain-data values; a concurrent update from userspace at worst gives a stale entry,
+    // which the reads of the capture tolerate.
+    unsafe { Some((PY_PROCS.get(tgid)?, PY_THREADS.get(tid)?)) }
 }
 
-pub fn read_u32(addr: u64) -> Option<u32> {
-    // SAFETY: as in read_u64.
-    unsafe { bpf_probe_read_user(addr as *const u32).ok() }
-}
-
-pub fn read_u8(addr: u64) -> Option<u8> {
-    // SAFETY: as in read_u64.
-    unsafe { bpf_probe_read_user(addr as *const u8).ok() }
-}
-
-/// Reads the thread's interpreter state and walks its frame chain from the innermost frame: to
-/// the root, to the depth limit, or (3.15) to a marker whose established chain userspace holds, so
-/// at steady state only the frames that ran since the last capture are read. With `gil`, also
-/// whether the thread holds the GIL.
-pub fn capture_python<C: EbpfContext, const TASKS: bool>(
+/// Reads the state of thread `tid` (registered as `thread`) and walks its frame chain from the
+/// innermost frame: to the root, to the depth limit, or (3.15) to a marker whose established
+/// chain userspace holds, so at steady state only the frames that ran since the last capture are
+/// read. With `gil`, also whether the thread holds the GIL. Returns whether its innermost frame
+/// was read.
+#[inline(always)]
+pub fn capture_python<C: EbpfContext>(
     ctx: &C,
-    tgid: u32,
+    config: &PyProcConfig,
+    thread: PyThreadEntry,
     tid: u32,
     gil: bool,
-    waiting: bool,
     py: &mut PyCapture,
-    tasks: &mut TaskCapture,
     frames: &mut [PyFrameRecord; MAX_PY_FRAMES],
-) {
-    *py = PyCapture::default();
-    // Only the tasks counted are sent: the rest of the array may hold an earlier capture's.
-    tasks.len = 0;
-    tasks.status = 0;
-    tasks.frames_len = 0;
-    // SAFETY: plain-data values; a concurrent update from userspace at worst gives a stale entry,
-    // which the reads below tolerate.
-    let (Some(proc_config), Some(thread)) = (unsafe { PY_PROCS.get(tgid) }, unsafe { PY_THREADS.get(tid) }) else {
-        return;
-    };
-    let config = *proc_config;
-    let thread = *thread;
+) -> bool {
     py.tstate = thread.tstate;
     // The registered state, still attached, needs no look-up (a thread mostly stays put).
     if config.flags & py_proc_flags::FIND_ATTACHED != 0
         && read_u32(thread.tstate + config.tstate_status as u64).is_none_or(|status| status & config.status_attached == 0)
     {
-        let attached = find_attached(&config, thread.ns_tid);
+        let attached = find_attached(config, thread.ns_tid);
         if attached != 0 {
             py.tstate = attached;
         }
     }
     py.status |= py_status::THREAD_KNOWN;
-    if gil && holds_gil(&config, py.tstate) {
+    if gil && holds_gil(config, py.tstate) {
         py.status |= py_status::HOLDS_GIL;
     }
-    let Some(frame) = current_frame(&config, py.tstate) else {
+    let Some(frame) = current_frame(config, py.tstate) else {
         debug!(ctx, "tid {}: cannot read its thread state at {:x}", tid, py.tstate);
-        return;
+        return false;
     };
     py.frame = frame;
     py.status |= py_status::FRAME_READ;
     // The thread's marker chain belongs to the thread state userspace registered.
-    let stop_at = if py.tstate == thread.tstate { marker_stop(tid, &config, py) } else { 0 };
-    walk_frames(&config, frame, stop_at, py, frames);
-    if TASKS && config.flags & py_proc_flags::TASKS != 0 {
-        if frame != 0 {
-            capture_tasks(&config, py.tstate, py.frames_len, tasks, frames);
-        }
-        if waiting {
-            tasks.status |= task_status::WAITING_FOLLOWS;
-        }
-    }
+    let stop_at = if py.tstate == thread.tstate { marker_stop(tid, config, py) } else { 0 };
+    walk_frames(config, frame, stop_at, py, frames);
+    true
 }
 
 /// Whether the GIL is held by `tstate`: before 3.12 the runtime points at its holder (0 once
@@ -140,6 +116,9 @@ fn find_attached(config: &PyProcConfig, ns_tid: u32) -> u64 {
 }
 
 /// One thread state, or the start of the next interpreter's list: 0 goes on, 1 stops.
+///
+/// # Safety
+/// `context` must be the `AttachedSearch` of `find_attached`, whose `config` outlives the loop.
 #[inline(never)]
 unsafe extern "C" fn attached_step(_index: u64, context: *mut c_void) -> i64 {
     // SAFETY: bpf_loop passes find_attached's `AttachedSearch` back unchanged.
@@ -227,6 +206,10 @@ fn walk_frames(config: &PyProcConfig, addr: u64, stop_at: u64, py: &mut PyCaptur
 }
 
 /// One frame of the walk: 0 goes on to the next frame, 1 stops.
+///
+/// # Safety
+/// `context` must be the `Walk` of `walk_frames`, whose `config` outlives the loop and whose
+/// `frames` points at `MAX_PY_FRAMES` records.
 #[inline(never)]
 unsafe extern "C" fn walk_step(index: u64, context: *mut c_void) -> i64 {
     // SAFETY: bpf_loop passes walk_frames' `Walk` back unchanged.
@@ -254,55 +237,4 @@ unsafe extern "C" fn walk_step(index: u64, context: *mut c_void) -> i64 {
     }
     walk.addr = window_u64(&walk.window, config.frame_previous);
     0
-}
-
-/// The frame at `addr` as a record, read into `window` (whose other fields the caller may then
-/// take); `None` if it cannot be read.
-pub fn frame_record(config: &PyProcConfig, addr: u64, window: &mut [u8; PY_FRAME_WINDOW]) -> Option<PyFrameRecord> {
-    // A form the verifier can bound: in 1..=PY_FRAME_WINDOW (an out-of-range value reads the
-    // whole window).
-    let read_len = (config.frame_window.wrapping_sub(1) & (PY_FRAME_WINDOW as u32 - 1)) + 1;
-    // SAFETY: a checked user read of at most the buffer's size into it.
-    if unsafe { generated::bpf_probe_read_user(window.as_mut_ptr() as *mut c_void, read_len, addr as *const c_void) } < 0 {
-        return None;
-    }
-    let code = window_u64(window, config.frame_executable) & !config.executable_tag_mask;
-    let mut owner = if config.frame_owner == NO_OFFSET { 0 } else { window[config.frame_owner as usize & (PY_FRAME_WINDOW - 1)] & 7 };
-    if config.frame_is_entry != NO_OFFSET && window[config.frame_is_entry as usize & (PY_FRAME_WINDOW - 1)] != 0 {
-        owner |= ENTRY_FLAG;
-    }
-    Some(PyFrameRecord {
-        addr_owner: addr | owner as u64,
-        code,
-        instr_ptr: window_u64(window, config.frame_instr_ptr),
-        code_version: code_identity(config, code),
-        _pad: 0,
-    })
-}
-
-/// What identifies the code object at `code` with its address: its `co_version`, or where there
-/// is none (3.11) its fingerprint; 0 if it cannot be read.
-fn code_identity(config: &PyProcConfig, code: u64) -> u32 {
-    if code == 0 {
-        return 0;
-    }
-    if config.code_version != NO_OFFSET {
-        return read_u32(code + config.code_version as u64).unwrap_or(0);
-    }
-    if config.code_fingerprint == NO_OFFSET {
-        return 0;
-    }
-    // SAFETY: checked user reads.
-    let Ok(words) = (unsafe { bpf_probe_read_user((code + config.code_fingerprint as u64) as *const [u64; CODE_FINGERPRINT_WORDS]) }) else {
-        return 0;
-    };
-    let Some(name_hash) = read_u64(words[FINGERPRINT_NAME_WORD] + config.str_hash as u64) else { return 0 };
-    code_fingerprint(&words, name_hash)
-}
-
-/// The u64 at `offset` in a frame window; userspace checked every offset fits in the window.
-fn window_u64(window: &[u8; PY_FRAME_WINDOW], offset: u32) -> u64 {
-    let at = offset as usize & (PY_FRAME_WINDOW - 8);
-    // SAFETY: `at + 8 <= PY_FRAME_WINDOW`; the window need not be aligned, hence read_unaligned.
-    unsafe { core::ptr::read_unaligned(window.as_ptr().add(at) as *const u64) }
 }

@@ -12,7 +12,8 @@ use aya_ebpf::{helpers::bpf_ktime_get_ns, macros::btf_tracepoint, programs::BtfT
 use pyebpf_common::{origin, record_kind, Config, OffCpuEnd, OffCpuStart, OFF_CPU_BURST};
 
 use crate::capture::{capture_and_emit, Origin};
-use crate::{task, BPF_RB_NO_WAKEUP, CONFIG, LOST, OFF_CPU, SAMPLES, SHORT_WAITS, WAIT_PROCS};
+use crate::emit::emit_or_count;
+use crate::{task, BPF_RB_NO_WAKEUP, CONFIG, LOST_SAMPLES, OFF_CPU, SHORT_WAITS, WAIT_PROCS};
 
 /// `TASK_DEAD` in `prev_state`: the thread is exiting and never comes back.
 const TASK_DEAD: u32 = 0x80;
@@ -68,12 +69,7 @@ fn came_back(tid: u32) {
     let away = now.saturating_sub(entry.start_ns);
     if entry.captured_ns == entry.start_ns {
         let end = OffCpuEnd { kind: record_kind::OFF_CPU_END, tid, start_ns: entry.start_ns, away_ns: away, carried_ns: entry.carried_ns };
-        if SAMPLES.output::<OffCpuEnd>(&end, BPF_RB_NO_WAKEUP).is_err() {
-            if let Some(lost) = LOST.get_ptr_mut(0) {
-                // SAFETY: per-CPU slot; perf events do not interrupt this hook (interrupts are off).
-                unsafe { *lost += 1 };
-            }
-        }
+        emit_or_count::<OffCpuEnd>(&end, BPF_RB_NO_WAKEUP, LOST_SAMPLES);
         entry.carried_ns = 0;
     } else {
         add_short(away);
@@ -107,7 +103,8 @@ fn leaves<const TASKS: bool>(ctx: &BtfTracePointContext, config: &Config, tgid: 
     // SAFETY: as in came_back.
     let (mut tokens, mut earned_ns, carried_ns) =
         existing.map_or((OFF_CPU_BURST, now, 0), |entry| unsafe { ((*entry).tokens, (*entry).earned_ns, (*entry).carried_ns) });
-    let earned = if config.off_cpu_min_ns == 0 { OFF_CPU_BURST } else { now.saturating_sub(earned_ns) / config.off_cpu_min_ns };
+    // A minimum of 0 restores the whole burst at every switch.
+    let earned = now.saturating_sub(earned_ns).checked_div(config.off_cpu_min_ns).unwrap_or(OFF_CPU_BURST);
     if earned > 0 {
         tokens = if tokens + earned > OFF_CPU_BURST { OFF_CPU_BURST } else { tokens + earned };
         earned_ns = now;

@@ -36,7 +36,7 @@ pub unsafe fn copy_stack(sp: u64, tail: *mut u8) -> (usize, bool) {
         let len = ((len.wrapping_sub(1)) & (STACK_CHUNK - 1)) + 1;
         let at = copied & (STACK_SNAPSHOT_MAX - 1);
         // SAFETY: `at + len` is within the room the caller guarantees; the user read is checked.
-        if generated::bpf_probe_read_user(tail.add(at) as *mut c_void, len as u32, src as *const c_void) < 0 {
+        if unsafe { generated::bpf_probe_read_user(tail.add(at) as *mut c_void, len as u32, src as *const c_void) } < 0 {
             break;
         }
         copied += len;

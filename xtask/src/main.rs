@@ -1,8 +1,9 @@
-//! Build, run and test automation: `cargo xtask build|run|test`. Every command first installs what
-//! is missing on a fresh machine, so a clean clone needs nothing else.
+//! Build, run and test automation: `cargo xtask build|run|test|setup`. Every command first installs
+//! what it needs and is missing on a fresh machine, so a clean clone needs nothing else.
 
 mod bench;
 mod dist;
+mod house;
 mod pythons;
 mod toolchain;
 
@@ -44,7 +45,10 @@ enum Task {
     },
     /// Build what is shipped into dist/: a static binary, a Python wheel and a Debian package
     Dist,
-    /// Install test dependencies, build, and run every test (unit, fuzz, end-to-end, dist)
+    /// Install what the tests need on a fresh machine, if missing: Debian packages, rustup
+    /// components, the eBPF toolchain and the test CPythons (`cargo xtask test` does this first)
+    Setup,
+    /// Install test dependencies (as `setup`), build, and run every test (unit, fuzz, end-to-end, dist)
     Test {
         /// Extra arguments for the end-to-end test binary (a test name filter, for example)
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
@@ -65,6 +69,9 @@ fn main() -> Result<()> {
         }
         Task::Dist => {
             dist::dist(&root)?;
+        }
+        Task::Setup => {
+            setup(&root)?;
         }
         Task::Test { filter } => test(&root, &filter)?,
         Task::Bench { report_only: true, .. } => bench::report_only(&root)?,
@@ -97,8 +104,9 @@ fn build(root: &Path, release: bool) -> Result<PathBuf> {
     Ok(root.join("target").join(if release { "release" } else { "debug" }).join("pyebpf"))
 }
 
-fn test(root: &Path, filter: &[String]) -> Result<()> {
-    let mut suite = Suite::new();
+/// Installs what the tests need and is missing (quick when nothing is); returns the test
+/// CPythons' folder.
+fn setup(root: &Path) -> Result<PathBuf> {
     toolchain::ensure_apt_packages(&[
         ("go", "golang-go"),
         ("patchelf", "patchelf"),
@@ -116,7 +124,13 @@ fn test(root: &Path, filter: &[String]) -> Result<()> {
         ("systemd-analyze", "systemd"),
     ])?;
     toolchain::ensure_components(&["rustfmt", "clippy"])?;
-    let pythons = pythons::ensure_installed()?;
+    toolchain::ensure_ebpf_toolchain(root)?;
+    pythons::ensure_installed()
+}
+
+fn test(root: &Path, filter: &[String]) -> Result<()> {
+    let mut suite = Suite::new();
+    let pythons = setup(root)?;
     // The end-to-end tests run the binary that ships (dist/pyebpf, static), so its build is also
     // the suite's: one optimised build of pyebpf's dependencies fewer, and the artifacts checked
     // on every run (tests/tests/dist.rs).
@@ -140,6 +154,8 @@ fn test(root: &Path, filter: &[String]) -> Result<()> {
     suite.gate("cargo fmt --check", &mut cargo(&["fmt", "--all", "--", "--check"]));
     suite.gate("cargo fmt --check (pyebpf-ebpf)", cargo(&["fmt", "--", "--check"]).current_dir(root.join("pyebpf-ebpf")));
     suite.gate("cargo clippy", &mut cargo(&["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]));
+    suite.gate("cargo clippy (pyebpf-ebpf)", &mut toolchain::ebpf_cargo(root, &["clippy", "--", "-D", "warnings"]));
+    suite.check("house rules", house::offenders(root));
     suite.gate("cargo doc", cargo(&["doc", "--workspace", "--no-deps", "--document-private-items"]).env("RUSTDOCFLAGS", "-D warnings"));
     // Unit, fuzz and allocation tests share one build, optimised with overflow checks in pyebpf's
     // code; xtask's own tests reuse the debug build `cargo xtask` runs from. Unit and fuzz tests
@@ -232,6 +248,15 @@ impl Suite {
             Ok(status) if !status.success() && self.failures.len() == failed_before => self.fail(format!("{step} (exited with {status})")),
             Ok(_) => {}
             Err(err) => self.fail(format!("{step} (could not wait for cargo: {err})")),
+        }
+    }
+
+    /// A check xtask makes itself: each offender it names is a failure.
+    fn check(&mut self, name: &str, offenders: Result<Vec<String>>) {
+        self.step(name);
+        match offenders {
+            Ok(offenders) => offenders.into_iter().for_each(|offender| self.fail(format!("{name}: {offender}"))),
+            Err(err) => self.fail(format!("{name} (could not check: {err:#})")),
         }
     }
 

@@ -74,17 +74,20 @@ pub fn ebpf_object_path(root: &Path) -> PathBuf {
     root.join("target/ebpf/bpfel-unknown-none/release/pyebpf")
 }
 
-/// Builds the eBPF crate from its own folder (its config selects the BPF target and build-std).
+/// Cargo with `args` on the eBPF crate, from its own folder (its config selects the BPF target
+/// and build-std, which needs `RUSTC_BOOTSTRAP` on stable).
+pub fn ebpf_cargo(root: &Path, args: &[&str]) -> Command {
+    let mut cargo = Command::new(env!("CARGO"));
+    cargo.current_dir(root.join("pyebpf-ebpf")).args(args).env("RUSTC_BOOTSTRAP", "1").env("CARGO_TARGET_DIR", root.join("target/ebpf"));
+    cargo
+}
+
+/// Builds the eBPF crate; only linking needs bpf-linker (from `linker_bin`), so clippy runs without.
 pub fn build_ebpf(root: &Path, linker_bin: &Path) -> Result<PathBuf> {
     let path = std::env::var_os("PATH").unwrap_or_default();
     let mut paths = vec![linker_bin.to_path_buf()];
     paths.extend(std::env::split_paths(&path));
-    run(Command::new(env!("CARGO"))
-        .current_dir(root.join("pyebpf-ebpf"))
-        .args(["build", "--release"])
-        .env("PATH", std::env::join_paths(paths)?)
-        .env("RUSTC_BOOTSTRAP", "1")
-        .env("CARGO_TARGET_DIR", root.join("target/ebpf")))?;
+    run(ebpf_cargo(root, &["build", "--release"]).env("PATH", std::env::join_paths(paths)?))?;
     Ok(ebpf_object_path(root))
 }
 
