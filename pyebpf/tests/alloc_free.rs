@@ -3,7 +3,7 @@
 //! counted) makes no heap allocation.
 //!
 //! Real samples of a real CPython 3.15 process 100 frames deep, taken by the real eBPF sampler,
-//! go through the real resolver into a real profile; then the same samples are resolved again
+//! go through the real session into a real profile; then the same samples are resolved again
 //! with every allocation counted. Needs root (BPF) and `PYEBPF_PYTHONS` (`cargo xtask test` sets it).
 
 use std::alloc::{GlobalAlloc, Layout, System};
@@ -14,9 +14,9 @@ use std::time::{Duration, Instant};
 use pyebpf::bpf::{Sampler, SamplerOptions, UnwindMode};
 use pyebpf::filter::SampleFilter;
 use pyebpf::mode::Mode;
-use pyebpf::python_sampling::SamplingOptions;
+use pyebpf::python::SamplingOptions;
 use pyebpf::reader::{Record, RecordBatch};
-use pyebpf::record::SampleResolver;
+use pyebpf::session::{Session, SessionOptions};
 use pyebpf::stack::Profile;
 use pyebpf::stats::Stats;
 use pyebpf_common::{py_status, SampleRecord};
@@ -104,7 +104,7 @@ impl Drop for Deep {
 
 /// Samples the process for `duration`, resolving every sample into `profile` as `record` does;
 /// returns copies of the samples.
-fn sample(resolver: &mut SampleResolver, sampler: &mut Sampler, profile: &mut Profile, stats: &mut Stats, duration: Duration) -> Vec<Box<SampleRecord>> {
+fn sample(session: &mut Session, sampler: &mut Sampler, profile: &mut Profile, stats: &mut Stats, duration: Duration) -> Vec<Box<SampleRecord>> {
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     let mut samples = Vec::new();
     let mut batch = RecordBatch::default();
@@ -114,7 +114,7 @@ fn sample(resolver: &mut SampleResolver, sampler: &mut Sampler, profile: &mut Pr
             sampler.read_samples(&mut batch).await.expect("read the ring buffer");
             while let Some(record) = batch.next() {
                 if let Record::Sample(record) = record {
-                    resolver.resolve(record, sampler, stats, profile);
+                    session.resolve(record, sampler, stats, profile);
                     samples.push(Box::new(*record));
                 }
             }
@@ -128,9 +128,16 @@ fn replay(marker: bool, keep: impl Fn(&SampleRecord) -> bool) -> (u64, usize, Pr
     let deep = Deep::start();
     let pid = deep.child.id();
     let options = SamplingOptions { marker, read_only: false, max_frames: 512, async_aware: false };
-    let mut resolver = SampleResolver::new(options, false, SampleFilter::default(), UnwindMode::Auto, Mode::Cpu, true);
+    let mut session = Session::new(SessionOptions {
+        sampling: options,
+        no_native: false,
+        filter: SampleFilter::default(),
+        unwind: UnwindMode::Auto,
+        mode: Mode::Cpu,
+        kernel: true,
+    });
     let mut stats = Stats::default();
-    let mut sampler = resolver
+    let mut sampler = session
         .start_sampler(
             &SamplerOptions {
                 frequency_hz: 999,
@@ -149,7 +156,7 @@ fn replay(marker: bool, keep: impl Fn(&SampleRecord) -> bool) -> (u64, usize, Pr
         )
         .expect("start the eBPF sampler (run as root)");
     let mut profile = Profile::new(999);
-    let samples = sample(&mut resolver, &mut sampler, &mut profile, &mut stats, Duration::from_secs(2));
+    let samples = sample(&mut session, &mut sampler, &mut profile, &mut stats, Duration::from_secs(2));
     // Stop the process, so the reader thread has nothing to hand over while counting.
     // SAFETY: kill on the child's own pid.
     unsafe { libc::kill(pid as i32, libc::SIGSTOP) };
@@ -158,7 +165,7 @@ fn replay(marker: bool, keep: impl Fn(&SampleRecord) -> bool) -> (u64, usize, Pr
     let before = profile.total_samples();
     let allocations = allocations_of(|| {
         for record in &replayed {
-            resolver.resolve(record, &mut sampler, &mut stats, &mut profile);
+            session.resolve(record, &mut sampler, &mut stats, &mut profile);
         }
     });
     assert_eq!(profile.total_samples(), before + replayed.len() as u64, "every replayed sample was counted");

@@ -122,8 +122,8 @@ fn all_capabilities_but_three() -> String {
     bounding.split(',').filter(|cap| !["cap_bpf", "cap_perfmon", "cap_sys_ptrace"].contains(cap)).collect::<Vec<_>>().join(",")
 }
 
-#[test]
-fn the_package_installs_and_its_unit_writes_and_retires_profiles_with_three_capabilities() {
+/// The package, checked for its files and installed by dpkg into a root of its own.
+fn installed_package() -> tempfile::TempDir {
     let deb = artifact("PYEBPF_DIST_DEB");
     let contents = Command::new("dpkg-deb").arg("--contents").arg(&deb).output().unwrap();
     success(&contents, "dpkg-deb --contents");
@@ -150,15 +150,25 @@ fn the_package_installs_and_its_unit_writes_and_retires_profiles_with_three_capa
     assert!(status.contains("Package: pyebpf") && status.contains("Status: install ok installed"), "{status}");
     let page = Command::new("zcat").arg(root.path().join("usr/share/man/man1/pyebpf-record.1.gz")).output().unwrap();
     assert!(String::from_utf8_lossy(&page.stdout).contains("keep"), "man pyebpf-record does not document --keep");
+    root
+}
 
+/// The installed unit passes `systemd-analyze verify`.
+fn verify_unit(root: &Path) {
     // systemd-analyze checks the unit against the host's units and finds its binary and manual
     // page: the package's files are laid over the host's, in a private mount namespace.
     let overlay = "for dir in usr/bin lib/systemd/system usr/share/man/man1 etc/default; do \
                    mount -t overlay overlay -o \"lowerdir=$1/$dir:/$dir\" \"/$dir\" || exit 99; done; exec systemd-analyze verify pyebpf.service";
-    let verify = Command::new("unshare").args(["--mount", "--propagation", "private", "sh", "-c", overlay, "sh"]).arg(root.path()).output().unwrap();
+    let verify = Command::new("unshare").args(["--mount", "--propagation", "private", "sh", "-c", overlay, "sh"]).arg(root).output().unwrap();
     success(&verify, "systemd-analyze verify");
     let complaints = String::from_utf8_lossy(&verify.stderr);
     assert!(complaints.trim().is_empty(), "systemd-analyze verify complains about the unit: {complaints}");
+}
+
+#[test]
+fn the_package_installs_and_its_unit_writes_and_retires_profiles_with_three_capabilities() {
+    let root = installed_package();
+    verify_unit(root.path());
 
     // The unit's command line, with the periods of a test (what /etc/default/pyebpf would set),
     // chrooted into the installed root, under only the three capabilities the unit keeps.

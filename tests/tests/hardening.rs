@@ -322,8 +322,37 @@ fn hostile_targets_are_survived_and_never_written() {
             .unwrap(),
     );
     std::thread::sleep(Duration::from_millis(500));
-    let out = dir.path().join("hostile.folded");
-    let log = dir.path().join("strace.log");
+    let (text, strace_log) = record_host_under_strace(dir.path());
+    let normal_stacks = stacks_of(&text, normal.pid());
+    let with_python = |stacks: &[(Vec<String>, u64)]| {
+        stacks.iter().filter(|(frames, _)| frames.iter().any(|f| f.starts_with("normal_spin (<string>"))).map(|(_, n)| n).sum::<u64>()
+    };
+    assert!(with_python(&normal_stacks) * 2 > total(&normal_stacks), "the normal workload lost its Python frames:\n{normal_stacks:?}");
+    for (name, child) in &mut hostile {
+        assert!(matches!(child.0.try_wait(), Ok(None)), "{name} died");
+        assert!(total(&stacks_of(&text, child.pid())) > 0, "no samples of {name}");
+    }
+    assert!(total(&stacks_of(&text, fake.pid())) > 0, "no samples of the fake python");
+
+    let written = written_pids(&strace_log);
+    assert!(written.contains(&normal.pid()), "strace saw no marker write into the normal 3.15 workload:\n{strace_log}");
+    for (name, child) in &hostile {
+        assert!(!written.contains(&child.pid()), "pyebpf wrote into {name}:\n{strace_log}");
+    }
+    assert!(!written.contains(&fake.pid()), "pyebpf wrote into the fake python:\n{strace_log}");
+    dump_names_each_fault(&hostile);
+    eprintln!("process_vm_writev calls: {} (targets {:?})", written.len(), {
+        let mut targets = written.clone();
+        targets.dedup();
+        targets
+    });
+}
+
+/// `record -a` for 4 s under strace, which logs every `process_vm_writev`: the profile and the log.
+/// The run must succeed, without a panic and without repeating a line.
+fn record_host_under_strace(dir: &Path) -> (String, String) {
+    let out = dir.join("hostile.folded");
+    let log = dir.join("strace.log");
     let output = Command::new("strace")
         .args(["-f", "--seccomp-bpf", "-e", "trace=process_vm_writev", "-o"])
         .arg(&log)
@@ -341,27 +370,12 @@ fn hostile_targets_are_survived_and_never_written() {
     lines.dedup();
     assert_eq!(lines.len(), count, "a line repeated: {stderr}");
 
-    let text = std::fs::read_to_string(&out).unwrap();
-    let normal_stacks = stacks_of(&text, normal.pid());
-    let with_python = |stacks: &[(Vec<String>, u64)]| {
-        stacks.iter().filter(|(frames, _)| frames.iter().any(|f| f.starts_with("normal_spin (<string>"))).map(|(_, n)| n).sum::<u64>()
-    };
-    assert!(with_python(&normal_stacks) * 2 > total(&normal_stacks), "the normal workload lost its Python frames:\n{normal_stacks:?}");
-    for (name, child) in &mut hostile {
-        assert!(matches!(child.0.try_wait(), Ok(None)), "{name} died");
-        assert!(total(&stacks_of(&text, child.pid())) > 0, "no samples of {name}");
-    }
-    assert!(total(&stacks_of(&text, fake.pid())) > 0, "no samples of the fake python");
+    (std::fs::read_to_string(&out).unwrap(), std::fs::read_to_string(&log).unwrap())
+}
 
-    let strace_log = std::fs::read_to_string(&log).unwrap();
-    let written = written_pids(&strace_log);
-    assert!(written.contains(&normal.pid()), "strace saw no marker write into the normal 3.15 workload:\n{strace_log}");
-    for (name, child) in &hostile {
-        assert!(!written.contains(&child.pid()), "pyebpf wrote into {name}:\n{strace_log}");
-    }
-    assert!(!written.contains(&fake.pid()), "pyebpf wrote into the fake python:\n{strace_log}");
-    // `dump` names what is wrong with each, instead of garbage or a hang.
-    for (name, child) in &hostile {
+/// `dump` names what is wrong with each hostile target, instead of garbage or a hang.
+fn dump_names_each_fault(hostile: &[(String, Killed)]) {
+    for (name, child) in hostile {
         let expected = match name.rsplit_once(' ').unwrap().1 {
             "frame_loop" => "frame chain loops",
             "long_name" => "beyond the process's memory",
@@ -374,11 +388,6 @@ fn hostile_targets_are_survived_and_never_written() {
         let text = format!("{}{}", String::from_utf8_lossy(&dumped.stdout), String::from_utf8_lossy(&dumped.stderr));
         assert!(text.contains(expected), "dump of {name} lacks `{expected}`: {text}");
     }
-    eprintln!("process_vm_writev calls: {} (targets {:?})", written.len(), {
-        let mut targets = written.clone();
-        targets.dedup();
-        targets
-    });
 }
 
 /// A busy program named `python3.99` that unlinked itself and left FIFOs at both names its

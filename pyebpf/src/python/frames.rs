@@ -58,6 +58,7 @@ impl FrameIds {
         }
     }
 
+    #[cfg(test)]
     pub(super) fn len(&self) -> usize {
         self.ids.len()
     }

@@ -42,6 +42,9 @@ pub(super) struct EstablishedChain {
     items: Vec<Option<PyItem>>,
 }
 
+/// Part of a chain, innermost first: frame addresses and what each resolved to.
+type ChainPart = (Vec<u64>, Vec<Option<PyItem>>);
+
 /// A registered thread: its thread state, and the marker chains proven for it.
 pub(super) struct Thread {
     pub(super) tstate: u64,
@@ -65,7 +68,7 @@ impl Thread {
         let joined_near_leaf = record.py.status & py_status::JOINED != 0 && record.py.frames_len <= ESTABLISH_AFTER_FRAMES;
         // A chain deeper than the kernel walks could only be proven by reading all of it here.
         let too_deep = record.py.status & py_status::TOO_DEEP != 0;
-        !joined_near_leaf && !too_deep && !self.established_at.is_some_and(|at| at.elapsed() < ESTABLISH_INTERVAL) && self.failures < MAX_ESTABLISH_FAILURES
+        !joined_near_leaf && !too_deep && self.established_at.is_none_or(|at| at.elapsed() >= ESTABLISH_INTERVAL) && self.failures < MAX_ESTABLISH_FAILURES
     }
 
     pub(super) fn clear(&mut self) {
@@ -171,7 +174,7 @@ impl EstablishedChain {
 
     /// The proven tail from the position the marker is at now, if it sits where its frames'
     /// returns put it.
-    fn tail_at(&self, seq: u64, marker: u64) -> Option<(Vec<u64>, Vec<Option<PyItem>>)> {
+    fn tail_at(&self, seq: u64, marker: u64) -> Option<ChainPart> {
         let position = usize::try_from(seq.wrapping_sub(self.seq_base)).ok()?;
         (self.addrs.get(position) == Some(&marker)).then(|| (self.addrs[position + 1..].to_vec(), self.items[position + 1..].to_vec()))
     }
@@ -207,12 +210,7 @@ fn establish<M: Memory>(resolver: &mut Resolver<M>, thread: &Thread, gen: u64, f
 
 /// The frames from `addr` rootward, resolved, down to the root or to `stop_at` (included);
 /// `Ok(None)` where the chain loops or runs past the walk's depth (it moved while read).
-fn read_chain<M: Memory>(
-    resolver: &mut Resolver<M>,
-    mut addr: u64,
-    stop_at: Option<u64>,
-    frames: &mut FrameTable,
-) -> Result<Option<(Vec<u64>, Vec<Option<PyItem>>)>, PyError> {
+fn read_chain<M: Memory>(resolver: &mut Resolver<M>, mut addr: u64, stop_at: Option<u64>, frames: &mut FrameTable) -> Result<Option<ChainPart>, PyError> {
     let mut addrs = Vec::new();
     let mut items = Vec::new();
     while addr != 0 {

@@ -144,7 +144,7 @@ impl Session {
         let Some((comm, labels)) = self.admit(record, kernel, stats) else { return false };
         let Scratch { python, frames, .. } = &mut self.scratch;
         let outcome = self.python.python_stack(record, kernel, stats, &mut profile.frames, python);
-        self.native.stack(record, outcome, python, kernel, stats, &mut profile.frames, frames);
+        self.native.stack(record, outcome.is_python().then_some(&python[..]), kernel, stats, &mut profile.frames, frames);
         let state = thread_state(record, frames, self.options.kernel, profile);
         let sample = SampleStack { pid: record.tgid, tid: record.tid, comm: &comm, frames, truncated: outcome.is_cut(), labels: Some(&labels), state };
         self.off_cpu.count(record, sample, stats, profile);

@@ -9,7 +9,7 @@ use crate::bpf::UnwindMode;
 use crate::kernel_maps::KernelMaps;
 use crate::merge::{python_frames, Merged, Merger, NativeStack};
 use crate::native_ids::{IdLevel, NativeIds};
-use crate::python::{PyItem, PythonStack};
+use crate::python::PyItem;
 use crate::stack::{FrameCarry, FrameId, FrameTable};
 use crate::stats::Stats;
 use crate::symbolize::Symbolizer;
@@ -44,19 +44,18 @@ impl NativeStacks {
     }
 
     /// The sample's whole stack into `out`, innermost first: kernel frames, then user frames with
-    /// the Python stack `python` (of outcome `outcome`) merged in.
+    /// the Python stack merged in, where the sample has one.
     pub fn stack(
         &mut self,
         record: &SampleRecord,
-        outcome: PythonStack,
-        python: &[PyItem],
+        python: Option<&[PyItem]>,
         kernel: &mut dyn KernelMaps,
         stats: &mut Stats,
         table: &mut FrameTable,
         out: &mut Vec<FrameId>,
     ) {
         out.clear();
-        if self.no_native && outcome.is_python() {
+        if let (true, Some(python)) = (self.no_native, python) {
             out.extend(python_frames(python).copied());
             return;
         }
@@ -80,7 +79,7 @@ impl NativeStacks {
             }
         }
         let ids = &self.ids;
-        if outcome.is_python() {
+        if let Some(python) = python {
             self.merger.merge(&stack, python, |piece| match piece {
                 Merged::Native(level) => out.extend_from_slice(ids.frames(level)),
                 Merged::Python(&id) => out.push(id),

@@ -144,18 +144,23 @@ fn tally_for(args: &TopArgs, mode: Mode) -> Tally {
     tally
 }
 
-async fn top(args: &TopArgs) -> Result<()> {
-    let mut stops = StopSignals::new().context("read stop signals")?;
-    let options = SamplingOptions { marker: true, read_only: args.read_only, max_frames: DEFAULT_MAX_PYTHON_FRAMES, async_aware: args.mode.async_aware };
-    let mode = args.mode.mode;
-    let mut session = Session::new(SessionOptions {
-        sampling: options,
+/// The session `top` runs: every native frame, unwound as `--unwind auto` does.
+fn session(args: &TopArgs) -> Session {
+    let sampling = SamplingOptions { marker: true, read_only: args.read_only, max_frames: DEFAULT_MAX_PYTHON_FRAMES, async_aware: args.mode.async_aware };
+    Session::new(SessionOptions {
+        sampling,
         no_native: false,
         filter: args.filter.sample_filter(),
         unwind: UnwindMode::Auto,
-        mode,
+        mode: args.mode.mode,
         kernel: false,
-    });
+    })
+}
+
+async fn top(args: &TopArgs) -> Result<()> {
+    let mut stops = StopSignals::new().context("read stop signals")?;
+    let mode = args.mode.mode;
+    let mut session = session(args);
     let mut stats = Stats::default();
     let mut sampler = session.start_sampler(&sampler_options(args, mode), &mut stats)?;
     session.start_recording();
