@@ -7,6 +7,7 @@ pub mod cli;
 pub mod cpython;
 pub mod filter;
 pub mod kernel_btf;
+pub mod maps;
 pub mod merge;
 pub mod native_ids;
 pub mod output;

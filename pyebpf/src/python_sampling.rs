@@ -30,6 +30,7 @@ use crate::cpython::memory::ProcessMemory;
 use crate::cpython::offsets::ObjectOffsets;
 use crate::cpython::TRUNCATION_MARK;
 use crate::cpython::{PyError, PyProcess};
+use crate::maps::MapsCache;
 use crate::merge::PyStackItem;
 use crate::stack::{Frame, FrameCarry, FrameId, FrameTable};
 use crate::stats::{NamedProcesses, Stats};
@@ -219,9 +220,9 @@ impl PythonSampling {
 
     /// Attaches to `pid` if it is a CPython 3.8+ process not seen before, and registers its
     /// threads with the eBPF program.
-    pub fn discover(&mut self, pid: u32, sampler: &mut Sampler, stats: &mut Stats) {
+    pub fn discover(&mut self, pid: u32, sampler: &mut Sampler, maps: &mut MapsCache, stats: &mut Stats) {
         if self.attach(pid, stats) {
-            self.register(pid, sampler);
+            self.register(pid, sampler, maps);
         }
     }
 
@@ -239,10 +240,10 @@ impl PythonSampling {
         }
     }
 
-    pub fn register_all(&mut self, sampler: &mut Sampler) {
+    pub fn register_all(&mut self, sampler: &mut Sampler, maps: &mut MapsCache) {
         let pids: Vec<u32> = self.processes.keys().copied().collect();
         for pid in pids {
-            self.register(pid, sampler);
+            self.register(pid, sampler, maps);
         }
     }
 
@@ -298,14 +299,14 @@ impl PythonSampling {
         true
     }
 
-    fn register(&mut self, pid: u32, sampler: &mut Sampler) {
+    fn register(&mut self, pid: u32, sampler: &mut Sampler, maps: &mut MapsCache) {
         let Some(process) = self.processes.get_mut(&pid) else { return };
         let config = &mut process.config;
         config.max_frames = self.options.max_frames.min(MAX_PY_FRAMES as u32);
         if self.options.marker && !self.options.read_only {
             config.flags |= py_proc_flags::USE_MARKER;
         }
-        if let Err(problem) = process.find_tasks() {
+        if let Err(problem) = process.find_tasks(maps) {
             self.unreadable_tasks.add(problem);
         }
         if sampler.set_py_process(pid, &process.config).is_err() {
@@ -327,13 +328,13 @@ impl PythonSampling {
     }
 
     /// Re-reads thread lists now and then; forgets processes that have exited.
-    pub fn upkeep(&mut self, sampler: &mut Sampler) {
+    pub fn upkeep(&mut self, sampler: &mut Sampler, maps: &mut MapsCache) {
         let mut exited = Vec::new();
         for (&pid, process) in &mut self.processes {
             if process.threads_read.elapsed() < THREAD_REFRESH {
                 continue;
             }
-            match process.find_tasks() {
+            match process.find_tasks(maps) {
                 Ok(true) if sampler.set_py_process(pid, &process.config).is_err() => log::debug!("pid {pid}: PY_PROCS entry not updated"),
                 Ok(_) => {}
                 Err(problem) => self.unreadable_tasks.add(problem),
@@ -691,10 +692,12 @@ impl PythonProcess {
 
     /// Looks for the process's asyncio table while it is pending; once found, sets it in `config`
     /// (true: `config` is to be told to the eBPF program), or says why it cannot be used.
-    fn find_tasks(&mut self) -> Result<bool, String> {
+    fn find_tasks(&mut self, maps: &mut MapsCache) -> Result<bool, String> {
         let Tasks::Pending { interpreter_searched } = self.tasks else { return Ok(false) };
         let pid = self.py.pid();
-        let table = match find_asyncio_offsets(pid, self.py.memory(), !interpreter_searched) {
+        // Read now: a module loaded since the last look (one `THREAD_REFRESH` ago) must show.
+        let maps = maps.newer_than(pid, Duration::ZERO).map_err(PyError::from);
+        let table = match maps.and_then(|maps| find_asyncio_offsets(pid, maps, self.py.memory(), !interpreter_searched)) {
             Ok(Some(table)) => table,
             Ok(None) => {
                 self.tasks = Tasks::Pending { interpreter_searched: true };

@@ -13,6 +13,7 @@ use pyebpf_common::{origin, py_status, task_status, user_status, OffCpuEnd, OffC
 use crate::bpf::{check_privileges, Sampler, SamplerOptions};
 use crate::cli::{GroupBy, Mode, RecordArgs, UnwindMode};
 use crate::filter::SampleFilter;
+use crate::maps::MapsCache;
 use crate::merge::{python_frames, Merged, Merger, NativeStack};
 use crate::native_ids::{IdLevel, NativeIds};
 use crate::output::{self, Files, OutputError, ProfileSink, Rendering};
@@ -35,6 +36,8 @@ pub const TICK: Duration = Duration::from_millis(250);
 
 /// Turns raw samples into stacks.
 pub struct SampleResolver {
+    /// The maps of the processes sampled, shared by the symbolizer, the unwinder and the Python reader.
+    maps: MapsCache,
     symbolizer: Symbolizer,
     native: NativeIds,
     names: ProcessNames,
@@ -107,6 +110,7 @@ struct Scratch {
 impl SampleResolver {
     pub fn new(options: SamplingOptions, no_native: bool, filter: SampleFilter, unwind: UnwindMode, mode: Mode, kernel: bool) -> Self {
         SampleResolver {
+            maps: MapsCache::default(),
             symbolizer: Symbolizer::new(),
             native: NativeIds::default(),
             names: ProcessNames::default(),
@@ -197,7 +201,7 @@ impl SampleResolver {
             return false;
         }
         let labels = self.processes.sampled(record.tgid);
-        self.python.discover(record.tgid, sampler, stats);
+        self.python.discover(record.tgid, sampler, &mut self.maps, stats);
         if self.filter.python_only && !self.python.is_python(record.tgid) {
             return false;
         }
@@ -217,7 +221,7 @@ impl SampleResolver {
             frames.extend(python_frames(python).copied());
         } else {
             // Unwound from the stack copy where the sample has one, else the kernel's frame-pointer walk.
-            let unwound = (record.stack_len > 0).then(|| unwind_copy(&mut self.unwinder, record, stats));
+            let unwound = (record.stack_len > 0).then(|| unwind_copy(&mut self.unwinder, &mut self.maps, record, stats));
             let (addrs, bases) = match &unwound {
                 Some(unwound) => (&unwound.addrs[..], &unwound.frame_bases[..]),
                 None => {
@@ -226,7 +230,7 @@ impl SampleResolver {
                     (&record.user_stack[..user_len], &record.user_frame_bases[..bases_len])
                 }
             };
-            self.native.user_levels(&mut self.symbolizer, &mut profile.frames, record.tgid, addrs, levels);
+            self.native.user_levels(&mut self.symbolizer, &mut self.maps, &mut profile.frames, record.tgid, addrs, levels);
             let stack = NativeStack { levels, frame_bases: bases, sp: record.user_sp };
             // `--unwind auto`: a frame-pointer walk that reached neither a zero frame pointer nor
             // the C library's start code has the process's later samples carry stack copies.
@@ -394,7 +398,7 @@ impl SampleResolver {
     /// Tells the eBPF program about the processes attached so far, and has it watch the waits of
     /// those profiled (a thread that waits from the start on is counted too).
     fn register_all(&mut self, sampler: &mut Sampler, kept: Vec<u32>) {
-        self.python.register_all(sampler);
+        self.python.register_all(sampler, &mut self.maps);
         if !self.mode.counts_waits() {
             return;
         }
@@ -407,7 +411,7 @@ impl SampleResolver {
     }
 
     pub fn upkeep(&mut self, sampler: &mut Sampler) {
-        self.python.upkeep(sampler);
+        self.python.upkeep(sampler, &mut self.maps);
         self.native.expire_unmapped();
         for pid in self.processes.stale() {
             self.forget(pid, sampler);
@@ -433,6 +437,7 @@ impl SampleResolver {
         self.native.forget_process(pid);
         self.names.forget(pid);
         self.unwinder.forget_process(pid);
+        self.maps.forget(pid);
         if self.copying_stacks.remove(&pid) {
             sampler.stop_copying_stacks_of(pid);
         }
@@ -708,10 +713,10 @@ fn test_consumer_delay() -> Option<Duration> {
 }
 
 /// A sample's user stack unwound from its copy, with what it cost counted in `stats`.
-fn unwind_copy(unwinder: &mut StackUnwinder, record: &SampleRecord, stats: &mut Stats) -> Unwound {
+fn unwind_copy(unwinder: &mut StackUnwinder, maps: &mut MapsCache, record: &SampleRecord, stats: &mut Stats) -> Unwound {
     let stack = &record.stack_tail[..(record.stack_len as usize).min(record.stack_tail.len())];
     let started = thread_cpu_ns();
-    let unwound = unwinder.unwind(record.tgid, &Snapshot { ip: record.user_stack[0], sp: record.user_sp, bp: record.user_bp, stack });
+    let unwound = unwinder.unwind(maps, record.tgid, &Snapshot { ip: record.user_stack[0], sp: record.user_sp, bp: record.user_bp, stack });
     stats.count_unwind(&unwound, stack.len(), record.user_status & user_status::SNAPSHOT_FULL != 0, thread_cpu_ns().saturating_sub(started));
     unwound
 }
