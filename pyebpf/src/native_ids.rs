@@ -3,12 +3,13 @@
 //!
 //! A user address outside every known mapping is forgotten by the resolver's periodic upkeep once
 //! older than [`UNMAPPED_RECHECK`], and looked up again at its next sample (a library loaded since
-//! may hold it), like the symbolizer re-reads maps.
+//! may hold it), like [`MapsCache`] re-reads maps.
 
 use std::time::{Duration, Instant};
 
 use hashbrown::HashMap;
 
+use crate::maps::MapsCache;
 use crate::merge::{in_libc, is_interpreter_frame, is_start_code, NativeLevel};
 use crate::stack::{Frame, FrameCarry, FrameId, FrameTable};
 use crate::symbolize::{call_site, Symbolizer};
@@ -68,7 +69,7 @@ impl NativeIds {
     }
 
     /// A user stack as `bpf_get_stack` returns it (innermost first), as levels into `out`.
-    pub fn user_levels(&mut self, symbolizer: &mut Symbolizer, frames: &mut FrameTable, pid: u32, stack: &[u64], out: &mut Vec<IdLevel>) {
+    pub fn user_levels(&mut self, symbolizer: &mut Symbolizer, maps: &mut MapsCache, frames: &mut FrameTable, pid: u32, stack: &[u64], out: &mut Vec<IdLevel>) {
         out.clear();
         if let Some(levels) = self.user.get(&pid) {
             for (depth, &addr) in stack.iter().enumerate() {
@@ -81,13 +82,13 @@ impl NativeIds {
                 return;
             }
         }
-        self.resolve_user(symbolizer, frames, pid, stack, out);
+        self.resolve_user(symbolizer, maps, frames, pid, stack, out);
     }
 
-    fn resolve_user(&mut self, symbolizer: &mut Symbolizer, frames: &mut FrameTable, pid: u32, stack: &[u64], out: &mut Vec<IdLevel>) {
+    fn resolve_user(&mut self, symbolizer: &mut Symbolizer, maps: &mut MapsCache, frames: &mut FrameTable, pid: u32, stack: &[u64], out: &mut Vec<IdLevel>) {
         self.enforce_bound();
         out.clear();
-        let resolved = symbolizer.user_levels(pid, stack);
+        let resolved = symbolizer.user_levels(maps, pid, stack);
         let levels = self.user.entry(pid).or_default();
         for (depth, (&addr, native)) in stack.iter().zip(resolved).enumerate() {
             let mapped = native.iter().any(|frame| frame.module.is_some());

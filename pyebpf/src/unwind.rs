@@ -12,29 +12,28 @@
 //!
 //! Caches are bounded: a file's unwind sections (only those: the file is read piecemeal) are read
 //! once per (device, inode) and kept for at most [`MAX_FILES`] files and [`MAX_CACHED_BYTES`]; a
-//! process's module list is rebuilt only when an address falls outside
-//! it, at most once per [`MAPS_REFRESH_INTERVAL`], and dropped when the process exits or execs.
+//! process's module list is rebuilt only when [`MapsCache`] has a new snapshot of its maps (it
+//! re-reads them when the instruction pointer falls outside them), kept for at most
+//! [`MAX_PROCESSES`] processes, and dropped when the process exits or execs.
 
 use std::collections::HashMap;
 use std::ops::Range;
 use std::path::Path;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 use framehop::x86_64::{CacheX86_64, UnwindRegsX86_64, UnwinderX86_64};
 use framehop::{ExplicitModuleSectionInfo, FrameAddress, Module, Unwinder};
 use object::{Object, ObjectSection, ObjectSegment};
-use procfs::process::{MMPermissions, MMapPath, MemoryMap};
+use procfs::process::MMapPath;
 use pyebpf_common::{MAX_USER_FRAMES, STACK_SNAPSHOT_MAX};
 
+use crate::maps::{Maps, MapsCache};
 use crate::target_file;
 
 /// Files whose unwind sections are kept at most (all dropped at once when exceeded).
 const MAX_FILES: usize = 256;
 /// Processes whose module lists are kept at most.
 const MAX_PROCESSES: usize = 4096;
-/// The shortest time between two reads of one process's maps.
-const MAPS_REFRESH_INTERVAL: Duration = Duration::from_millis(100);
 /// Unwind sections kept at most, over all files (all dropped at once when exceeded).
 const MAX_CACHED_BYTES: usize = 256 << 20;
 /// Unwind sections larger than this are not read (their frames fall back to frame pointers): a
@@ -162,18 +161,11 @@ impl FileCfi {
     }
 }
 
-/// One process's modules, as framehop needs them.
+/// One process's modules, as framehop needs them, built from one snapshot of its maps.
 struct ProcessModules {
+    snapshot: Arc<Maps>,
     unwinder: UnwinderX86_64<Data>,
     cache: CacheX86_64,
-    ranges: Vec<Range<u64>>,
-    read_at: Instant,
-}
-
-impl ProcessModules {
-    fn covers(&self, addr: u64) -> bool {
-        self.ranges.iter().any(|range| range.contains(&addr))
-    }
 }
 
 /// Unwinds snapshots of many processes, caching what it reads of their files.
@@ -193,11 +185,11 @@ impl StackUnwinder {
     }
 
     /// Unwinds one sample's stack copy: as far as the copy and the unwind information allow.
-    pub fn unwind(&mut self, pid: u32, snapshot: &Snapshot<'_>) -> Unwound {
+    pub fn unwind(&mut self, maps: &mut MapsCache, pid: u32, snapshot: &Snapshot<'_>) -> Unwound {
         if snapshot.ip == 0 {
             return Unwound::default();
         }
-        self.refresh_if_unmapped(pid, snapshot.ip);
+        self.follow_maps(pid, maps.covering(pid, &[snapshot.ip]));
         let Some(process) = self.processes.get_mut(&pid) else {
             return Unwound { addrs: vec![snapshot.ip], ..Default::default() };
         };
@@ -209,12 +201,10 @@ impl StackUnwinder {
         self.processes.remove(&pid);
     }
 
-    fn refresh_if_unmapped(&mut self, pid: u32, ip: u64) {
-        let now = Instant::now();
-        if let Some(process) = self.processes.get(&pid) {
-            if process.covers(ip) || now.duration_since(process.read_at) < MAPS_REFRESH_INTERVAL {
-                return;
-            }
+    /// Rebuilds `pid`'s modules from `snapshot` unless they were built from it.
+    fn follow_maps(&mut self, pid: u32, snapshot: &Arc<Maps>) {
+        if self.processes.get(&pid).is_some_and(|known| Arc::ptr_eq(&known.snapshot, snapshot)) {
+            return;
         }
         if self.processes.len() >= MAX_PROCESSES {
             self.processes.clear();
@@ -223,26 +213,18 @@ impl StackUnwinder {
             self.files.clear();
             self.cached_bytes = 0;
         }
-        let modules = match read_executable_maps(pid) {
-            Ok(maps) => self.modules(pid, &maps),
-            Err(err) => {
-                log::debug!("cannot read the maps of process {pid}: {err}");
-                Vec::new()
-            }
-        };
         let mut unwinder = UnwinderX86_64::new();
-        let ranges = modules.iter().map(Module::avma_range).collect();
-        for module in modules {
+        for module in self.modules(pid, snapshot) {
             unwinder.add_module(module);
         }
-        self.processes.insert(pid, ProcessModules { unwinder, cache: CacheX86_64::new(), ranges, read_at: now });
+        self.processes.insert(pid, ProcessModules { snapshot: snapshot.clone(), unwinder, cache: CacheX86_64::new() });
     }
 
-    fn modules(&mut self, pid: u32, maps: &[MemoryMap]) -> Vec<Module<Data>> {
+    fn modules(&mut self, pid: u32, maps: &Maps) -> Vec<Module<Data>> {
         let mut modules = Vec::new();
-        for entry in maps {
-            let (start, limit) = entry.address;
-            let (cfi, name) = match &entry.pathname {
+        for entry in maps.executable() {
+            let (start, limit) = (entry.start, entry.limit);
+            let (cfi, name) = match &entry.path {
                 MMapPath::Path(path) => {
                     let id = FileId { dev: (entry.dev.0, entry.dev.1), inode: entry.inode };
                     let cached_bytes = &mut self.cached_bytes;
@@ -333,16 +315,12 @@ fn read_file_cfi(pid: u32, start: u64, limit: u64, path: &Path, inode: u64) -> O
 /// The unwind sections of the kernel's vDSO as pyebpf itself maps it: every 64-bit process maps
 /// the same image, so this serves them all, and nothing of it is read from a target.
 fn own_vdso_cfi() -> Option<Arc<FileCfi>> {
-    let maps = procfs::process::Process::myself().ok()?.maps().ok()?;
-    let (start, limit) = maps.iter().find(|entry| entry.pathname == MMapPath::Vdso)?.address;
+    let maps = Maps::read_own().ok()?;
+    let vdso = maps.mappings().iter().find(|entry| entry.path == MMapPath::Vdso)?;
+    let (start, limit) = (vdso.start, vdso.limit);
     // SAFETY: the kernel maps the vDSO readable for the process's whole life, and never moves it.
     let image = unsafe { std::slice::from_raw_parts(start as *const u8, (limit - start) as usize) };
     FileCfi::parse(image).map(Arc::new).inspect_err(|err| log::debug!("cannot read the vDSO's unwind information: {err}")).ok()
-}
-
-fn read_executable_maps(pid: u32) -> procfs::ProcResult<Vec<MemoryMap>> {
-    let maps = procfs::process::Process::new(pid as i32)?.maps()?;
-    Ok(maps.into_iter().filter(|entry| entry.perms.contains(MMPermissions::EXECUTE)).collect())
 }
 
 #[cfg(test)]
@@ -373,8 +351,21 @@ mod tests {
         assert_eq!(fixed.base_avma(0x401000, 0x9000), None);
     }
 
+    /// An unwinder with its own maps, as a sample resolver pairs them.
+    #[derive(Default)]
+    struct Unwinding {
+        unwinder: StackUnwinder,
+        maps: MapsCache,
+    }
+
+    impl Unwinding {
+        fn unwind(&mut self, pid: u32, snapshot: &Snapshot<'_>) -> Unwound {
+            self.unwinder.unwind(&mut self.maps, pid, snapshot)
+        }
+    }
+
     #[inline(never)]
-    fn unwind_here(depth: u32, unwinder: &mut StackUnwinder) -> (Unwound, u64) {
+    fn unwind_here(depth: u32, unwinder: &mut Unwinding) -> (Unwound, u64) {
         if depth > 0 {
             let result = unwind_here(depth - 1, unwinder);
             std::hint::black_box(&result);
@@ -397,7 +388,7 @@ mod tests {
 
     #[test]
     fn unwinds_its_own_stack_through_every_recursion() {
-        let mut unwinder = StackUnwinder::new();
+        let mut unwinder = Unwinding::default();
         let (unwound, sp) = unwind_here(6, &mut unwinder);
         let here = unwind_here as *const () as usize as u64;
         // Seven activations of unwind_here (the innermost and six recursive calls) lie on the
@@ -410,7 +401,7 @@ mod tests {
 
     thread_local! {
         /// One unwinder for the property tests: it reads this test binary's CFI once.
-        static UNWINDER: std::cell::RefCell<StackUnwinder> = std::cell::RefCell::new(StackUnwinder::new());
+        static UNWINDER: std::cell::RefCell<Unwinding> = std::cell::RefCell::new(Unwinding::default());
     }
 
     fn unwind_shared(pid: u32, snapshot: &Snapshot<'_>) -> Unwound {

@@ -18,6 +18,7 @@ use object::{Object, ObjectSection};
 use pyebpf_common::{AsyncioConfig, TaskRecord, TASK_NAME_BYTES};
 
 use crate::chain::LinkReader;
+use crate::maps::Maps;
 
 use super::memory::{field_u64, ReadExt, ReadMemory};
 use super::offsets::{narrow, DebugOffsets, ObjectOffsets};
@@ -113,13 +114,13 @@ fn section_in_file(pid: u32, path: &Path, mapped_at: u64) -> Option<u64> {
     (section.size() >= 8 * TABLE_FIELDS as u64).then(|| section.address().wrapping_add(runtime::load_bias(&elf, mapped_at)))
 }
 
-/// The asyncio table of `pid`, read from its memory where the section is mapped: in an `_asyncio`
-/// module or (with `in_interpreter`) the interpreter's own files.
-pub fn find_asyncio_offsets(pid: u32, mem: &impl ReadMemory, in_interpreter: bool) -> Result<Option<AsyncioOffsets>, PyError> {
+/// The asyncio table of `pid`, read from its memory where the section is mapped (as `maps`, its
+/// maps, show): in an `_asyncio` module or (with `in_interpreter`) the interpreter's own files.
+pub fn find_asyncio_offsets(pid: u32, maps: &Maps, mem: &impl ReadMemory, in_interpreter: bool) -> Result<Option<AsyncioOffsets>, PyError> {
     let holds_table = |path: &Path| {
         path.file_name().and_then(|name| name.to_str()).is_some_and(|name| name.starts_with("_asyncio")) || (in_interpreter && runtime::is_python_file(path))
     };
-    for (path, mapped_at) in runtime::mapped_files(pid, holds_table)? {
+    for (path, mapped_at) in runtime::mapped_files(maps, holds_table) {
         if let Some(addr) = section_in_file(pid, &path, mapped_at) {
             let raw = mem.read_vec(addr, 8 * TABLE_FIELDS)?;
             return AsyncioOffsets::from_table(&raw).map(Some);

@@ -19,6 +19,7 @@ use super::memory::ReadMemory;
 use super::threads::current_states;
 use super::{runtime, PyError, PyProcess, PyThread, ResolvedFrame, MAX_DEPTH};
 use crate::cli::DumpArgs;
+use crate::maps::Maps;
 
 #[derive(Serialize)]
 struct ThreadDump {
@@ -279,7 +280,10 @@ impl TasksDump {
 fn dump_tasks<M: ReadMemory>(process: &mut PyProcess<M>, json: bool, max_tasks: usize, out: &mut impl Write) -> Result<()> {
     let pid = process.pid();
     let version = process.version().to_string();
-    let table = asyncio::find_asyncio_offsets(pid, process.memory(), true).with_context(|| format!("cannot read the asyncio table of process {pid}"))?;
+    let table = Maps::read(pid)
+        .map_err(PyError::from)
+        .and_then(|maps| asyncio::find_asyncio_offsets(pid, &maps, process.memory(), true))
+        .with_context(|| format!("cannot read the asyncio table of process {pid}"))?;
     let threads = process.threads().with_context(|| format!("cannot list the threads of process {pid}"))?;
     let names: Vec<Option<String>> = threads.iter().map(|thread| process.thread_name(thread.tid)).collect();
     let mut reader = TaskReader::new(process, table, max_tasks)?;

@@ -166,8 +166,14 @@ pub struct PyProcess<M = ProcessMemory> {
 }
 
 impl PyProcess<ProcessMemory> {
+    /// Attaches to `pid`, its maps read now.
     pub fn attach(pid: u32) -> Result<Self, PyError> {
-        let runtime = runtime::find_runtime(pid)?;
+        Self::attach_mapped(pid, &crate::maps::Maps::read(pid)?)
+    }
+
+    /// Attaches to `pid`, whose interpreter is found among the files its `maps` name.
+    pub fn attach_mapped(pid: u32, maps: &crate::maps::Maps) -> Result<Self, PyError> {
+        let runtime = runtime::find_runtime_in(pid, maps)?;
         // Before 3.11 the interpreter's file name is all that tells its version.
         let version = runtime.version.or_else(|| runtime.named_version.as_deref().and_then(PyVersion::from_name));
         let attached = match Self::with_memory(pid, ProcessMemory::new(pid), runtime.address) {

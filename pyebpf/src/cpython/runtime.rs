@@ -10,6 +10,7 @@ use procfs::process::{MMapPath, Process};
 
 use super::offsets::PyVersion;
 use super::PyError;
+use crate::maps::{Maps, MapsError};
 
 /// Largest ELF file read to look for the runtime.
 const MAX_ELF_SIZE: u64 = 512 << 20;
@@ -56,12 +57,17 @@ pub struct Runtime {
     pub named_version: Option<String>,
 }
 
-/// Finds `_PyRuntime` in `pid`.
+/// Finds `_PyRuntime` in `pid`, whose maps are read now.
 pub fn find_runtime(pid: u32) -> Result<Runtime, PyError> {
+    find_runtime_in(pid, &Maps::read(pid)?)
+}
+
+/// Finds `_PyRuntime` in `pid`, in the files its `maps` name.
+pub fn find_runtime_in(pid: u32, maps: &Maps) -> Result<Runtime, PyError> {
     if has_exited(pid) {
         return Err(PyError::NoProcess(pid));
     }
-    let mut candidates = mapped_files(pid, is_python_file)?;
+    let mut candidates = mapped_files(maps, is_python_file);
     // libpython first: where both are mapped, the executable only links it.
     candidates.sort_by_key(|(path, _)| !path.to_string_lossy().contains("libpython"));
     // An interpreter pyebpf may not open (a directory its user cannot enter) is named as such,
@@ -90,26 +96,26 @@ pub fn find_runtime(pid: u32) -> Result<Runtime, PyError> {
     Err(unreadable.or(older.map(PyError::UnsupportedRelease)).unwrap_or(PyError::NotPython(pid)))
 }
 
-/// The files `pid` maps that `keep` accepts, each once, with where its first page is mapped.
-pub(super) fn mapped_files(pid: u32, keep: impl Fn(&Path) -> bool) -> Result<Vec<(PathBuf, u64)>, PyError> {
-    let process = Process::new(pid as i32).map_err(|err| process_error(pid, err))?;
-    let maps = process.maps().map_err(|err| process_error(pid, err))?;
+/// The files in `maps` that `keep` accepts, each once, with where its first page is mapped.
+pub(super) fn mapped_files(maps: &Maps, keep: impl Fn(&Path) -> bool) -> Vec<(PathBuf, u64)> {
     let mut files: Vec<(PathBuf, u64)> = Vec::new();
-    for map in maps.iter() {
-        if let MMapPath::Path(path) = &map.pathname {
+    for map in maps.mappings() {
+        if let MMapPath::Path(path) = &map.path {
             if map.offset == 0 && keep(path) && !files.iter().any(|(p, _)| p == path) {
-                files.push((path.clone(), map.address.0));
+                files.push((path.clone(), map.start));
             }
         }
     }
-    Ok(files)
+    files
 }
 
-/// Why `/proc/PID` could not be read: the process is gone, or it is not ours to read.
-fn process_error(pid: u32, err: procfs::ProcError) -> PyError {
-    match err {
-        procfs::ProcError::PermissionDenied(_) => PyError::PermissionDenied(pid),
-        _ => PyError::NoProcess(pid),
+/// Why `/proc/PID/maps` could not be read: the process is gone, or it is not ours to read.
+impl From<MapsError> for PyError {
+    fn from(err: MapsError) -> PyError {
+        match err {
+            MapsError::PermissionDenied(pid) => PyError::PermissionDenied(pid),
+            MapsError::Unreadable { pid, .. } => PyError::NoProcess(pid),
+        }
     }
 }
 

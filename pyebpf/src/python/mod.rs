@@ -30,6 +30,7 @@ use tasks::Tasks;
 use crate::cpython::memory::ProcessMemory;
 use crate::cpython::{CodeCacheCounters, PyError, PyProcess};
 use crate::kernel_maps::KernelMaps;
+use crate::maps::MapsCache;
 use crate::stack::{FrameCarry, FrameTable};
 use crate::stats::{NamedProcesses, Stats};
 
@@ -108,28 +109,29 @@ pub struct Pythons<M = ProcessMemory> {
 impl Pythons<ProcessMemory> {
     /// Attaches to `pid` if it is a CPython 3.8+ process not seen before, and registers its
     /// threads with the eBPF program.
-    pub fn discover(&mut self, pid: u32, kernel: &mut dyn KernelMaps, stats: &mut Stats) {
-        if self.attach(pid, stats) {
-            self.register(pid, kernel);
+    pub fn discover(&mut self, pid: u32, kernel: &mut dyn KernelMaps, maps: &mut MapsCache, stats: &mut Stats) {
+        if self.attach(pid, maps, stats) {
+            self.register(pid, kernel, maps);
         }
     }
 
     /// Attaches to processes before sampling starts (reading their ELF files takes time), so
     /// that their first samples already have Python frames; [`Self::register_all`] then tells
     /// the eBPF program.
-    pub fn attach_all(&mut self, pids: impl IntoIterator<Item = u32>, stats: &mut Stats) {
+    pub fn attach_all(&mut self, pids: impl IntoIterator<Item = u32>, maps: &mut MapsCache, stats: &mut Stats) {
         for pid in pids {
-            self.attach(pid, stats);
+            self.attach(pid, maps, stats);
         }
     }
 
-    /// True when `pid` was newly attached.
-    fn attach(&mut self, pid: u32, stats: &mut Stats) -> bool {
+    /// True when `pid` was newly attached. Its maps are read afresh (a library the loader maps
+    /// after an exec must show) into the snapshot the symbolizer and unwinder share.
+    fn attach(&mut self, pid: u32, maps: &mut MapsCache, stats: &mut Stats) -> bool {
         if self.processes.contains_key(&pid) || self.others.get(&pid).is_some_and(|other| !other.recheck_due()) {
             return false;
         }
         let checks = self.others.get(&pid).map_or(0, |other| other.checks + 1);
-        match PyProcess::attach(pid) {
+        match maps.newer_than(pid, Duration::ZERO).map_err(PyError::from).and_then(|maps| PyProcess::attach_mapped(pid, maps)) {
             Ok(py) if py.fits_frame_window() => {
                 self.insert(py, stats);
                 true
@@ -192,20 +194,20 @@ impl<M: Memory> Pythons<M> {
         self.others.insert(pid, Other { checked_at: Instant::now(), checks, settled });
     }
 
-    pub fn register_all(&mut self, kernel: &mut dyn KernelMaps) {
+    pub fn register_all(&mut self, kernel: &mut dyn KernelMaps, maps: &mut MapsCache) {
         let pids: Vec<u32> = self.processes.keys().copied().collect();
         for pid in pids {
-            self.register(pid, kernel);
+            self.register(pid, kernel, maps);
         }
     }
 
-    fn register(&mut self, pid: u32, kernel: &mut dyn KernelMaps) {
+    fn register(&mut self, pid: u32, kernel: &mut dyn KernelMaps, maps: &mut MapsCache) {
         let Some(process) = self.processes.get_mut(&pid) else { return };
         process.config.max_frames = self.options.max_frames.min(MAX_PY_FRAMES as u32);
         if self.options.writes_markers() {
             process.config.flags |= py_proc_flags::USE_MARKER;
         }
-        if let Err(problem) = process.tasks.find(&process.resolver, &mut process.config) {
+        if let Err(problem) = process.tasks.find(&process.resolver, maps, &mut process.config) {
             self.unreadable_tasks.add(problem);
         }
         if !process.register(kernel) {
@@ -224,13 +226,13 @@ impl<M: Memory> Pythons<M> {
     }
 
     /// Re-reads thread lists now and then; forgets processes that have exited.
-    pub fn upkeep(&mut self, kernel: &mut dyn KernelMaps) {
+    pub fn upkeep(&mut self, kernel: &mut dyn KernelMaps, maps: &mut MapsCache) {
         let mut exited = Vec::new();
         for (&pid, process) in &mut self.processes {
             if process.threads_read.elapsed() < THREAD_REFRESH {
                 continue;
             }
-            if let Err(problem) = process.find_tasks(kernel) {
+            if let Err(problem) = process.find_tasks(kernel, maps) {
                 self.unreadable_tasks.add(problem);
             }
             if !process.refresh_threads(kernel) {

@@ -10,6 +10,7 @@ use super::frames::{Memory, Resolver};
 use super::marker::Thread;
 use super::tasks::Tasks;
 use crate::kernel_maps::KernelMaps;
+use crate::maps::MapsCache;
 use crate::stack::FrameCarry;
 
 /// How often thread lists are re-read to register new threads and drop dead ones.
@@ -50,8 +51,8 @@ impl<M: Memory> Process<M> {
     }
 
     /// Looks for the asyncio table while pending, telling the eBPF program once found.
-    pub(super) fn find_tasks(&mut self, kernel: &mut dyn KernelMaps) -> Result<(), String> {
-        if self.tasks.find(&self.resolver, &mut self.config)? && kernel.set_py_process(self.pid(), &self.config).is_err() {
+    pub(super) fn find_tasks(&mut self, kernel: &mut dyn KernelMaps, maps: &mut MapsCache) -> Result<(), String> {
+        if self.tasks.find(&self.resolver, maps, &mut self.config)? && kernel.set_py_process(self.pid(), &self.config).is_err() {
             log::debug!("pid {}: PY_PROCS entry not updated", self.pid());
         }
         Ok(())

@@ -3,13 +3,15 @@
 //! tasks that wait.
 
 use std::collections::HashMap;
+use std::time::Duration;
 
 use pyebpf_common::{py_proc_flags, task_status, PyFrameRecord, PyProcConfig, SampleRecord, TaskRecord, WaitingTasks, MAX_TASKS, MAX_WAITING_TASKS};
 
 use super::frames::{Memory, PyItem, Resolver};
 use crate::cpython::asyncio::{self, find_asyncio_offsets, AsyncioOffsets, TaskReader, TaskState};
 use crate::cpython::offsets::ObjectOffsets;
-use crate::cpython::TRUNCATION_MARK;
+use crate::cpython::{PyError, TRUNCATION_MARK};
+use crate::maps::MapsCache;
 use crate::merge::PyStackItem;
 use crate::stack::{Frame, FrameId, FrameTable};
 use crate::stats::Stats;
@@ -32,11 +34,13 @@ pub(super) enum Tasks {
 impl Tasks {
     /// Looks for the process's asyncio table while it is pending; once found, sets it in `config`
     /// (true: `config` is to be told to the eBPF program), or says why it cannot be used.
-    pub(super) fn find<M: Memory>(&mut self, resolver: &Resolver<M>, config: &mut PyProcConfig) -> Result<bool, String> {
+    pub(super) fn find<M: Memory>(&mut self, resolver: &Resolver<M>, maps: &mut MapsCache, config: &mut PyProcConfig) -> Result<bool, String> {
         let Tasks::Pending { interpreter_searched } = *self else { return Ok(false) };
         let py = &resolver.py;
         let pid = py.pid();
-        let table = match find_asyncio_offsets(pid, py.memory(), !interpreter_searched) {
+        // Read now: a module loaded since the last look (one thread-list refresh ago) must show.
+        let maps = maps.newer_than(pid, Duration::ZERO).map_err(PyError::from);
+        let table = match maps.and_then(|maps| find_asyncio_offsets(pid, maps, py.memory(), !interpreter_searched)) {
             Ok(Some(table)) => table,
             Ok(None) => {
                 *self = Tasks::Pending { interpreter_searched: true };

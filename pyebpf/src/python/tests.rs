@@ -129,7 +129,7 @@ fn registered(py: PyProcess<Overlay>, options: SamplingOptions, kernel: &mut Fak
     let pid = py.pid();
     let mut pythons = Pythons::new(options);
     pythons.insert(py, &mut Stats::default());
-    pythons.register(pid, kernel);
+    pythons.register(pid, kernel, &mut MapsCache::default());
     assert!(kernel.processes.contains_key(&pid), "the process was not registered");
     pythons
 }

@@ -54,7 +54,6 @@ pub struct SessionOptions {
 #[derive(Default)]
 struct Scratch {
     python: Vec<PyItem>,
-    frames: Vec<FrameId>,
     task_stacks: Vec<TaskStack>,
 }
 
@@ -96,14 +95,14 @@ impl Session {
     /// Attaches to processes already running (those the filter keeps), before sampling starts.
     fn attach_all(&mut self, pids: impl IntoIterator<Item = u32>, stats: &mut Stats) -> Vec<u32> {
         let kept: Vec<u32> = pids.into_iter().filter(|&pid| self.options.filter.keeps_process(&self.processes.name(pid, &[]))).collect();
-        self.python.attach_all(kept.iter().copied(), stats);
+        self.python.attach_all(kept.iter().copied(), self.processes.maps(), stats);
         kept
     }
 
     /// Tells the eBPF program about the processes attached so far, and has it watch the waits of
     /// those profiled (a thread that waits from the start on is counted too).
     fn register_all(&mut self, kernel: &mut dyn KernelMaps, kept: Vec<u32>) {
-        self.python.register_all(kernel);
+        self.python.register_all(kernel, self.processes.maps());
         if !self.options.mode.counts_waits() {
             return;
         }
@@ -142,9 +141,9 @@ impl Session {
     pub fn resolve(&mut self, record: &SampleRecord, kernel: &mut dyn KernelMaps, stats: &mut Stats, profile: &mut Profile) -> bool {
         self.follow_frame_table(profile);
         let Some((comm, labels)) = self.admit(record, kernel, stats) else { return false };
-        let Scratch { python, frames, .. } = &mut self.scratch;
+        let python = &mut self.scratch.python;
         let outcome = self.python.python_stack(record, kernel, stats, &mut profile.frames, python);
-        self.native.stack(record, outcome.is_python().then_some(&python[..]), kernel, stats, &mut profile.frames, frames);
+        let frames = self.native.stack(record, outcome.is_python().then_some(&python[..]), self.processes.maps(), kernel, stats, &mut profile.frames);
         let state = thread_state(record, frames, self.options.kernel, profile);
         let sample = SampleStack { pid: record.tgid, tid: record.tid, comm: &comm, frames, truncated: outcome.is_cut(), labels: Some(&labels), state };
         self.off_cpu.count(record, sample, stats, profile);
@@ -170,7 +169,7 @@ impl Session {
             return None;
         }
         let labels = self.processes.sampled(record.tgid);
-        self.python.discover(record.tgid, kernel, stats);
+        self.python.discover(record.tgid, kernel, self.processes.maps(), stats);
         if filter.python_only && !self.python.is_python(record.tgid) {
             return None;
         }
@@ -247,7 +246,7 @@ impl Session {
 
     /// Periodic upkeep: thread lists re-read, and processes gone without an event forgotten.
     pub fn upkeep(&mut self, kernel: &mut dyn KernelMaps) {
-        self.python.upkeep(kernel);
+        self.python.upkeep(kernel, self.processes.maps());
         self.native.expire_unmapped();
         for pid in self.processes.stale() {
             self.forget(pid, kernel);

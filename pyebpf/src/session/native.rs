@@ -7,6 +7,7 @@ use pyebpf_common::{user_status, SampleRecord};
 
 use crate::bpf::UnwindMode;
 use crate::kernel_maps::KernelMaps;
+use crate::maps::MapsCache;
 use crate::merge::{python_frames, Merged, Merger, NativeStack};
 use crate::native_ids::{IdLevel, NativeIds};
 use crate::python::PyItem;
@@ -27,6 +28,8 @@ pub struct NativeStacks {
     copying: HashSet<u32>,
     levels: Vec<IdLevel>,
     merger: Merger,
+    /// The stack being built, innermost first.
+    frames: Vec<FrameId>,
 }
 
 impl NativeStacks {
@@ -40,29 +43,31 @@ impl NativeStacks {
             copying: HashSet::new(),
             levels: Vec::new(),
             merger: Merger::default(),
+            frames: Vec::new(),
         }
     }
 
-    /// The sample's whole stack into `out`, innermost first: kernel frames, then user frames with
-    /// the Python stack merged in, where the sample has one.
+    /// The sample's whole stack, innermost first: kernel frames, then user frames with the Python
+    /// stack merged in, where the sample has one.
     pub fn stack(
         &mut self,
         record: &SampleRecord,
         python: Option<&[PyItem]>,
+        maps: &mut MapsCache,
         kernel: &mut dyn KernelMaps,
         stats: &mut Stats,
         table: &mut FrameTable,
-        out: &mut Vec<FrameId>,
-    ) {
+    ) -> &mut Vec<FrameId> {
+        let out = &mut self.frames;
         out.clear();
         if let (true, Some(python)) = (self.no_native, python) {
             out.extend(python_frames(python).copied());
-            return;
+            return out;
         }
         let kernel_len = (record.kernel_len as usize).min(record.kernel_stack.len());
         self.ids.kernel_frames(&mut self.symbolizer, table, &record.kernel_stack[..kernel_len], out);
         // Unwound from the stack copy where the sample has one, else the kernel's frame-pointer walk.
-        let unwound = (record.stack_len > 0).then(|| self.unwind_copy(record, stats));
+        let unwound = (record.stack_len > 0).then(|| unwind_copy(&mut self.unwinder, maps, record, stats));
         let (addrs, bases) = match &unwound {
             Some(unwound) => (&unwound.addrs[..], &unwound.frame_bases[..]),
             None => {
@@ -71,9 +76,9 @@ impl NativeStacks {
                 (&record.user_stack[..user_len], &record.user_frame_bases[..bases_len])
             }
         };
-        self.ids.user_levels(&mut self.symbolizer, table, record.tgid, addrs, &mut self.levels);
+        self.ids.user_levels(&mut self.symbolizer, maps, table, record.tgid, addrs, &mut self.levels);
         let stack = NativeStack { levels: &self.levels, frame_bases: bases, sp: record.user_sp };
-        if unwound.is_none() && self.needs_copies(record, &stack, addrs) && self.copying.insert(record.tgid) {
+        if unwound.is_none() && needs_copies(self.unwind, record, &stack, addrs) && self.copying.insert(record.tgid) {
             if let Err(err) = kernel.copy_stacks_of(record.tgid) {
                 log::debug!("process {}: stacks stay frame-pointer unwound: {err}", record.tgid);
             }
@@ -89,21 +94,7 @@ impl NativeStacks {
                 out.extend_from_slice(ids.frames(level));
             }
         }
-    }
-
-    /// `--unwind auto`: a frame-pointer walk that reached neither a zero frame pointer nor the C
-    /// library's start code has the process's later samples carry stack copies.
-    fn needs_copies(&self, record: &SampleRecord, stack: &NativeStack<'_, IdLevel>, addrs: &[u64]) -> bool {
-        self.unwind == UnwindMode::Auto && !addrs.is_empty() && record.user_status & user_status::FP_COMPLETE == 0 && !stack.reaches_start_code()
-    }
-
-    /// A sample's user stack unwound from its copy, with what it cost counted in `stats`.
-    fn unwind_copy(&mut self, record: &SampleRecord, stats: &mut Stats) -> Unwound {
-        let stack = &record.stack_tail[..(record.stack_len as usize).min(record.stack_tail.len())];
-        let started = thread_cpu_ns();
-        let unwound = self.unwinder.unwind(record.tgid, &Snapshot { ip: record.user_stack[0], sp: record.user_sp, bp: record.user_bp, stack });
-        stats.count_unwind(&unwound, stack.len(), record.user_status & user_status::SNAPSHOT_FULL != 0, thread_cpu_ns().saturating_sub(started));
-        unwound
+        out
     }
 
     /// Drops what is known of `pid`'s address space, and stops copying its stacks.
@@ -132,6 +123,21 @@ impl NativeStacks {
     pub fn clear_frame_ids(&mut self) {
         self.ids.clear();
     }
+}
+
+/// `--unwind auto`: a frame-pointer walk that reached neither a zero frame pointer nor the C
+/// library's start code has the process's later samples carry stack copies.
+fn needs_copies(unwind: UnwindMode, record: &SampleRecord, stack: &NativeStack<'_, IdLevel>, addrs: &[u64]) -> bool {
+    unwind == UnwindMode::Auto && !addrs.is_empty() && record.user_status & user_status::FP_COMPLETE == 0 && !stack.reaches_start_code()
+}
+
+/// A sample's user stack unwound from its copy, with what it cost counted in `stats`.
+fn unwind_copy(unwinder: &mut StackUnwinder, maps: &mut MapsCache, record: &SampleRecord, stats: &mut Stats) -> Unwound {
+    let stack = &record.stack_tail[..(record.stack_len as usize).min(record.stack_tail.len())];
+    let started = thread_cpu_ns();
+    let unwound = unwinder.unwind(maps, record.tgid, &Snapshot { ip: record.user_stack[0], sp: record.user_sp, bp: record.user_bp, stack });
+    stats.count_unwind(&unwound, stack.len(), record.user_status & user_status::SNAPSHOT_FULL != 0, thread_cpu_ns().saturating_sub(started));
+    unwound
 }
 
 /// CPU time of the calling thread so far: what one step costs, also on a busy host.

@@ -9,6 +9,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::maps::MapsCache;
 use crate::process::comm_to_string;
 use crate::stack::ProcessLabels;
 
@@ -32,6 +33,9 @@ struct Sampled {
 #[derive(Default)]
 pub struct ProcessTable {
     entries: HashMap<u32, Entry>,
+    /// Their maps: the one snapshot per process that the symbolizer, the unwinder and the Python
+    /// reader share.
+    maps: MapsCache,
 }
 
 impl ProcessTable {
@@ -57,8 +61,13 @@ impl ProcessTable {
         })
     }
 
+    pub fn maps(&mut self) -> &mut MapsCache {
+        &mut self.maps
+    }
+
     pub fn forget(&mut self, pid: u32) {
         self.entries.remove(&pid);
+        self.maps.forget(pid);
     }
 
     /// Processes idle for a while that are gone, or whose PID now names another process.

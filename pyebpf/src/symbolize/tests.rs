@@ -1,0 +1,329 @@
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, ChildStdout, Command, Stdio};
+use std::time::Duration;
+
+use object::{Object, ObjectSection, ObjectSegment, ObjectSymbol};
+
+use super::*;
+
+const PROGRAM: &str = r#"
+#include <stdio.h>
+#include <unistd.h>
+volatile unsigned long sink;
+__attribute__((noinline)) void leaf_fn(void) { for (int i = 0; i < 1000; i++) sink += i; }
+__attribute__((noinline)) static void middle_fn(void) { leaf_fn(); sink++; }
+__attribute__((noinline)) void outer_fn(void) { middle_fn(); sink++; }
+int main(void) {
+printf("%lx %lx %lx\n", (unsigned long)&leaf_fn, (unsigned long)&middle_fn, (unsigned long)&outer_fn);
+fflush(stdout);
+for (;;) pause();
+}
+"#;
+
+const CPP_PROGRAM: &str = r#"
+#include <cstdio>
+#include <unistd.h>
+namespace shapes { __attribute__((noinline)) double area(int side) { return side * 1.5; } }
+int main() {
+std::printf("%lx\n", (unsigned long)&shapes::area);
+std::fflush(stdout);
+for (;;) pause();
+}
+"#;
+
+/// A symbolizer with its own maps, as a sample resolver pairs them.
+#[derive(Default)]
+struct Resolving {
+    symbolizer: Symbolizer,
+    maps: MapsCache,
+}
+
+impl Resolving {
+    fn user_frames(&mut self, pid: u32, stack: &[u64]) -> Vec<NativeFrame> {
+        self.symbolizer.user_frames(&mut self.maps, pid, stack)
+    }
+}
+
+/// A compiled test program, running until dropped.
+struct Running {
+    child: Child,
+    stdout: BufReader<ChildStdout>,
+}
+
+impl Running {
+    fn start(exe: &Path) -> Running {
+        let mut child = Command::new(exe).stdout(Stdio::piped()).spawn().expect("start the test program");
+        let stdout = BufReader::new(child.stdout.take().expect("piped stdout"));
+        Running { child, stdout }
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// The function addresses the program prints once it is ready.
+    fn addresses(&mut self) -> Vec<u64> {
+        let mut line = String::new();
+        self.stdout.read_line(&mut line).expect("read the program's addresses");
+        line.split_whitespace().map(|word| u64::from_str_radix(word, 16).expect("hex address")).collect()
+    }
+
+    fn stop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn compile(compiler: &str, source: &str, name: &str, flags: &[&str], dir: &Path) -> PathBuf {
+    let ext = if compiler == "g++" { "cpp" } else { "c" };
+    let source_path = dir.join(format!("{name}.{ext}"));
+    std::fs::write(&source_path, source).unwrap();
+    let exe = dir.join(name);
+    let status = Command::new(compiler)
+        .args(flags)
+        .arg("-o")
+        .arg(&exe)
+        .arg(&source_path)
+        .status()
+        .unwrap_or_else(|err| panic!("this test compiles a program with {compiler}, which failed to run: {err}"));
+    assert!(status.success(), "{compiler} failed on {}", source_path.display());
+    exe
+}
+
+fn names(frames: &[NativeFrame]) -> Vec<&str> {
+    frames.iter().map(|frame| frame.symbol.as_deref().unwrap_or("?")).collect()
+}
+
+/// The file offset of a function, from the ELF's own symbol table and program headers.
+fn file_offset_of(exe: &Path, function: &str) -> u64 {
+    let data = std::fs::read(exe).unwrap();
+    let file = object::File::parse(&*data).unwrap();
+    let symbol = file.symbols().find(|symbol| symbol.name() == Ok(function)).expect("symbol in the ELF");
+    let segment =
+        file.segments().find(|segment| (segment.address()..segment.address() + segment.size()).contains(&symbol.address())).expect("segment of the symbol");
+    symbol.address() - segment.address() + segment.file_range().0
+}
+
+#[test]
+fn finds_functions_files_and_lines_in_a_running_program() {
+    let dir = tempfile::tempdir().unwrap();
+    let exe = compile("gcc", PROGRAM, "spin", &["-g", "-O1", "-fno-omit-frame-pointer"], dir.path());
+    let mut program = Running::start(&exe);
+    let [leaf, middle, outer] = program.addresses()[..] else { panic!("three addresses") };
+
+    let mut symbolizer = Resolving::default();
+    // As bpf_get_stack gives them: the sampled IP, then return addresses just past each call.
+    let frames = symbolizer.user_frames(program.pid(), &[leaf + 1, middle + 5, outer + 5]);
+    assert_eq!(names(&frames), ["leaf_fn", "middle_fn", "outer_fn"], "{frames:#?}");
+    let module = frames[0].module.as_ref().expect("module of a mapped address");
+    assert_eq!(Path::new(&*module.path), exe);
+    assert!(module.build_id.as_ref().is_some_and(|id| id.len() == 40), "GNU build ID: {module:?}");
+    assert!(frames[0].file.as_deref().is_some_and(|file| file.ends_with("spin.c")), "{:?}", frames[0]);
+    assert_eq!(frames[0].line, Some(5));
+    // Return addresses are reported at the call instruction, one byte back.
+    assert_eq!(frames[1].addr, middle + 4);
+}
+
+#[test]
+fn stripped_code_shows_its_module_and_file_offset() {
+    let dir = tempfile::tempdir().unwrap();
+    let exe = compile("gcc", PROGRAM, "spin", &["-O1", "-fno-omit-frame-pointer", "-rdynamic"], dir.path());
+    let stripped = dir.path().join("spin-stripped");
+    let status = Command::new("strip").arg("-o").arg(&stripped).arg(&exe).status().expect("strip (binutils) runs");
+    assert!(status.success());
+    let mut program = Running::start(&stripped);
+    let [leaf, middle, _] = program.addresses()[..] else { panic!("three addresses") };
+
+    let frames = Resolving::default().user_frames(program.pid(), &[leaf, middle + 5]);
+    // leaf_fn is exported (.dynsym survives strip); the static middle_fn is only in .symtab.
+    assert_eq!(frames[0].symbol.as_deref(), Some("leaf_fn"), "{frames:#?}");
+    assert_eq!(frames[1].symbol, None);
+    let expected = format!("spin-stripped+{:#x}", file_offset_of(&exe, "middle_fn") + 4);
+    assert_eq!(crate::output::native_name(&frames[1]), expected);
+}
+
+#[test]
+fn plt_stubs_are_unknown_rather_than_named_after_init() {
+    let dir = tempfile::tempdir().unwrap();
+    let source = "#include <stdio.h>\nvoid say(void) { puts(\"hi\"); }\n";
+    let library = compile("gcc", source, "libsay.so", &["-shared", "-fPIC", "-g", "-O1"], dir.path());
+    let base = load_library(&library, c"say").1;
+    let data = std::fs::read(&library).unwrap();
+    let elf = object::File::parse(&*data).unwrap();
+    let plt = elf.section_by_name(".plt").expect("a .plt section");
+    // The first stub after the PLT header, which only `_init`, without a size, precedes.
+    let stub = base + plt.address() + 16;
+
+    let frames = Resolving::default().user_frames(std::process::id(), &[stub]);
+    assert_eq!(frames[0].symbol, None, "{frames:#?}");
+    assert!(crate::output::native_name(&frames[0]).starts_with("libsay.so+0x"), "{frames:#?}");
+}
+
+/// Loads a library into this test process; returns a function's address and the load base.
+fn load_library(library: &Path, function: &std::ffi::CStr) -> (u64, u64) {
+    let path = std::ffi::CString::new(library.to_str().unwrap()).unwrap();
+    // SAFETY: dlopen/dlsym/dladdr on a library this test just built; it stays loaded.
+    unsafe {
+        let handle = libc::dlopen(path.as_ptr(), libc::RTLD_NOW);
+        assert!(!handle.is_null(), "dlopen {}", library.display());
+        let address = libc::dlsym(handle, function.as_ptr());
+        assert!(!address.is_null(), "dlsym {function:?}");
+        let mut info: libc::Dl_info = std::mem::zeroed();
+        assert_ne!(libc::dladdr(address, &mut info), 0, "dladdr");
+        (address as u64, info.dli_fbase as u64)
+    }
+}
+
+#[test]
+fn demangles_cpp_and_rust_names() {
+    let dir = tempfile::tempdir().unwrap();
+    let exe = compile("g++", CPP_PROGRAM, "shapes", &["-O1"], dir.path());
+    let mut program = Running::start(&exe);
+    let [area] = program.addresses()[..] else { panic!("one address") };
+    let mut symbolizer = Resolving::default();
+    let frames = symbolizer.user_frames(program.pid(), &[area]);
+    assert_eq!(names(&frames), ["shapes::area(int)"]);
+
+    // Optimised builds inline black_box into marker: the chain ends in marker itself.
+    let own = symbolizer.user_frames(std::process::id(), &[marker as fn() -> u64 as usize as u64]);
+    assert_eq!(names(&own).last(), Some(&"pyebpf::symbolize::tests::marker"), "{own:#?}");
+}
+
+#[inline(never)]
+fn marker() -> u64 {
+    std::hint::black_box(7)
+}
+
+#[test]
+fn a_process_that_exited_keeps_what_was_learned_and_unknown_ones_keep_the_address() {
+    let dir = tempfile::tempdir().unwrap();
+    let exe = compile("gcc", PROGRAM, "spin", &["-O1"], dir.path());
+    let mut program = Running::start(&exe);
+    let pid = program.pid();
+    let [leaf, middle, outer] = program.addresses()[..] else { panic!("three addresses") };
+    let mut symbolizer = Resolving::default();
+    assert_eq!(names(&symbolizer.user_frames(pid, &[leaf])), ["leaf_fn"]);
+    program.stop();
+
+    // Samples still in flight when the process exits: its maps and opened files stay known.
+    let late = symbolizer.user_frames(pid, &[middle, outer + 5]);
+    assert_eq!(names(&late), ["middle_fn", "outer_fn"], "{late:#?}");
+
+    let mut never_seen = Command::new("true").spawn().unwrap();
+    let gone = never_seen.id();
+    never_seen.wait().unwrap();
+    let frames = Resolving::default().user_frames(gone, &[0x40_1000, 0x40_2000]);
+    assert_eq!(frames.len(), 2);
+    assert!(frames.iter().all(|frame| frame.module.is_none() && frame.symbol.is_none()));
+    assert_eq!(frames[0].addr, 0x40_1000);
+}
+
+#[test]
+fn libraries_loaded_later_are_found() {
+    let dir = tempfile::tempdir().unwrap();
+    let library = compile("gcc", "int plugin_fn(int x) { return x * 3; }\n", "libplugin.so", &["-shared", "-fPIC", "-g"], dir.path());
+    let mut symbolizer = Resolving::default();
+    let pid = std::process::id();
+    assert_eq!(names(&symbolizer.user_frames(pid, &[marker as fn() -> u64 as usize as u64])).last(), Some(&"pyebpf::symbolize::tests::marker"));
+
+    let address = load_library(&library, c"plugin_fn").0;
+    assert_ne!(address, 0);
+    std::thread::sleep(maps::REFRESH_INTERVAL);
+    let frames = symbolizer.user_frames(pid, &[address]);
+    assert_eq!(names(&frames), ["plugin_fn"], "{frames:#?}");
+}
+
+fn mkfifo(path: &Path) {
+    let c = std::ffi::CString::new(path.to_str().unwrap()).unwrap();
+    // SAFETY: mkfifo reads a NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0, "mkfifo {}", path.display());
+}
+
+#[test]
+fn a_file_once_opened_is_read_even_after_the_target_puts_a_fifo_at_its_path() {
+    let dir = tempfile::tempdir().unwrap();
+    let exe = compile("gcc", PROGRAM, "spin", &["-g", "-O1", "-fno-omit-frame-pointer"], dir.path());
+    let mut program = Running::start(&exe);
+    let pid = program.pid();
+    let [leaf, middle, outer] = program.addresses()[..] else { panic!("three addresses") };
+    let maps = Maps::read(pid).unwrap();
+    let entry = maps.find(leaf).unwrap();
+    let id = FileId { dev: entry.dev, inode: entry.inode };
+    // No mapping lies at 0..0, so map_files has nothing and the path the process names is
+    // opened, as it is without CAP_SYS_ADMIN.
+    let mut files = OpenFiles::default();
+    let path = files.path(id, &Location { pid, start: 0, limit: 0, path: &exe }).unwrap().to_path_buf();
+    assert!(path.starts_with("/proc/self/fd"), "{}", path.display());
+    let build_id = files.build_id(id, &Location { pid, start: 0, limit: 0, path: &exe }).expect("a build ID");
+    assert!(may_follow_debug_link(&path, id), "{} in a directory only root may change", exe.display());
+
+    // The target swaps its file for FIFOs, under both names its mapping can be found by.
+    std::fs::remove_file(&exe).unwrap();
+    mkfifo(&exe);
+    mkfifo(&dir.path().join("spin (deleted)"));
+
+    let offsets = [leaf, middle, outer].iter().map(|addr| addr - entry.start + entry.offset).collect();
+    let (sender, receiver) = std::sync::mpsc::channel();
+    // On its own thread: a read that blocks on a FIFO fails the test instead of hanging it.
+    std::thread::spawn(move || {
+        let mut blazesym = blazesym::symbolize::Symbolizer::new();
+        let batch = FileBatch { location: Location { pid, start: 0, limit: 0, path: &exe }, offsets };
+        let resolved = symbolize_file(&mut blazesym, &mut files, id, &batch);
+        let names: Vec<String> = resolved.iter().map(|functions| functions.iter().map(|f| f.name.to_string()).collect()).collect();
+        let _ = sender.send((names, files.build_id(id, &batch.location), may_follow_debug_link(&path, id)));
+    });
+    let (names, after, follows) = receiver.recv_timeout(Duration::from_secs(30)).expect("symbolizing blocked on the FIFO");
+    assert_eq!(names, ["leaf_fn", "middle_fn", "outer_fn"]);
+    assert_eq!(after.as_deref(), Some(&build_id[..]));
+    // The descriptor's canonical path is now `spin (deleted)`, a FIFO: no debug link from there.
+    assert!(!follows);
+}
+
+#[test]
+fn the_debug_link_is_followed_from_an_open_file_only_where_root_alone_may_change_it() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let dir = tempfile::tempdir().unwrap();
+    let exe = compile("gcc", PROGRAM, "spin", &["-g", "-O1"], dir.path());
+    let metadata = std::fs::metadata(&exe).unwrap();
+    let id = FileId { dev: (libc::major(metadata.dev()) as i32, libc::minor(metadata.dev()) as i32), inode: metadata.ino() };
+    let location = Location { pid: std::process::id(), start: 0, limit: 0, path: &exe };
+    let mut files = OpenFiles::default();
+    let path = files.path(id, &location).unwrap().to_path_buf();
+    assert!(may_follow_debug_link(&path, id), "a root-owned directory of mode 0700");
+
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
+    assert!(!may_follow_debug_link(&path, id), "a directory anyone may change");
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    assert!(may_follow_debug_link(&path, id));
+
+    // Another file renamed over the opened one: the canonical path reaches a different file.
+    let other = dir.path().join("other");
+    std::fs::copy(&exe, &other).unwrap();
+    std::fs::rename(&other, &exe).unwrap();
+    assert!(!may_follow_debug_link(&path, id), "the canonical path no longer reaches the open file");
+}
+
+#[test]
+fn kernel_addresses_resolve_through_kallsyms() {
+    let kallsyms = std::fs::read_to_string("/proc/kallsyms").expect("/proc/kallsyms is readable");
+    let address = kallsyms
+        .lines()
+        .find_map(|line| match line.split_whitespace().collect::<Vec<_>>()[..] {
+            [address, "T" | "t", "schedule"] => u64::from_str_radix(address, 16).ok(),
+            _ => None,
+        })
+        .expect("`schedule` in /proc/kallsyms");
+    assert_ne!(address, 0, "/proc/kallsyms hides addresses: run as root (kptr_restrict)");
+
+    let frames = Symbolizer::new().kernel_frames(&[address + 4, address + 9]);
+    let names: Vec<_> = frames.iter().map(|frame| frame.symbol.as_deref()).collect();
+    assert_eq!(names, [Some("schedule"), Some("schedule")]);
+    assert_eq!(frames[1].addr, address + 8);
+}
