@@ -41,7 +41,17 @@ pub struct MemCounters {
 pub trait ReadMemory {
     fn read(&self, addr: u64, buf: &mut [u8]) -> Result<(), MemError>;
     /// Fills several buffers in one remote read; returns how many leading requests were filled.
-    fn read_many(&self, requests: &mut [(u64, &mut [u8])]) -> usize;
+    /// Memory held here reads them one by one.
+    fn read_many(&self, requests: &mut [(u64, &mut [u8])]) -> usize {
+        let mut filled = 0;
+        for (addr, buf) in requests.iter_mut() {
+            if self.read(*addr, buf).is_err() {
+                break;
+            }
+            filled += 1;
+        }
+        filled
+    }
     fn counters(&self) -> MemCounters;
 }
 
@@ -206,17 +216,6 @@ impl ReadMemory for MemoryImage {
         let bytes = self.slice(addr, buf.len()).ok_or(MemError::Short { addr, len: buf.len() })?;
         buf.copy_from_slice(bytes);
         Ok(())
-    }
-
-    fn read_many(&self, requests: &mut [(u64, &mut [u8])]) -> usize {
-        let mut filled = 0;
-        for (addr, buf) in requests.iter_mut() {
-            if self.read(*addr, buf).is_err() {
-                break;
-            }
-            filled += 1;
-        }
-        filled
     }
 
     fn counters(&self) -> MemCounters {

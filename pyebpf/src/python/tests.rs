@@ -5,8 +5,7 @@
 //! interpreter. Covers the code-identity proof, the 3.15 marker protocol and task placement.
 
 use std::cell::RefCell;
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use pyebpf_common::{origin, py_status, task_status, type_flags, SampleRecord};
 
@@ -19,6 +18,7 @@ use crate::cpython::runtime;
 use crate::kernel_maps::fake::FakeKernel;
 use crate::merge::PyStackItem;
 use crate::stack::{Frame, FrameId};
+use pyebpf_tests::Killed;
 
 /// A live process's memory with test changes laid over it; writes go to the overlay only.
 struct Overlay {
@@ -52,17 +52,6 @@ impl ReadMemory for Overlay {
         Ok(())
     }
 
-    fn read_many(&self, requests: &mut [(u64, &mut [u8])]) -> usize {
-        let mut filled = 0;
-        for (addr, buf) in requests.iter_mut() {
-            if self.read(*addr, buf).is_err() {
-                break;
-            }
-            filled += 1;
-        }
-        filled
-    }
-
     fn counters(&self) -> MemCounters {
         self.base.counters()
     }
@@ -79,49 +68,18 @@ impl WriteMemory for Overlay {
     }
 }
 
-struct Target(Child);
-
-impl Drop for Target {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// Two threads stopped at known depths: the main thread in `main_leaf` under `main_mid` and
-/// `main_top`, a worker in `worker_leaf`; each blocked until the process is killed.
-const BLOCKED: &str = "
-import sys, threading
-hold = threading.Event()
-def worker_leaf(): hold.wait()
-def worker_mid(): worker_leaf()
-def main_leaf(ready):
-    open(ready, 'w').close()
-    hold.wait()
-def main_mid(ready): main_leaf(ready)
-def main_top(ready): main_mid(ready)
-threading.Thread(target=worker_mid, daemon=True).start()
-main_top(sys.argv[1])
-";
-
-/// Starts Debian's `python3.X` on [`BLOCKED`] and attaches to it through an [`Overlay`].
-fn start(version: &str) -> (Target, PyProcess<Overlay>) {
+/// Starts Debian's `python3.X` on `blocked_threads.py` (two threads stopped at known depths) and
+/// attaches to it through an [`Overlay`].
+fn start(version: &str) -> (Killed, tempfile::TempDir, PyProcess<Overlay>) {
     let python = pyebpf_tests::test_pythons().join(format!("usr/bin/python{version}"));
     assert!(python.exists(), "test interpreter missing: {}", python.display());
-    let dir = tempfile::tempdir().unwrap();
-    let ready = dir.path().join("ready");
-    let target = Target(Command::new(&python).args(["-c", BLOCKED]).arg(&ready).stdin(Stdio::null()).spawn().unwrap());
-    let started = Instant::now();
-    while !ready.exists() {
-        assert!(started.elapsed() < Duration::from_secs(30), "{} did not get ready", python.display());
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    // The ready file is made just before the wait: let the thread reach it.
+    let (target, dir) = pyebpf_tests::start_ready(&python, "blocked_threads.py", &[]);
+    // The ready file is made just before the main thread's wait: let it reach it.
     std::thread::sleep(Duration::from_millis(200));
-    let pid = target.0.id();
+    let pid = target.pid();
     let address = runtime::find_runtime(pid).unwrap().address;
     let py = PyProcess::with_memory(pid, Overlay::new(pid), address).unwrap();
-    (target, py)
+    (target, dir, py)
 }
 
 /// The process attached to and registered, as `Pythons::discover` does with a live one.
@@ -193,8 +151,8 @@ fn frame_running(pythons: &mut Pythons<Overlay>, record: &SampleRecord, name: &s
 #[test]
 fn a_code_object_is_named_only_while_it_is_the_one_the_sample_saw() {
     for version in ["3.13", "3.15"] {
-        let (target, py) = start(version);
-        let pid = target.0.id();
+        let (target, _dir, py) = start(version);
+        let pid = target.pid();
         let mut kernel = FakeKernel::default();
         let mut pythons = registered(py, SamplingOptions { marker: false, ..OPTIONS }, &mut kernel);
         let record = sample(&mut pythons, pid, pid);
@@ -206,8 +164,8 @@ fn a_code_object_is_named_only_while_it_is_the_one_the_sample_saw() {
 
         // The code object of `main_mid` freed and its address taken by another since the sample:
         // a new process (no cache) must not name it, and cuts the stack there.
-        let (target, py) = start(version);
-        let pid = target.0.id();
+        let (target, _dir, py) = start(version);
+        let pid = target.pid();
         let mut pythons = registered(py, SamplingOptions { marker: false, ..OPTIONS }, &mut kernel);
         let record = sample(&mut pythons, pid, pid);
         let mid = record.py_frames[frame_running(&mut pythons, &record, "main_mid")];
@@ -225,8 +183,8 @@ fn a_code_object_is_named_only_while_it_is_the_one_the_sample_saw() {
 
 #[test]
 fn a_marker_chain_is_proven_then_joined_and_a_moving_thread_gets_none() {
-    let (target, py) = start("3.15");
-    let pid = target.0.id();
+    let (target, _dir, py) = start("3.15");
+    let pid = target.pid();
     let mut kernel = FakeKernel::default();
     let mut pythons = registered(py, OPTIONS, &mut kernel);
     let (mut stats, mut frames) = (Stats::default(), FrameTable::default());
@@ -267,8 +225,8 @@ fn a_marker_chain_is_proven_then_joined_and_a_moving_thread_gets_none() {
 
 #[test]
 fn a_thread_that_moves_while_its_chain_is_read_gets_no_chain() {
-    let (target, py) = start("3.15");
-    let pid = target.0.id();
+    let (target, _dir, py) = start("3.15");
+    let pid = target.pid();
     let mut kernel = FakeKernel::default();
     let mut pythons = registered(py, OPTIONS, &mut kernel);
     let process = &pythons.processes[&pid];
@@ -303,8 +261,8 @@ fn task(name: &str, coro_frame: u64, frames: u32) -> pyebpf_common::TaskRecord {
 
 #[test]
 fn a_task_chain_goes_right_outside_its_coroutine_frame_and_ends_at_an_unproven_frame() {
-    let (target, py) = start("3.14");
-    let pid = target.0.id();
+    let (target, _dir, py) = start("3.14");
+    let pid = target.pid();
     let mut kernel = FakeKernel::default();
     let mut pythons = registered(py, SamplingOptions { async_aware: true, ..OPTIONS }, &mut kernel);
     let process = pythons.processes.get_mut(&pid).unwrap();
