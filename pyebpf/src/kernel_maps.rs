@@ -1,6 +1,6 @@
 //! What userspace asks of the loaded eBPF program, as one small trait: the seam between the
 //! sample path (`python`, `session`) and the kernel's maps. [`Sampler`] is the real one; tests use
-//! [`fake::FakeKernel`], which keeps what it was told, so the sample path is tested without root.
+//! `fake::FakeKernel`, which keeps what it was told, so the sample path is tested without eBPF.
 
 use pyebpf_common::{MarkerChain, OffCpuStart, PyProcConfig, PyThreadEntry};
 
