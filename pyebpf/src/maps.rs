@@ -3,7 +3,8 @@
 //! A [`Maps`] is an immutable snapshot of one process's mappings, sorted by address. The symbolizer,
 //! the unwinder and the CPython reader all take their mappings from it; the symbolizer and the
 //! unwinder derive their own per-process structures from a snapshot and rebuild them only when
-//! [`MapsCache`] hands out a new one (`Arc::ptr_eq` tells).
+//! [`MapsCache`] hands out a new one (`Arc::ptr_eq` tells): a re-read that finds the same mappings
+//! keeps the snapshot there was.
 //!
 //! [`MapsCache`] keeps each process's latest snapshot, and re-reads it:
 //! - for samples ([`MapsCache::covering`]): when the process was never read, or an address to be
@@ -50,7 +51,7 @@ impl MapsError {
 }
 
 /// One mapping of a process, as `/proc/PID/maps` lists it.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Mapping {
     pub start: u64,
     pub limit: u64,
@@ -85,8 +86,6 @@ impl Mapping {
 #[derive(Debug)]
 pub struct Maps {
     mappings: Vec<Mapping>,
-    /// None for a process whose maps could never be read.
-    read_at: Option<Instant>,
 }
 
 impl Maps {
@@ -101,7 +100,6 @@ impl Maps {
     }
 
     fn read_process(pid: u32, process: procfs::ProcResult<Process>) -> Result<Maps, MapsError> {
-        let read_at = Instant::now();
         let entries = process.and_then(|process| process.maps()).map_err(|err| MapsError::new(pid, err))?;
         let mut mappings: Vec<Mapping> = entries
             .into_iter()
@@ -116,12 +114,12 @@ impl Maps {
             })
             .collect();
         mappings.sort_by_key(|mapping| mapping.start);
-        Ok(Maps { mappings, read_at: Some(read_at) })
+        Ok(Maps { mappings })
     }
 
     /// No mappings: what is known of a process whose maps could never be read.
     fn unknown() -> Maps {
-        Maps { mappings: Vec::new(), read_at: None }
+        Maps { mappings: Vec::new() }
     }
 
     /// Every mapping, by address.
@@ -159,6 +157,8 @@ fn could_be_code(addr: u64) -> bool {
 struct Entry {
     maps: Arc<Maps>,
     tried_at: Instant,
+    /// None while they could never be read.
+    read_at: Option<Instant>,
 }
 
 /// The latest maps of each process sampled; see the module documentation for when they are read.
@@ -185,7 +185,7 @@ impl MapsCache {
     /// `pid`'s maps as read at most `age` ago, read now if older: for a reader that waits for a
     /// file to be mapped. Fails if they have to be read and cannot be.
     pub fn newer_than(&mut self, pid: u32, age: Duration) -> Result<&Arc<Maps>, MapsError> {
-        if self.processes.get(&pid).is_none_or(|entry| entry.maps.read_at.is_none_or(|read_at| read_at.elapsed() > age)) {
+        if self.processes.get(&pid).is_none_or(|entry| entry.read_at.is_none_or(|read_at| read_at.elapsed() > age)) {
             self.reread(pid)?;
         }
         Ok(&self.entry(pid).maps)
@@ -196,12 +196,17 @@ impl MapsCache {
         self.processes.remove(&pid);
     }
 
-    /// Reads `pid`'s maps into the cache; a failed read keeps the snapshot there was.
+    /// Reads `pid`'s maps into the cache; a failed read keeps the snapshot there was, and so
+    /// does a read that finds the same mappings, so that what the readers built from it stands.
     fn reread(&mut self, pid: u32) -> Result<(), MapsError> {
         let read = Maps::read(pid);
         let entry = self.entry(pid);
         entry.tried_at = Instant::now();
-        entry.maps = Arc::new(read?);
+        let read = read?;
+        entry.read_at = Some(entry.tried_at);
+        if read.mappings != entry.maps.mappings {
+            entry.maps = Arc::new(read);
+        }
         Ok(())
     }
 
@@ -210,7 +215,7 @@ impl MapsCache {
         if self.processes.len() >= MAX_PROCESSES && !self.processes.contains_key(&pid) {
             self.processes.clear();
         }
-        self.processes.entry(pid).or_insert_with(|| Entry { maps: Arc::new(Maps::unknown()), tried_at: Instant::now() })
+        self.processes.entry(pid).or_insert_with(|| Entry { maps: Arc::new(Maps::unknown()), tried_at: Instant::now(), read_at: None })
     }
 }
 
@@ -274,11 +279,24 @@ mod tests {
         let mut cache = MapsCache::default();
         let first = cache.newer_than(pid, Duration::from_secs(3600)).unwrap().clone();
         assert!(Arc::ptr_eq(cache.newer_than(pid, Duration::from_secs(3600)).unwrap(), &first));
+        let page = map_code_page();
         std::thread::sleep(Duration::from_millis(2));
         let recent = cache.newer_than(pid, Duration::from_millis(1)).unwrap().clone();
-        assert!(!Arc::ptr_eq(&recent, &first));
+        assert!(!Arc::ptr_eq(&recent, &first) && recent.find(page).is_some(), "what was mapped since is not shown");
         assert!(Arc::ptr_eq(cache.covering(pid, &[own_code()]), &recent), "samples see the same snapshot");
         assert!(cache.newer_than(NO_PROCESS, Duration::ZERO).is_err());
+    }
+
+    #[test]
+    fn maps_read_again_unchanged_keep_their_snapshot() {
+        let mut child = std::process::Command::new("sleep").arg("60").spawn().unwrap();
+        let pid = child.id();
+        let mut cache = MapsCache::default();
+        let first = cache.newer_than(pid, Duration::ZERO).unwrap().clone();
+        // Read again (nothing asks for older ones), found the same: what readers built stands.
+        assert!(Arc::ptr_eq(cache.newer_than(pid, Duration::ZERO).unwrap(), &first));
+        child.kill().unwrap();
+        child.wait().unwrap();
     }
 
     #[test]
