@@ -26,7 +26,7 @@ use crate::mode::Mode;
 use crate::process;
 use crate::python::{PyItem, Pythons, SamplingOptions, TaskStack};
 use crate::reader::{Record, RecordBatch};
-use crate::stack::{Frame, FrameCarry, FrameId, Profile, SampleStack, ThreadState};
+use crate::stack::{Frame, FrameCarry, FrameId, ProcessLabels, Profile, SampleStack, ThreadState, Weight};
 use crate::stats::Stats;
 use crate::waits::{wait_reason, waiting_record, KernelSymbols};
 use native::NativeStacks;
@@ -162,7 +162,7 @@ impl Session {
 
     /// The process's name and labels when the filter and the mode keep the record; attaches to
     /// the process (and watches its waits) on its first sample.
-    fn admit(&mut self, record: &SampleRecord, kernel: &mut dyn KernelMaps, stats: &mut Stats) -> Option<(Arc<str>, Arc<crate::stack::ProcessLabels>)> {
+    fn admit(&mut self, record: &SampleRecord, kernel: &mut dyn KernelMaps, stats: &mut Stats) -> Option<(Arc<str>, Arc<ProcessLabels>)> {
         let comm = self.processes.name(record.tgid, &record.comm);
         let filter = &self.options.filter;
         if !filter.keeps_process(&comm) {
@@ -240,7 +240,7 @@ impl Session {
         let labels = self.processes.sampled(start.tgid);
         for (frames, truncated) in &task_stacks {
             let sample = SampleStack { pid: start.tgid, tid, comm: &comm, frames, truncated: *truncated, labels: Some(&labels), state: ThreadState::TaskWait };
-            profile.add_sample(sample, crate::stack::Weight { samples: 1, ns: record.weight_ns });
+            profile.add_sample(sample, Weight { samples: 1, ns: record.weight_ns });
         }
     }
 
