@@ -182,6 +182,17 @@ fn a_code_object_is_named_only_while_it_is_the_one_the_sample_saw() {
 }
 
 #[test]
+fn a_process_the_kernel_has_no_room_for_is_sampled_natively() {
+    let (target, _dir, py) = start("3.13");
+    let pid = target.pid();
+    let mut kernel = FakeKernel { processes_full: true, ..FakeKernel::default() };
+    let mut pythons = Pythons::new(OPTIONS);
+    pythons.insert(py, &mut Stats::default());
+    pythons.register(pid, &mut kernel, &mut MapsCache::default());
+    assert!(!pythons.is_python(pid) && kernel.threads.is_empty(), "a process without a PY_PROCS entry kept as Python");
+}
+
+#[test]
 fn a_marker_chain_is_proven_then_joined_and_a_moving_thread_gets_none() {
     let (target, _dir, py) = start("3.15");
     let pid = target.pid();
