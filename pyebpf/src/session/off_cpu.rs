@@ -137,11 +137,11 @@ impl OffCpu {
 
     /// A thread captured as it left the CPU came back: its stacks count for the time it was away.
     pub fn end_wait(&mut self, end: &OffCpuEnd, stats: &mut Stats, profile: &mut Profile) {
-        let Some(pending) = self.pending.remove(&end.tid) else { return };
-        if pending.start_ns != end.start_ns {
-            self.pending.insert(end.tid, pending);
+        // The end of another interval of the thread (its capture was dropped) leaves this one open.
+        if self.pending.get(&end.tid).is_none_or(|pending| pending.start_ns != end.start_ns) {
             return;
         }
+        let pending = self.pending.remove(&end.tid).expect("looked up above");
         stats.off_cpu.intervals += 1;
         let carried = self.carried(end.carried_ns, end.start_ns, stats);
         let ns = self.within_recording(end.start_ns, end.start_ns.saturating_add(end.away_ns)) + carried;
