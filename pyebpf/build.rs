@@ -43,7 +43,7 @@ fn version_line() {
         .and_then(|out| String::from_utf8(out.stdout).ok())
         .map_or_else(|| "unknown".to_string(), |commit| commit.trim().to_string());
     let version = env::var("CARGO_PKG_VERSION").unwrap_or_default();
-    println!("cargo:rustc-env=PYEBPF_LONG_VERSION={version} (commit {commit}; reads CPython 3.8 to 3.15)");
+    println!("cargo:rustc-env=PYEBPF_LONG_VERSION={version} (commit {commit}; reads CPython 3.8 to 3.15, and free-threaded 3.13)");
     // A new commit moves the branch HEAD names (or, packed, packed-refs), not HEAD itself.
     let git = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.git");
     if let Ok(head) = std::fs::read_to_string(git.join("HEAD")) {

@@ -34,6 +34,8 @@ pub struct Stats {
     pub python_processes: u64,
     /// Processes running a CPython pyebpf does not read (`CPython 3.11.2 (pid 6309)`).
     pub unsupported_pythons: NamedProcesses,
+    /// Free-threaded CPython processes read (no GIL: `--mode gil` counts their time on CPU).
+    pub free_threaded: NamedProcesses,
     /// CPU time pyebpf itself used (user + system), in nanoseconds.
     pub own_cpu_ns: u64,
     /// Time the eBPF sampler ran in the kernel, on the sampled CPUs, and how many times it ran

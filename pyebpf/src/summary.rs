@@ -96,6 +96,7 @@ pub struct Summary {
     pub unresolved: u64,
     /// Processes of CPythons pyebpf does not read, as `Stats` names them, and how many more.
     pub unsupported_pythons: NamedProcesses,
+    pub free_threaded: NamedProcesses,
     /// `--async-aware`.
     pub tasks: TaskTotals,
     /// Where the profile went, and the command that opens it (none for standard output, devices).
@@ -120,6 +121,7 @@ impl Summary {
             truncated: stats.truncated_samples,
             unresolved: totals.unresolved,
             unsupported_pythons: stats.unsupported_pythons.clone(),
+            free_threaded: stats.free_threaded.clone(),
             tasks: stats.tasks.clone(),
             output,
             open_command,
@@ -231,9 +233,20 @@ impl Summary {
             writeln!(f, "  ({:.3} s are in functions beyond the first {MAX_RUN_FUNCTIONS} and not listed)", self.uncounted as f64 / 1e9)?;
         }
         if !self.unsupported_pythons.is_empty() {
-            writeln!(f, "  native frames only (pyebpf reads CPython 3.8 to 3.15): {}", self.unsupported_pythons)?;
+            writeln!(f, "  native frames only (pyebpf reads CPython 3.8 to 3.15, and free-threaded 3.13): {}", self.unsupported_pythons)?;
         }
-        Ok(())
+        self.write_free_threaded(f)
+    }
+
+    fn write_free_threaded(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.free_threaded.is_empty() {
+            return Ok(());
+        }
+        if self.mode == Mode::Gil {
+            writeln!(f, "  no GIL in {}: --mode gil counted their time on CPU, as --mode cpu does", self.free_threaded)
+        } else {
+            writeln!(f, "  no GIL: {}", self.free_threaded)
+        }
     }
 
     /// How samples were placed in asyncio tasks, with `--async-aware`.

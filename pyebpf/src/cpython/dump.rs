@@ -26,6 +26,9 @@ struct ThreadDump {
     tid: u32,
     name: Option<String>,
     holds_gil: bool,
+    /// Its thread state is attached: it may run Python code now (in a free-threaded build, in
+    /// parallel with the other attached threads; with a GIL, attached is holding it or waiting).
+    attached: bool,
     /// The id of the thread state's interpreter (0: the main one).
     interpreter: i64,
     /// Where the thread has a state in several interpreters: set on the state it does not run in
@@ -90,14 +93,18 @@ pub fn run(args: DumpArgs) -> Result<()> {
 fn dump<M: ReadMemory>(process: &mut PyProcess<M>, json: bool, out: &mut impl Write) -> Result<()> {
     let pid = process.pid();
     let version = process.version().to_string();
+    let free_threaded = process.offsets().free_threaded;
     // Every thread state, so a thread in a subinterpreter also shows where it entered it.
     let threads = process.thread_states().with_context(|| format!("cannot list the threads of process {pid}"))?;
     let current = current_states(threads.clone());
     let several_interpreters = threads.iter().any(|thread| thread.interpreter != threads[0].interpreter);
     if json {
-        writeln!(out, "{{\n  \"pid\": {pid},\n  \"python\": {},\n  \"threads\": [", serde_json::to_string(&version)?)?;
+        let python = serde_json::to_string(&version)?;
+        writeln!(out, "{{\n  \"pid\": {pid},\n  \"python\": {python},\n  \"free_threaded\": {free_threaded},\n  \"threads\": [")?;
+    } else if free_threaded {
+        writeln!(out, "Process {pid}: {} (no GIL: attached threads run Python in parallel)", process.python_name())?;
     } else {
-        writeln!(out, "Process {pid}: CPython {version}")?;
+        writeln!(out, "Process {pid}: {}", process.python_name())?;
     }
     for (index, thread) in threads.iter().enumerate() {
         let mut dump = dump_thread(process, thread)?;
@@ -106,7 +113,7 @@ fn dump<M: ReadMemory>(process: &mut PyProcess<M>, json: bool, out: &mut impl Wr
             let separator = if index + 1 < threads.len() { "," } else { "" };
             writeln!(out, "{}{separator}", serde_json::to_string_pretty(&dump)?)?;
         } else {
-            print_traceback(&dump, several_interpreters, out)?;
+            print_traceback(&dump, Shown { several_interpreters, attached: free_threaded }, out)?;
         }
     }
     if json {
@@ -125,6 +132,7 @@ fn dump_thread<M: ReadMemory>(process: &mut PyProcess<M>, thread: &PyThread) -> 
         tid: thread.tid,
         name: process.thread_name(thread.tid),
         holds_gil: thread.holds_gil,
+        attached: thread.active,
         interpreter: thread.interpreter,
         parked: false,
         frames: Vec::new(),
@@ -177,12 +185,21 @@ fn thread_frames<M: ReadMemory>(process: &mut PyProcess<M>, current_frame: u64) 
     (frames, walk.truncated, None)
 }
 
-fn print_traceback(thread: &ThreadDump, several_interpreters: bool, out: &mut impl Write) -> io::Result<()> {
+/// What a traceback's heading says beyond the thread.
+#[derive(Clone, Copy)]
+struct Shown {
+    several_interpreters: bool,
+    /// Whether the thread is attached (free-threaded builds, where no GIL says who runs).
+    attached: bool,
+}
+
+fn print_traceback(thread: &ThreadDump, shown: Shown, out: &mut impl Write) -> io::Result<()> {
     let name = thread.name.as_deref().unwrap_or("?");
-    let interpreter = if several_interpreters { format!(" in interpreter {}", thread.interpreter) } else { String::new() };
+    let interpreter = if shown.several_interpreters { format!(" in interpreter {}", thread.interpreter) } else { String::new() };
     let gil = if thread.holds_gil { " [holds the GIL]" } else { "" };
+    let attached = if shown.attached && thread.attached { " [attached]" } else { "" };
     let parked = if thread.parked { " [parked: the thread runs in another interpreter]" } else { "" };
-    writeln!(out, "\nThread {} ({name}){interpreter}{gil}{parked}", thread.tid)?;
+    writeln!(out, "\nThread {} ({name}){interpreter}{gil}{attached}{parked}", thread.tid)?;
     writeln!(out, "Traceback (most recent call last):")?;
     if let Some(error) = &thread.error {
         writeln!(out, "  <older frames unreadable: {error}>")?;

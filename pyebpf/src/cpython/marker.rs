@@ -5,14 +5,14 @@
 //! Writing the marker is the only write pyebpf makes to another process, and it is made only where
 //! it cannot land on freed memory: into a thread state that lies inside `_PyRuntime` itself (the
 //! main interpreter's initial thread, static storage that lives as long as the image), of a
-//! CPython whose exact version was tested, after the debug-offsets cookie was read again in the
+//! CPython whose exact version and flavour were tested, after the debug-offsets cookie was read again in the
 //! same batch as the marker. Threads whose states live on the heap get no marker: a thread state is
 //! freed before its thread exits, so any list of them may already name freed memory.
 
 use super::memory::{ReadMemory, WriteMemory};
 use super::{PyError, PyProcess};
 
-/// Debug-offsets versions the marker write was tested against (3.15.2 final).
+/// Debug-offsets versions the marker write was tested against (3.15.2 final, GIL build).
 const MARKER_WRITE_VERSIONS: &[u64] = &[0x030f_02f0];
 
 const COOKIE: &[u8; 8] = b"xdebugpy";
@@ -30,7 +30,9 @@ impl<M: ReadMemory> PyProcess<M> {
     pub fn marker_writable(&self, tstate: u64) -> bool {
         let o = &self.offsets;
         let Some(frame_field) = o.tstate_last_profiled_frame else { return false };
+        // A free-threaded build shares the version number but not the marker's tested behaviour.
         MARKER_WRITE_VERSIONS.contains(&o.version.0)
+            && !o.free_threaded
             && tstate >= self.runtime
             && tstate.wrapping_add(frame_field).wrapping_add(8) <= self.runtime.wrapping_add(o.runtime_size)
             && tstate.checked_add(o.tstate_size).is_some()

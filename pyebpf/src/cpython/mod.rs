@@ -69,7 +69,9 @@ pub enum PyError {
     /// A version known only by its interpreter's file name (`MAJOR.MINOR`): before 3.11.
     #[error("CPython {0} is not supported (3.8 to 3.14 and 3.15.0b4 or later are)")]
     UnsupportedRelease(String),
-    #[error("free-threaded CPython {0} is not supported")]
+    /// 3.14t and later: a thread may run its own copy of a code object's bytecode, which pyebpf
+    /// does not read yet (3.13t is read).
+    #[error("free-threaded CPython {0} is not supported (free-threaded 3.13 is; from 3.14 threads run their own copies of the bytecode, which pyebpf does not read yet)")]
     FreeThreaded(PyVersion),
     #[error("implausible _Py_DebugOffsets: {0}")]
     BadOffsets(String),
@@ -318,6 +320,12 @@ impl<M: ReadMemory> PyProcess<M> {
 
     pub fn version(&self) -> PyVersion {
         self.offsets.version
+    }
+
+    /// The interpreter as users name it: `CPython 3.13.15`, `free-threaded CPython 3.13.15`.
+    pub fn python_name(&self) -> String {
+        let flavour = if self.offsets.free_threaded { "free-threaded " } else { "" };
+        format!("{flavour}CPython {}", self.offsets.version)
     }
 
     pub fn offsets(&self) -> &DebugOffsets {

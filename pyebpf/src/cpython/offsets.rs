@@ -29,6 +29,10 @@ pub fn narrow(offset: u64) -> u32 {
 
 /// `utf8_length` and `utf8`, which `PyCompactUnicodeObject` adds to `PyASCIIObject`.
 const COMPACT_UTF8_FIELDS: u64 = 16;
+/// Where `co_version` sits in `PyCodeObject` (`cpython/code.h`, 3.12 to 3.15): after
+/// `co_firstlineno` and five more `int`s, and right before the `co_localsplusnames` pointer.
+const CO_VERSION_AFTER_FIRSTLINENO: u64 = 24;
+const CO_VERSION_BEFORE_NAMES: u64 = 4;
 
 /// A CPython version as `PY_VERSION_HEX` encodes it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -89,6 +93,9 @@ pub(super) fn is_supported(version: PyVersion) -> bool {
 #[derive(Clone, Debug)]
 pub struct DebugOffsets {
     pub version: PyVersion,
+    /// A free-threaded build (PEP 703): no GIL, and a larger object header, which the table's
+    /// offsets already include.
+    pub free_threaded: bool,
     pub interpreters_head: u64,
     pub interp_size: u64,
     pub interp_id: u64,
@@ -266,10 +273,15 @@ pub fn read_debug_offsets(mem: &impl ReadMemory, runtime: u64) -> Result<DebugOf
     let table = Table(&raw);
     let version = PyVersion(table.at(1));
     let layout = layout_for(version).ok_or(PyError::UnsupportedVersion(version))?;
-    if table.at(layout.free_threaded) != 0 {
+    let free_threaded = table.at(layout.free_threaded) != 0;
+    if free_threaded && version.minor() >= 14 {
+        // From 3.14 a free-threaded thread may run its own copy of a code object's bytecode
+        // (`co_tlbc`): lines would be read against the wrong copy until that path is tested.
         return Err(PyError::FreeThreaded(version));
     }
-    decode(&Structures::check(table, layout)?, layout, version)
+    let mut offsets = decode(&Structures::check(table, layout)?, layout, version)?;
+    offsets.free_threaded = free_threaded;
+    Ok(offsets)
 }
 
 /// The table as read: 64-bit fields, the cookie the first.
@@ -352,12 +364,16 @@ impl<'r> Structures<'r> {
         field.checked_sub(gil).ok_or_else(|| PyError::BadOffsets(format!("GIL field {field} before the GIL at {gil}")))
     }
 
-    /// `co_version`, which is not in the table, checked to lie within the code object.
+    /// `co_version`, which is not in the table: the `u32` just before `co_localsplusnames`, and
+    /// the sixth `int` after `co_firstlineno`. Both must agree, so a build whose code object is
+    /// laid out otherwise is refused rather than read at a guessed place.
     fn code_identity(&self, l: &Layout) -> Result<CodeIdentity, PyError> {
-        if l.code_version + 4 > self.code.size {
-            return Err(PyError::BadOffsets(format!("co_version at {} beyond code size {}", l.code_version, self.code.size)));
+        let (names, first_line) = (self.code.field(l.code_localsplusnames)?, self.code.field(l.code_firstlineno)?);
+        let version = names.checked_sub(CO_VERSION_BEFORE_NAMES).unwrap_or(u64::MAX);
+        if version != first_line + CO_VERSION_AFTER_FIRSTLINENO {
+            return Err(PyError::BadOffsets(format!("co_version: co_localsplusnames at {names} and co_firstlineno at {first_line} disagree")));
         }
-        Ok(CodeIdentity::Version(l.code_version))
+        Ok(CodeIdentity::Version(version))
     }
 
     fn unicode_compact_size(&self, l: &Layout) -> Result<u64, PyError> {
@@ -372,6 +388,7 @@ impl<'r> Structures<'r> {
 fn decode(s: &Structures, l: &Layout, version: PyVersion) -> Result<DebugOffsets, PyError> {
     Ok(DebugOffsets {
         version,
+        free_threaded: false,
         interpreters_head: s.runtime.field(l.interpreters_head)?,
         interp_size: s.interp.size,
         interp_id: s.interp.field(l.interp_id)?,

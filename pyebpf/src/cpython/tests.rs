@@ -27,9 +27,10 @@ fn attach(version: &str) -> (Target, PyProcess) {
 
 /// Starts Debian's `python3.X -c CODE READY_FILE`, and attaches once CODE creates READY_FILE.
 fn attach_running(version: &str, code: &str) -> (Target, PyProcess) {
-    let prefix = pyebpf_tests::test_pythons();
-    let python = prefix.join(format!("usr/bin/python{version}"));
-    assert!(python.exists(), "test interpreter missing: {}", python.display());
+    let python = match version {
+        "3.13t" => pyebpf_tests::free_threaded_python(),
+        _ => pyebpf_tests::debian_python(version),
+    };
     let dir = tempfile::tempdir().unwrap();
     let ready = dir.path().join("ready");
     let target = Target(Command::new(&python).args(["-c", code]).arg(&ready).stdin(Stdio::null()).spawn().unwrap());
@@ -104,6 +105,33 @@ fn the_marker_is_written_only_into_the_static_main_thread_state_of_3_15() {
         assert!(!process.marker_writable(main.tstate));
         assert!(refused(process.set_last_profiled_frame(main.tstate, 0)), "a marker write to CPython {version} was not refused");
     }
+    // A free-threaded 3.15 would share the version number, not the behaviour the write was tested
+    // against.
+    let (target, mut process) = attach("3.15");
+    process.offsets.free_threaded = true;
+    let main = process.threads().unwrap().into_iter().find(|t| t.tid == target.0.id()).unwrap();
+    assert!(!process.marker_writable(main.tstate));
+}
+
+/// Free-threaded 3.13 (a larger object header): every offset from its own table, `co_version`
+/// where its code objects keep it, no GIL holder, and frames that decode to its functions.
+#[test]
+fn free_threaded_3_13_is_read_with_its_own_layout() {
+    let code = "import sys, threading\nhold = threading.Event()\ndef parked_here():\n    open(sys.argv[1], 'w').close()\n    hold.wait()\nparked_here()";
+    let (target, mut process) = attach_running("3.13t", code);
+    let o = process.offsets().clone();
+    assert!(o.free_threaded);
+    assert_eq!(process.python_name(), format!("free-threaded CPython {}", o.version));
+    // `ob_tid`, flags, mutex, GC bits and the local and shared counts come before the type.
+    assert_eq!(o.object_type, 24);
+    assert_eq!(o.code_identity, super::offsets::CodeIdentity::Version(108));
+    let main = process.threads().unwrap().into_iter().find(|t| t.tid == target.0.id()).unwrap();
+    assert!(!main.holds_gil && !main.active, "a thread blocked in wait() is detached, and no thread holds a GIL");
+    let walk = process.walk_frames(main.current_frame).unwrap();
+    let names: Vec<String> = walk.links.iter().filter_map(|link| process.frame_info(link).unwrap()).map(|f| f.frame.qualname.to_string()).collect();
+    assert!(names.iter().any(|name| name == "parked_here") && names.last().is_some_and(|name| name == "<module>"), "{names:?}");
+    let version = process.code_version(walk.links[walk.links.len() - 1].code).unwrap();
+    assert_ne!(version, 0, "co_version read from the wrong place");
 }
 
 #[test]

@@ -32,7 +32,8 @@ pub struct PyThread {
     pub holds_gil: bool,
     /// The id of its interpreter (0: the main interpreter).
     pub interpreter: i64,
-    /// Attached to its thread now: the thread runs in this thread state's interpreter.
+    /// Attached to its thread now: the thread runs in this thread state's interpreter (in a
+    /// free-threaded build, attached is what lets a thread run Python code in parallel).
     pub active: bool,
 }
 
@@ -152,6 +153,10 @@ impl<M: ReadMemory> PyProcess<M> {
     /// after a release, so it counts only while `locked` is set. Before 3.12 the runtime clears its pointer to the
     /// holder on release.
     fn gil_holder(&self, interp: u64) -> Result<Option<u64>, PyError> {
+        if self.offsets.free_threaded {
+            // The structure is there, but nothing takes it: whatever `last_holder` says is stale.
+            return Ok(None);
+        }
         if let Some(holder) = self.offsets.runtime_gil_holder {
             let holder = self.mem.read_u64(self.runtime.wrapping_add(holder))?;
             return Ok((holder != 0).then_some(holder));

@@ -174,15 +174,23 @@ impl<M: Memory> Pythons<M> {
         self.processes.contains_key(&pid)
     }
 
+    /// Whether `pid` is a free-threaded CPython attached to: it has no GIL to hold.
+    pub fn is_free_threaded(&self, pid: u32) -> bool {
+        self.processes.get(&pid).is_some_and(|process| process.resolver.py.offsets().free_threaded)
+    }
+
     /// Keeps a process attached to (not registered yet).
     fn insert(&mut self, py: PyProcess<M>, stats: &mut Stats) {
         let pid = py.pid();
         self.others.remove(&pid);
         stats.python_processes += 1;
+        if py.offsets().free_threaded {
+            stats.free_threaded.add(format!("{} (pid {pid})", py.python_name()));
+        }
         let tasks = match (self.options.async_aware, &py.offsets().objects) {
             (false, _) => Tasks::Off,
             (true, None) => {
-                self.unreadable_tasks.add(format!("CPython {} (pid {pid})", py.version()));
+                self.unreadable_tasks.add(format!("{} (pid {pid})", py.python_name()));
                 Tasks::Off
             }
             (true, Some(_)) => Tasks::Pending { interpreter_searched: false },

@@ -53,7 +53,7 @@ impl Tasks {
         };
         let (Some(bpf), Some(objects)) = (asyncio::bpf_config(&table, py.offsets()), py.offsets().objects.clone()) else {
             *self = Tasks::Off;
-            return Err(format!("CPython {} (pid {pid})", py.version()));
+            return Err(format!("{} (pid {pid})", py.python_name()));
         };
         config.asyncio = bpf;
         config.flags |= py_proc_flags::TASKS;

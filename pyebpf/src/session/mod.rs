@@ -178,12 +178,13 @@ impl Session {
     }
 
     /// Whether the mode counts this record: off-CPU mode only intervals, GIL mode only samples
-    /// of threads holding the GIL.
+    /// of threads holding the GIL (of a free-threaded process, which has none, every sample on
+    /// CPU, as CPU mode counts them).
     fn counts(&self, record: &SampleRecord) -> bool {
         match self.options.mode {
             Mode::Cpu | Mode::Wall => true,
             Mode::OffCpu => record.origin == origin::OFF_CPU,
-            Mode::Gil => record.origin == origin::ON_CPU && record.py.status & py_status::HOLDS_GIL != 0,
+            Mode::Gil => record.origin == origin::ON_CPU && (record.py.status & py_status::HOLDS_GIL != 0 || self.python.is_free_threaded(record.tgid)),
         }
     }
 

@@ -23,6 +23,7 @@ fn offsets_frame_objects(version: PyVersion, minor: u64) -> DebugOffsets {
     let v3_10 = minor == 10;
     DebugOffsets {
         version,
+        free_threaded: false,
         interpreters_head: 32,
         interp_size: [2720, 5656, 113_528][minor as usize - 8],
         interp_id: if v3_8 { 16 } else { 24 },
@@ -85,6 +86,7 @@ fn offsets_frame_objects(version: PyVersion, minor: u64) -> DebugOffsets {
 fn offsets_3_11(version: PyVersion) -> DebugOffsets {
     DebugOffsets {
         version,
+        free_threaded: false,
         interpreters_head: 40,
         interp_size: 107_752,
         interp_id: 48,
@@ -143,6 +145,7 @@ fn offsets_3_11(version: PyVersion) -> DebugOffsets {
 fn offsets_3_12(version: PyVersion) -> DebugOffsets {
     DebugOffsets {
         version,
+        free_threaded: false,
         interpreters_head: 40,
         interp_size: 383_552,
         interp_id: 8,

@@ -37,6 +37,9 @@ pub(super) struct Layout {
     pub(super) code_qualname: usize,
     pub(super) code_linetable: usize,
     pub(super) code_firstlineno: usize,
+    /// `co_localsplusnames`, the pointer that follows `co_version` in `PyCodeObject` (every
+    /// version with a table, both flavours): `co_version` itself is not in the table.
+    pub(super) code_localsplusnames: usize,
     pub(super) code_adaptive: usize,
     pub(super) object_size: usize,
     pub(super) object_type: usize,
@@ -56,9 +59,6 @@ pub(super) struct Layout {
     pub(super) entry_owner_min: u8,
     /// Tag bits of `f_executable` (a `_PyStackRef` since 3.14).
     pub(super) executable_tag_mask: u64,
-    /// Byte offset of `co_version` in `PyCodeObject`. Not in the debug table: taken from the
-    /// version's `cpython/code.h` (default builds) and checked against real interpreters.
-    pub(super) code_version: u64,
     /// What reading asyncio tasks needs (3.14+).
     pub(super) objects: Option<ObjectLayout>,
 }
@@ -116,6 +116,7 @@ pub(super) const LAYOUT_3_13: Layout = Layout {
     code_qualname: 37,
     code_linetable: 38,
     code_firstlineno: 39,
+    code_localsplusnames: 41,
     code_adaptive: 43,
     object_size: 44,
     object_type: 45,
@@ -131,7 +132,6 @@ pub(super) const LAYOUT_3_13: Layout = Layout {
     unicode_compact_size: None,
     entry_owner_min: 3,
     executable_tag_mask: 0,
-    code_version: 92,
     objects: None,
 };
 
@@ -165,6 +165,7 @@ pub(super) const LAYOUT_3_14: Layout = Layout {
     code_qualname: 42,
     code_linetable: 43,
     code_firstlineno: 44,
+    code_localsplusnames: 46,
     code_adaptive: 48,
     object_size: 50,
     object_type: 51,
@@ -180,7 +181,6 @@ pub(super) const LAYOUT_3_14: Layout = Layout {
     unicode_compact_size: None,
     entry_owner_min: 3,
     executable_tag_mask: 3,
-    code_version: 92,
     objects: Some(ObjectLayout {
         frame_stackpointer: 37,
         type_flags: 55,
@@ -231,6 +231,7 @@ pub(super) const LAYOUT_3_15: Layout = Layout {
     code_qualname: 50,
     code_linetable: 51,
     code_firstlineno: 52,
+    code_localsplusnames: 54,
     code_adaptive: 56,
     object_size: 58,
     object_type: 59,
@@ -246,7 +247,6 @@ pub(super) const LAYOUT_3_15: Layout = Layout {
     unicode_compact_size: Some(93),
     entry_owner_min: 3,
     executable_tag_mask: 3,
-    code_version: 92,
     objects: Some(ObjectLayout {
         frame_stackpointer: 45,
         type_flags: 63,

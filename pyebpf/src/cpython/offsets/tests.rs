@@ -31,6 +31,9 @@ fn table(layout: &Layout, version: u64) -> Vec<u64> {
     fields[layout.interp_gil] = 64;
     fields[layout.gil_locked] = 72;
     fields[layout.gil_holder] = 80;
+    // As in every GIL build: `co_version` at 92.
+    fields[layout.code_firstlineno] = 68;
+    fields[layout.code_localsplusnames] = 96;
     fields
 }
 
@@ -70,7 +73,10 @@ fn each_offset_is_read_from_the_field_of_its_name() {
         if let Some(o) = &l.objects {
             fields[o.llist_next] = 8;
         }
+        fields[l.code_firstlineno] = l.code_firstlineno as u64;
+        fields[l.code_localsplusnames] = l.code_firstlineno as u64 + 28;
         let read = read(&fields).unwrap();
+        assert_eq!(read.code_identity, CodeIdentity::Version(l.code_firstlineno as u64 + 24));
         assert_ne!(read.interp_id, read.interp_next, "two fields, two values");
         #[rustfmt::skip]
         assert_read_by_name!(read, l, [
@@ -121,13 +127,33 @@ fn refuses_unknown_versions_and_free_threading() {
     assert!(matches!(read(&table(&LAYOUT_3_15, 0x031000f0)), Err(PyError::UnsupportedVersion(_))));
     let mut free_threaded = table(&LAYOUT_3_14, 0x030e00f0);
     free_threaded[LAYOUT_3_14.free_threaded] = 1;
-    assert!(matches!(read(&free_threaded), Err(PyError::FreeThreaded(_))));
+    assert!(matches!(read(&free_threaded), Err(PyError::FreeThreaded(_))), "3.14t's thread-local bytecode is not read");
     let mut bad_link = table(&LAYOUT_3_14, 0x030e00f0);
     bad_link[LAYOUT_3_14.objects.as_ref().unwrap().llist_next] = 12;
     assert!(matches!(read(&bad_link), Err(PyError::BadOffsets(_))), "a list link inside no two-pointer node");
     let mut no_cookie = table(&LAYOUT_3_14, 0x030e00f0);
     no_cookie[0] = 0;
     assert!(matches!(read(&no_cookie), Err(PyError::NoDebugOffsets)));
+}
+
+/// 3.13t: its own offsets (a larger object header) come from its table; `co_version` from them.
+#[test]
+fn reads_free_threaded_3_13_from_its_own_table() {
+    let mut fields = table(&LAYOUT_3_13, 0x030d0ff0);
+    assert!(!read(&fields).unwrap().free_threaded);
+    fields[LAYOUT_3_13.free_threaded] = 1;
+    fields[LAYOUT_3_13.code_firstlineno] = 84;
+    fields[LAYOUT_3_13.code_localsplusnames] = 112;
+    let offsets = read(&fields).unwrap();
+    assert!(offsets.free_threaded);
+    assert_eq!(offsets.code_identity, CodeIdentity::Version(108));
+}
+
+#[test]
+fn refuses_a_code_object_whose_co_version_the_table_does_not_place() {
+    let mut fields = table(&LAYOUT_3_15, 0x030f02f0);
+    fields[LAYOUT_3_15.code_localsplusnames] = 104;
+    assert!(matches!(read(&fields), Err(PyError::BadOffsets(_))));
 }
 
 #[test]
