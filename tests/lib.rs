@@ -132,6 +132,14 @@ pub fn debian_python(version: &str) -> PathBuf {
     path
 }
 
+/// The free-threaded CPython 3.13 (`python3.13t`, GIL disabled) that `cargo xtask test` builds
+/// from Debian's source package (`PYEBPF_FREE_THREADED`).
+pub fn free_threaded_python() -> PathBuf {
+    let path = PathBuf::from(xtask_env("PYEBPF_FREE_THREADED"));
+    assert!(path.exists(), "the free-threaded test interpreter is missing at {} (cargo xtask setup builds it)", path.display());
+    path
+}
+
 /// Debian 12's own `python3.11` (3.11.2, stripped, libpython linked into the executable), which
 /// `cargo xtask test` installs where it is missing.
 pub fn system_python_3_11() -> PathBuf {

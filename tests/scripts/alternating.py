@@ -2,20 +2,24 @@
 b_leaf, each leaf spinning for SLICE_MS, once each per round in a random order. A stack holding an
 a_* and a b_* frame never happened, and each path gets half of the time.
 
-Usage: python alternating.py READY_FILE SLICE_MS. Stops after 120 s."""
+Usage: python alternating.py READY_FILE SLICE_MS [THREADS]. Stops after 120 s. With THREADS, that
+many threads alternate at once, each with its own coin (on a free-threaded build, in parallel).
+"""
 import random
 import sys
+import threading
 import time
 
 SLICE = float(sys.argv[2]) / 1000.0
+THREADS = int(sys.argv[3]) if len(sys.argv) > 3 else 1
 # Slices vary by up to 20% either way, alike for both paths, and each round runs the two paths in
 # a random order: the loop cannot stay in step with the sampling period (which would favour one
 # path), and samples a round apart see independent paths. Each round gives both paths one slice.
-jitter = random.Random(7)
+coins = threading.local()
 
 
 def spin():
-    end = time.perf_counter() + SLICE * jitter.uniform(0.8, 1.2)
+    end = time.perf_counter() + SLICE * coins.jitter.uniform(0.8, 1.2)
     while time.perf_counter() < end:
         pass
 
@@ -44,17 +48,25 @@ def b_outer():
     b_mid()
 
 
-def main():
-    with open(sys.argv[1], "w") as ready:
-        ready.write("ready\n")
+def alternate(seed):
+    coins.jitter = random.Random(seed)
     stop = time.monotonic() + 120
     while time.monotonic() < stop:
-        if jitter.random() < 0.5:
+        if coins.jitter.random() < 0.5:
             a_outer()
             b_outer()
         else:
             b_outer()
             a_outer()
+
+
+def main():
+    workers = [threading.Thread(target=alternate, args=(7 + i,)) for i in range(1, THREADS)]
+    for worker in workers:
+        worker.start()
+    with open(sys.argv[1], "w") as ready:
+        ready.write("ready\n")
+    alternate(7)
 
 
 main()

@@ -1,7 +1,9 @@
 """Holds a known set of thread stacks and writes its own view of them (sys._current_frames) as JSON.
 
-Usage: python dump_state.py VIEW_FILE. Every thread, the main one too, is parked before the view is
-taken and stays so until the process is killed; the reporting thread ends right after writing it."""
+Usage: python dump_state.py VIEW_FILE [SPINNERS]. Every thread, the main one too, is parked before the
+view is taken and stays so until the process is killed; the reporting thread ends right after writing
+it. With SPINNERS, that many more threads spin in `spinning` all along (in parallel on a
+free-threaded build); their native ids go to VIEW_FILE.spinning, as they have no fixed line."""
 import json
 import os
 import sys
@@ -73,6 +75,16 @@ for t in threads:
     t.start()
 
 
+def spinning():
+    while True:
+        pass
+
+
+spinners = [threading.Thread(target=spinning, daemon=True) for _ in range(int(sys.argv[2]) if len(sys.argv) > 2 else 0)]
+for t in spinners:
+    t.start()
+
+
 def report():
     while len(started) < len(threads) + 1:
         threading.Event().wait(0.01)
@@ -81,8 +93,9 @@ def report():
     me = threading.get_ident()
     natives = {t.ident: t.native_id for t in threading.enumerate()}
     view = {}
+    spinning_ids = {t.ident for t in spinners}
     for ident, frame in sys._current_frames().items():
-        if ident == me:
+        if ident == me or ident in spinning_ids:
             continue
         frames = []
         while frame is not None:
@@ -101,6 +114,8 @@ def report():
             })
             frame = frame.f_back
         view[str(natives[ident])] = frames
+    with open(sys.argv[1] + ".spinning", "w") as out:
+        json.dump([t.native_id for t in spinners], out)
     with open(sys.argv[1] + ".tmp", "w") as out:
         json.dump(view, out)
     os.rename(sys.argv[1] + ".tmp", sys.argv[1])

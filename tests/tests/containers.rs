@@ -72,6 +72,16 @@ fn a_contained_3_11_gets_python_frames_under_a() {
     check_python_share(&["-a"], python);
 }
 
+/// Free-threaded 3.13, two threads alternating in parallel inside the namespaces.
+#[test]
+fn a_contained_free_threaded_python_gets_python_frames_under_p_and_a() {
+    let dir = tempfile::tempdir().unwrap();
+    let prefix = pyebpf_tests::free_threaded_python().parent().unwrap().parent().unwrap().to_path_buf();
+    let (_child, python) = start_contained_python(dir.path(), &prefix, "bin/python3.13t");
+    check_python_share(&["-p", &python.to_string()], python);
+    check_python_share(&["-a"], python);
+}
+
 /// pprof labels a contained process with its host PID, its PID inside the namespace and its
 /// cgroup path (read independently here from /proc/PID/cgroup); `go tool pprof` reads them.
 #[test]

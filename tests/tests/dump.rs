@@ -4,7 +4,9 @@ use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
-use pyebpf_tests::{assert_one_line_error, debian_python, pyebpf_command, pyenv_python, script, start_ready, system_python_3_11, wait_for_file, Killed};
+use pyebpf_tests::{
+    assert_one_line_error, debian_python, free_threaded_python, pyebpf_command, pyenv_python, script, start_ready, system_python_3_11, wait_for_file, Killed,
+};
 use serde_json::Value;
 
 fn dump(pid: u32, json: bool) -> Output {
@@ -22,9 +24,15 @@ fn qualified(python: &Path) -> bool {
 }
 
 fn check_dump_matches_the_interpreter(python: &Path) {
+    check_dump_beside_spinners(python, 0);
+}
+
+/// [`check_dump_matches_the_interpreter`] while `spinners` more threads run Python all along:
+/// theirs are shown with their functions (they have no fixed line), the others' exactly.
+fn check_dump_beside_spinners(python: &Path, spinners: usize) {
     let dir = tempfile::tempdir().unwrap();
     let view_file = dir.path().join("view.json");
-    let child = Killed(Command::new(python).arg(script("dump_state.py")).arg(&view_file).stdin(Stdio::null()).spawn().unwrap());
+    let child = Killed(Command::new(python).arg(script("dump_state.py")).arg(&view_file).arg(spinners.to_string()).stdin(Stdio::null()).spawn().unwrap());
     wait_for_file(&view_file, &format!("dump_state.py under {}", python.display()));
     // The reporting thread exits right after writing the view.
     std::thread::sleep(Duration::from_millis(300));
@@ -34,15 +42,29 @@ fn check_dump_matches_the_interpreter(python: &Path) {
     let dumped: Value = serde_json::from_slice(&output.stdout).unwrap();
     let threads = dumped["threads"].as_array().unwrap();
     let view = view.as_object().unwrap();
-    assert_eq!(threads.len(), view.len(), "threads: dump {dumped:#} vs view {view:#?}");
+    let spinning: Vec<Value> = serde_json::from_str(&std::fs::read_to_string(view_file.with_extension("json.spinning")).unwrap()).unwrap();
+    assert_eq!(spinning.len(), spinners);
+    assert_eq!(threads.len(), view.len() + spinners, "threads: dump {dumped:#} vs view {view:#?} and {spinners} spinning");
     for thread in threads {
         let tid = thread["tid"].to_string();
+        if spinning.contains(&thread["tid"]) {
+            let names: Vec<&str> = thread["frames"].as_array().unwrap().iter().filter_map(|f| f["qualname"].as_str()).collect();
+            assert_eq!(names, ["spinning", "Thread.run", "Thread._bootstrap_inner", "Thread._bootstrap"], "spinning thread {tid}");
+            assert_eq!(thread["attached"], true, "a thread running Python is attached: {thread:#}");
+            continue;
+        }
         let expected = view.get(&tid).unwrap_or_else(|| panic!("dump lists thread {tid} that the interpreter does not"));
         assert_eq!(&thread["frames"], expected, "thread {tid} of {}", python.display());
     }
     let deepest = threads.iter().map(|t| t["frames"].as_array().unwrap().len()).max().unwrap();
     assert!(deepest > 600, "the 600-deep thread is missing ({deepest} frames at most)");
     let text = String::from_utf8_lossy(&dump(child.0.id(), false).stdout).into_owned();
+    if spinners > 0 {
+        assert_eq!(dumped["free_threaded"], true, "{dumped:#}");
+        assert!(threads.iter().all(|t| t["holds_gil"] == false), "a GIL holder where there is no GIL: {dumped:#}");
+        assert!(text.starts_with(&format!("Process {}: free-threaded CPython 3.13", child.0.id())), "{text}");
+        assert!(text.matches("[attached]").count() >= spinners, "{text}");
+    }
     let (inner, init) = if qualified(python) { ("in Outer.method.<locals>.inner", "in Constructed.__init__") } else { ("in inner", "in __init__") };
     for expected in [inner, "in größe_straße", "in 関数_名前", "in 𠀀𠀁", "in <lambda>", "File \"<exec-built>\", line 2, in built_by_exec", init] {
         assert!(text.contains(expected), "traceback output lacks `{expected}`:\n{text}");
@@ -93,6 +115,14 @@ fn dump_matches_debian_3_13() {
 #[test]
 fn dump_matches_debian_3_14() {
     check_dump_matches_the_interpreter(&debian_python("3.14"));
+}
+
+/// Free-threaded: every thread as the interpreter sees it while two more run Python in parallel,
+/// each attached thread marked, and no GIL holder.
+#[test]
+fn dump_matches_free_threaded_3_13_beside_running_threads() {
+    let python = free_threaded_python();
+    check_dump_beside_spinners(&python, 2);
 }
 
 #[test]

@@ -120,13 +120,23 @@ fn exec_into_python_3_15() {
 /// shows its function, resolved before its state was dropped at its exit.
 #[test]
 fn short_lived_pythons_all_keep_their_functions() {
+    check_short_lived(&debian_python("3.14"));
+}
+
+/// The same churn of free-threaded 3.13 processes: each read with its own build's layout.
+#[test]
+fn short_lived_free_threaded_pythons_all_keep_their_functions() {
+    check_short_lived(&pyebpf_tests::free_threaded_python());
+}
+
+fn check_short_lived(python: &Path) {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("profile.folded");
     let recording = start_recording(&out, &["-a", "-F", "499"]);
     let mut pids = Vec::new();
     for i in 0..30 {
         let script = spinner(dir.path(), &format!("short{i}"), &format!("short_lived_{i}"), 0.3);
-        let mut child = Command::new(debian_python("3.14")).arg(&script).spawn().unwrap();
+        let mut child = Command::new(python).arg(&script).spawn().unwrap();
         pids.push(child.id());
         assert!(child.wait().unwrap().success());
     }
@@ -137,7 +147,7 @@ fn short_lived_pythons_all_keep_their_functions() {
             !stacks.iter().any(|(frames, _)| has_frame(frames, &format!("short_lived_{i}")))
         })
         .collect();
-    assert!(missing.is_empty(), "processes without their function: {missing:?}\n{stderr}");
+    assert!(missing.is_empty(), "{}: processes without their function: {missing:?}\n{stderr}", python.display());
 }
 
 /// `record -p SHELL --subprocesses` follows Pythons the shell starts after pyebpf attached.

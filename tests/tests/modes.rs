@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::process::Command;
 use std::time::Duration;
 
-use pyebpf_tests::{debian_python, pyebpf, pyenv_python, record_collapsed as record, stacks_of, start_ready, Killed, Stack};
+use pyebpf_tests::{debian_python, free_threaded_python, pyebpf, pyenv_python, record_collapsed as record, stacks_of, start_ready, Killed, Stack};
 
 /// A waits.py workload with its threads' ids by name; killed when dropped.
 struct Workload {
@@ -98,7 +98,17 @@ fn assert_split_as_measured(serve: &[Stack], serve_total: u64, true_wait: f64, c
 
 #[test]
 fn wall_mode_splits_a_thread_between_its_sleep_and_its_work_and_counts_a_lock_waiter_throughout() {
-    let workload = Workload::start(&debian_python("3.15"), &[]);
+    check_wall_split(&debian_python("3.15"));
+}
+
+/// The same on a free-threaded build, where waiting detaches the thread rather than releasing a GIL.
+#[test]
+fn wall_mode_splits_a_free_threaded_thread_and_counts_its_lock_waiter() {
+    check_wall_split(&free_threaded_python());
+}
+
+fn check_wall_split(python: &std::path::Path) {
+    let workload = Workload::start(python, &[]);
     let before = workload.truth();
     let (collapsed, stderr) = record(&["-p", &workload.pid(), "--mode", "wall", "-F", "199", "-d", "4", "--threads"]);
     let after = workload.truth();
@@ -147,7 +157,16 @@ fn wall_mode_counts_waits_shorter_than_off_cpu_min() {
 
 #[test]
 fn off_cpu_mode_has_only_the_waits() {
-    let workload = Workload::start(&debian_python("3.15"), &[]);
+    check_off_cpu_waits(&debian_python("3.15"));
+}
+
+#[test]
+fn off_cpu_mode_has_only_the_waits_free_threaded() {
+    check_off_cpu_waits(&free_threaded_python());
+}
+
+fn check_off_cpu_waits(python: &std::path::Path) {
+    let workload = Workload::start(python, &[]);
     let (collapsed, stderr) = record(&["-p", &workload.pid(), "--mode", "off-cpu", "-F", "199", "-d", "3", "--threads"]);
     let stacks = stacks_of(&collapsed, workload.child.pid());
     let serve = workload.thread(&stacks, "serve");

@@ -5,7 +5,10 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use pyebpf_tests::{count_where, debian_python, pyebpf, pyenv_python, record_collapsed as record, stacks_of, start_ready, system_python_3_11, total, Killed};
+use pyebpf_tests::{
+    count_where, debian_python, free_threaded_python, pyebpf, pyenv_python, record_collapsed as record, stacks_of, start_ready, system_python_3_11, total,
+    Killed,
+};
 
 /// The interpreters under test: (label, path).
 fn interpreters() -> Vec<(&'static str, PathBuf)> {
@@ -20,6 +23,8 @@ fn interpreters() -> Vec<(&'static str, PathBuf)> {
         ("debian-3.13", debian_python("3.13")),
         ("debian-3.14", debian_python("3.14")),
         ("debian-3.15", debian_python("3.15")),
+        // Beside pyenv's and Debian's 3.13 GIL builds: one recording reads both flavours.
+        ("free-threaded-3.13", free_threaded_python()),
     ]
 }
 
@@ -115,6 +120,11 @@ fn proportions_debian_3_13() {
 #[test]
 fn proportions_debian_3_14() {
     check_proportions("debian-3.14");
+}
+
+#[test]
+fn proportions_free_threaded_3_13() {
+    check_proportions("free-threaded-3.13");
 }
 
 #[test]
@@ -214,6 +224,11 @@ fn native_hashing_frames_sit_under_their_python_caller_on_3_15() {
     assert!(in_caller * 100 >= all * 95, "{in_caller} of {all} samples inside hash_caller:\n{python_only}");
 }
 
+#[test]
+fn depth_400_free_threaded_3_13() {
+    check_depth("free-threaded-3.13");
+}
+
 /// A number from the `--stats` line starting with `label`: the `index`-th number on it.
 fn stat(stderr: &str, label: &str, index: usize) -> f64 {
     let line = stderr.lines().find(|l| l.trim_start().starts_with(label)).unwrap_or_else(|| panic!("no `{label}` in --stats:\n{stderr}"));
@@ -257,6 +272,11 @@ fn check_no_remote_frame_reads(label: &str) {
 }
 
 #[test]
+fn kernel_walks_whole_chains_on_free_threaded_3_13() {
+    check_no_remote_frame_reads("free-threaded-3.13");
+}
+
+#[test]
 fn kernel_walks_whole_chains_on_3_14() {
     check_no_remote_frame_reads("debian-3.14");
 }
@@ -270,7 +290,8 @@ fn kernel_walks_whole_chains_on_3_13() {
 fn one_recording_covers_every_version() {
     let workloads: Vec<(&str, Workload)> =
         interpreters().into_iter().map(|(label, path)| (label, Workload::start(&path, "sampling_deep.py", &["30"]))).collect();
-    let (collapsed, _) = record(&["-a", "-F", "99", "-d", "4"]);
+    // Eleven spinners share two CPUs: 6 s gives each about 100 samples.
+    let (collapsed, _) = record(&["-a", "-F", "99", "-d", "6"]);
     let mut expected = vec!["<module>"];
     expected.extend(std::iter::repeat_n("recurse", 30));
     for (label, workload) in &workloads {

@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use pyebpf_tests::{debian_python, pyebpf_command, pyenv_python, stacks_of, start_ready, system_python_3_11, total, Stack};
+use pyebpf_tests::{debian_python, free_threaded_python, pyebpf_command, pyenv_python, stacks_of, start_ready, system_python_3_11, total, Stack};
 
 fn python(label: &str) -> PathBuf {
     match label {
@@ -13,6 +13,7 @@ fn python(label: &str) -> PathBuf {
         "system-3.11" => system_python_3_11(),
         "pyenv-3.12.1" => pyenv_python("3.12.1"),
         "pyenv-3.13.0" => pyenv_python("3.13.0"),
+        "free-threaded-3.13" => free_threaded_python(),
         debian => debian_python(debian.trim_start_matches("debian-")),
     }
 }
@@ -65,7 +66,12 @@ fn path_counts(stacks: &[Stack]) -> PathCounts {
 /// Records the alternating two-path workload and checks no stack mixes the paths, each path has
 /// half of the samples within 3 points, and (with `stalled`) that nothing was lost.
 fn check_alternating(label: &str, slice_ms: &str, env: &[(&str, &str)]) {
-    let (child, _dir) = start_ready(&python(label), "alternating.py", &[slice_ms]);
+    check_alternating_threads(label, slice_ms, 1, env);
+}
+
+/// [`check_alternating`] with `threads` threads alternating at once.
+fn check_alternating_threads(label: &str, slice_ms: &str, threads: u32, env: &[(&str, &str)]) {
+    let (child, _dir) = start_ready(&python(label), "alternating.py", &[slice_ms, &threads.to_string()]);
     std::thread::sleep(Duration::from_millis(200));
     let pid = child.pid().to_string();
     // Each sample sees an independent coin (the round's order), so the share's spread is binomial:
@@ -73,7 +79,8 @@ fn check_alternating(label: &str, slice_ms: &str, env: &[(&str, &str)]) {
     // (at 499 Hz it was under 4, and CI once drew 46.7% on a run without any mixed stack).
     let (collapsed, stderr) = record_with_env(&["-p", &pid, "-F", "999", "-d", "8", "--no-native"], env);
     let c = path_counts(&stacks_of(&collapsed, child.pid()));
-    let context = format!("{label}, {slice_ms} ms slices, env {env:?}: a {} b {} mixed {} truncated {} of {}", c.a, c.b, c.mixed, c.truncated, c.all);
+    let context =
+        format!("{label}, {slice_ms} ms slices, {threads} threads, env {env:?}: a {} b {} mixed {} truncated {} of {}", c.a, c.b, c.mixed, c.truncated, c.all);
     assert!(c.all >= 4000, "{context}: too few samples");
     assert_eq!(c.mixed, 0, "{context}: stacks that never happened");
     assert!(c.truncated * 100 <= c.all, "{context}: more than 1% truncated");
@@ -131,6 +138,14 @@ fn alternating_callers_debian_3_14() {
 }
 
 /// Also slices between, and with a stalled consumer (as 3.11.7).
+/// Free-threaded: frames and code objects as the build lays them out, and two threads running
+/// their paths in parallel on two CPUs, each stack still one thread's truth.
+#[test]
+fn alternating_callers_free_threaded_3_13() {
+    check_alternating_slices("free-threaded-3.13");
+    check_alternating_threads("free-threaded-3.13", "0.5", 2, &[]);
+}
+
 #[test]
 fn alternating_callers_debian_3_15() {
     check_alternating_slices("debian-3.15");
@@ -180,6 +195,11 @@ fn exec_and_free_names_pyenv_3_11_7() {
 #[test]
 fn exec_and_free_names_pyenv_3_12_1() {
     check_exec_and_free("pyenv-3.12.1");
+}
+
+#[test]
+fn exec_and_free_names_free_threaded_3_13() {
+    check_exec_and_free("free-threaded-3.13");
 }
 
 #[test]

@@ -132,6 +132,20 @@ fn top_shows_the_hot_python_function_and_q_restores_the_terminal() {
     assert_restored(&tmux, &modes, "0");
 }
 
+/// `top` on a free-threaded process: its hot function shows with its file and line.
+#[test]
+fn top_shows_the_hot_function_of_a_free_threaded_python() {
+    let (python, _ready) = start_ready(&pyebpf_tests::free_threaded_python(), "own_time.py", &[]);
+    let dir = tempfile::tempdir().unwrap();
+    let modes = dir.path().join("modes");
+    let tmux = Tmux::start(&top_script(&format!("-p {}", python.pid()), &modes), 160, 45);
+    let screen = wait_for_hot_function(&tmux, Instant::now(), "sixty_percent");
+    let row = screen.lines().find(|line| line.contains("sixty_percent")).unwrap();
+    assert!(row.contains("own_time.py:") && row.contains(&format!("python3.13t {}", python.pid())), "row lacks file:line or process: {row}");
+    tmux.run(&["send-keys", "q"]);
+    assert_restored(&tmux, &modes, "0");
+}
+
 /// `top --async-aware`: the running task and the task awaiting it are rows of their own, beside
 /// the functions, with a total share like a function's (busy-1 runs all the time, under parent).
 #[test]

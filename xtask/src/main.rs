@@ -3,6 +3,7 @@
 
 mod bench;
 mod dist;
+mod free_threaded;
 mod house;
 mod pythons;
 mod toolchain;
@@ -46,7 +47,8 @@ enum Task {
     /// Build what is shipped into dist/: a static binary, a Python wheel and a Debian package
     Dist,
     /// Install what the tests need on a fresh machine, if missing: Debian packages, rustup
-    /// components, the eBPF toolchain and the test CPythons (`cargo xtask test` does this first)
+    /// components, the eBPF toolchain, the test CPythons and a free-threaded CPython 3.13 built
+    /// from Debian's sources (`cargo xtask test` does this first)
     Setup,
     /// Install test dependencies (as `setup`), build, and run every test (unit, fuzz, end-to-end, dist)
     Test {
@@ -104,9 +106,16 @@ fn build(root: &Path, release: bool) -> Result<PathBuf> {
     Ok(root.join("target").join(if release { "release" } else { "debug" }).join("pyebpf"))
 }
 
-/// Installs what the tests need and is missing (quick when nothing is); returns the test
-/// CPythons' folder.
-fn setup(root: &Path) -> Result<PathBuf> {
+/// What the tests run against, as `setup` left it.
+struct TestInputs {
+    /// The Debian test CPythons' folder.
+    pythons: PathBuf,
+    /// The free-threaded `python3.13t`.
+    free_threaded: PathBuf,
+}
+
+/// Installs what the tests need and is missing (quick when nothing is).
+fn setup(root: &Path) -> Result<TestInputs> {
     toolchain::ensure_apt_packages(&[
         ("go", "golang-go"),
         ("patchelf", "patchelf"),
@@ -125,12 +134,12 @@ fn setup(root: &Path) -> Result<PathBuf> {
     ])?;
     toolchain::ensure_components(&["rustfmt", "clippy"])?;
     toolchain::ensure_ebpf_toolchain(root)?;
-    pythons::ensure_installed()
+    Ok(TestInputs { pythons: pythons::ensure_installed()?, free_threaded: free_threaded::ensure_built(root)? })
 }
 
 fn test(root: &Path, filter: &[String]) -> Result<()> {
     let mut suite = Suite::new();
-    let pythons = setup(root)?;
+    let inputs = setup(root)?;
     // The end-to-end tests run the binary that ships (dist/pyebpf, static), so its build is also
     // the suite's: one optimised build of pyebpf's dependencies fewer, and the artifacts checked
     // on every run (tests/tests/dist.rs).
@@ -144,7 +153,8 @@ fn test(root: &Path, filter: &[String]) -> Result<()> {
             .args(args)
             .env("PYEBPF_EBPF_OBJECT", &object)
             .env("PYEBPF_BIN", &dist.binary)
-            .env("PYEBPF_PYTHONS", &pythons)
+            .env("PYEBPF_PYTHONS", &inputs.pythons)
+            .env("PYEBPF_FREE_THREADED", &inputs.free_threaded)
             .env("PYEBPF_DIST_BINARY", &dist.binary)
             .env("PYEBPF_DIST_WHEEL", &dist.wheel)
             .env("PYEBPF_DIST_DEB", &dist.deb);

@@ -31,15 +31,19 @@ const LIBRARIES: &[&str] = &[
     "libncursesw6",
 ];
 
+/// Where test interpreters are cached: `$XDG_CACHE_HOME`, else `~/.cache`.
+pub fn cache_dir() -> Result<PathBuf> {
+    std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|home| PathBuf::from(home).join(".cache")))
+        .context("neither XDG_CACHE_HOME nor HOME is set")
+}
+
 fn prefix() -> Result<PathBuf> {
     if let Some(prefix) = std::env::var_os("PYEBPF_PYTHONS") {
         return Ok(PathBuf::from(prefix));
     }
-    let cache = std::env::var_os("XDG_CACHE_HOME")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|home| PathBuf::from(home).join(".cache")))
-        .context("neither XDG_CACHE_HOME nor HOME is set")?;
-    Ok(cache.join("pyebpf-test-pythons"))
+    Ok(cache_dir()?.join("pyebpf-test-pythons"))
 }
 
 fn python(prefix: &Path, version: &str) -> PathBuf {
