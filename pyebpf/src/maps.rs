@@ -293,6 +293,14 @@ mod tests {
     fn maps_read_again_unchanged_keep_their_snapshot() {
         let mut child = std::process::Command::new("sleep").arg("60").spawn().unwrap();
         let pid = child.id();
+        // The loader maps libraries after the exec; once asleep, `sleep` maps nothing more.
+        let asleep =
+            || std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| stat.rsplit_once(") ").is_some_and(|(_, rest)| rest.starts_with('S')));
+        let started = std::time::Instant::now();
+        while !asleep() {
+            assert!(started.elapsed() < Duration::from_secs(10), "sleep never went to sleep");
+            std::thread::sleep(Duration::from_millis(1));
+        }
         let mut cache = MapsCache::default();
         let first = cache.newer_than(pid, Duration::ZERO).unwrap().clone();
         // Read again (nothing asks for older ones), found the same: what readers built stands.

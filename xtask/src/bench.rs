@@ -26,7 +26,9 @@ use serde_json::{json, Value};
 use crate::run;
 use measure::{collapsed_samples, median, run_measured, stat_line, Measured};
 
-const VERSIONS: [&str; 5] = ["3.11", "3.12", "3.13", "3.14", "3.15"];
+const VERSIONS: [&str; 6] = ["3.11", "3.12", "3.13", "3.13t", "3.14", "3.15"];
+/// The free-threaded 3.13 (`python3.13t`), which `cargo xtask setup` builds.
+const FREE_THREADED: &str = "3.13t";
 /// 3.11 and 3.12 have no Debian sid build: pyenv's (on every machine) stand in.
 const PYENV_RELEASES: [&str; 2] = ["3.11.7", "3.12.1"];
 const DEPTHS: [u32; 2] = [5, 100];
@@ -56,9 +58,14 @@ impl Profiler {
         }
     }
 
-    /// Tachyon is new in 3.15 and attaches only to its own version.
+    /// Tachyon is new in 3.15 and attaches only to its own version; py-spy 0.4 reads no
+    /// free-threaded build.
     fn supports(self, version: &str) -> bool {
-        self != Profiler::Tachyon || version == "3.15"
+        match self {
+            Profiler::Pyebpf => true,
+            Profiler::PySpy => version != FREE_THREADED,
+            Profiler::Tachyon => version == "3.15",
+        }
     }
 }
 
@@ -69,44 +76,75 @@ struct Bench {
     pyebpf: PathBuf,
     py_spy: PathBuf,
     pythons: PathBuf,
+    free_threaded: PathBuf,
     out: PathBuf,
+    /// The interpreters measured in this run: all of `VERSIONS`, or those `--versions` names.
+    versions: Vec<&'static str>,
 }
 
-pub fn bench(root: &Path, pyebpf: PathBuf, pythons: &Path) -> Result<()> {
-    let bench = Bench { root: root.to_path_buf(), pyebpf, py_spy: ensure_py_spy(root)?, pythons: pythons.to_path_buf(), out: root.join("target/bench") };
+/// The parts of a bench run, by the name `--only` takes and the key of their figures.
+pub const SECTIONS: [&str; 7] = ["cpu_per_sample", "profile", "kernel_and_reads", "slowdown", "fidelity", "scale", "waits"];
+
+/// What to measure: every section and version, or (`--only`, `--versions`) some of them, whose
+/// figures replace theirs in the last run's.
+pub struct Selection {
+    pub sections: Option<Vec<String>>,
+    pub versions: Option<Vec<String>>,
+}
+
+pub fn bench(root: &Path, pyebpf: PathBuf, pythons: &Path, free_threaded: &Path, selection: &Selection) -> Result<()> {
+    let versions = match &selection.versions {
+        Some(names) => names
+            .iter()
+            .map(|name| VERSIONS.into_iter().find(|v| v == name).with_context(|| format!("no interpreter {name} in {VERSIONS:?}")))
+            .collect::<Result<_>>()?,
+        None => VERSIONS.to_vec(),
+    };
+    let bench = Bench {
+        root: root.to_path_buf(),
+        pyebpf,
+        py_spy: ensure_py_spy(root)?,
+        pythons: pythons.to_path_buf(),
+        free_threaded: free_threaded.to_path_buf(),
+        out: root.join("target/bench"),
+        versions,
+    };
     std::fs::create_dir_all(&bench.out)?;
     crate::toolchain::ensure_apt_packages(&[("perf", "linux-perf")])?;
     bench.check_competitors()?;
     let started = Instant::now();
-    let mut results = json!({ "machine": report::machine(&bench)? });
-    eprintln!("bench: profiler CPU per sample");
-    results["cpu_per_sample"] = bench.cpu_per_sample()?;
-    eprintln!("bench: where pyebpf's time goes");
-    results["profile"] = bench.profile_pyebpf()?;
-    eprintln!("bench: in-kernel cost and remote reads");
-    results["kernel_and_reads"] = bench.kernel_and_reads()?;
-    eprintln!("bench: slowdown of the profiled program");
-    results["slowdown"] = bench.slowdown()?;
-    eprintln!("bench: fidelity");
-    results["fidelity"] = fidelity::fidelity(&bench)?;
-    eprintln!("bench: scale");
-    results["scale"] = bench.scale()?;
-    eprintln!("bench: off-CPU time");
-    results["waits"] = waits::waits(&bench)?;
-    results["machine"]["bench_seconds"] = json!(started.elapsed().as_secs_f64().round());
+    let partial = selection.sections.is_some() || selection.versions.is_some();
+    let mut results =
+        if partial { serde_json::from_str(&std::fs::read_to_string(root.join("bench/results.json")).context("read bench/results.json")?)? } else { json!({}) };
+    for section in SECTIONS.into_iter().filter(|s| selection.sections.as_ref().is_none_or(|only| only.iter().any(|o| o == s))) {
+        eprintln!("bench: {section}");
+        let figures = bench.section(section)?;
+        merge(&mut results[section], figures, &bench.versions);
+    }
+    let machine = report::machine(&bench)?;
+    if partial {
+        let note = json!({ "commit": machine["pyebpf_commit"], "sections": selection.sections, "versions": selection.versions });
+        match results["machine"]["partial_runs"].as_array_mut() {
+            Some(runs) => runs.push(note),
+            None => results["machine"]["partial_runs"] = json!([note]),
+        }
+    } else {
+        results["machine"] = machine;
+        results["machine"]["bench_seconds"] = json!(started.elapsed().as_secs_f64().round());
+    }
     report::write(&bench, &results)
 }
 
-/// Runs only the off-CPU part and puts its figures into the last run's (`--only waits`).
-pub fn waits_only(root: &Path, pyebpf: PathBuf, pythons: &Path) -> Result<()> {
-    let bench = Bench { root: root.to_path_buf(), pyebpf, py_spy: ensure_py_spy(root)?, pythons: pythons.to_path_buf(), out: root.join("target/bench") };
-    std::fs::create_dir_all(&bench.out)?;
-    bench.check_competitors()?;
-    let mut results: Value = serde_json::from_str(&std::fs::read_to_string(root.join("bench/results.json")).context("read bench/results.json")?)?;
-    eprintln!("bench: off-CPU time");
-    results["waits"] = waits::waits(&bench)?;
-    results["machine"]["waits_commit"] = report::machine(&bench)?["pyebpf_commit"].clone();
-    report::write(&bench, &results)
+/// Puts a section's new figures into the last run's: rows of the versions measured replace
+/// theirs, the other versions' rows stay; a section without versions is replaced whole.
+fn merge(old: &mut Value, new: Value, versions: &[&str]) {
+    match (old.as_array_mut(), new) {
+        (Some(rows), Value::Array(fresh)) if fresh.iter().all(|row| row["version"].is_string()) => {
+            rows.retain(|row| !row["version"].as_str().is_some_and(|v| versions.contains(&v)));
+            rows.extend(fresh);
+        }
+        (_, new) => *old = new,
+    }
 }
 
 /// Rewrites the reports from the last run's raw figures (after a change to how they are shown).
@@ -116,7 +154,23 @@ pub fn report_only(root: &Path) -> Result<()> {
 }
 
 impl Bench {
+    fn section(&self, name: &str) -> Result<Value> {
+        match name {
+            "cpu_per_sample" => self.cpu_per_sample(),
+            "profile" => self.profile_pyebpf(),
+            "kernel_and_reads" => self.kernel_and_reads(),
+            "slowdown" => self.slowdown(),
+            "fidelity" => fidelity::fidelity(self),
+            "scale" => self.scale(),
+            "waits" => waits::waits(self),
+            other => bail!("no bench section {other}"),
+        }
+    }
+
     fn python(&self, version: &str) -> PathBuf {
+        if version == FREE_THREADED {
+            return self.free_threaded.clone();
+        }
         if let Some(release) = PYENV_RELEASES.iter().find(|release| release.starts_with(&format!("{version}."))) {
             let pyenv =
                 std::env::var_os("PYENV_ROOT").map(PathBuf::from).unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".pyenv"));
@@ -198,7 +252,7 @@ impl Bench {
     /// frequency.
     fn cpu_per_sample(&self) -> Result<Value> {
         let mut rows = Vec::new();
-        for version in VERSIONS {
+        for &version in &self.versions {
             for depth in DEPTHS {
                 let target = self.spawn_ready(version, "sampling_deep.py", &[&depth.to_string()])?;
                 for hz in FREQUENCIES {
@@ -258,7 +312,7 @@ impl Bench {
     /// sample (default and `--no-cache`), 999 Hz.
     fn kernel_and_reads(&self) -> Result<Value> {
         let mut rows = Vec::new();
-        for version in VERSIONS {
+        for &version in &self.versions {
             for depth in DEPTHS {
                 let target = self.spawn_ready(version, "sampling_deep.py", &[&depth.to_string()])?;
                 let mut row = json!({ "version": version, "depth": depth });
@@ -281,7 +335,7 @@ impl Bench {
     fn slowdown(&self) -> Result<Value> {
         let mut rows = Vec::new();
         let script = self.script("bench_work.py");
-        for version in VERSIONS {
+        for &version in &self.versions {
             let python = self.python(version);
             let workload = |profiler: Profiler, hz: u32| -> Result<f64> {
                 let mut command = self.launch(profiler, hz);

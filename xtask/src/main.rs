@@ -40,9 +40,12 @@ enum Task {
         /// Only rewrite bench/RESULTS.md and the README's tables from bench/results.json
         #[arg(long)]
         report_only: bool,
-        /// Only measure the off-CPU part (`waits`), keeping the other figures of bench/results.json
-        #[arg(long, value_parser = ["waits"])]
-        only: Option<String>,
+        /// Only measure these parts, keeping the other figures of bench/results.json
+        #[arg(long, value_delimiter = ',', value_parser = bench::SECTIONS)]
+        only: Option<Vec<String>>,
+        /// Only measure these interpreters (e.g. `3.13t`), keeping the others' figures
+        #[arg(long, value_delimiter = ',')]
+        versions: Option<Vec<String>>,
     },
     /// Build what is shipped into dist/: a static binary, a Python wheel and a Debian package
     Dist,
@@ -77,13 +80,10 @@ fn main() -> Result<()> {
         }
         Task::Test { filter } => test(&root, &filter)?,
         Task::Bench { report_only: true, .. } => bench::report_only(&root)?,
-        Task::Bench { report_only: false, only: Some(_) } => {
-            let pythons = pythons::ensure_installed()?;
-            bench::waits_only(&root, build(&root, true)?, &pythons)?;
-        }
-        Task::Bench { report_only: false, only: None } => {
-            let pythons = pythons::ensure_installed()?;
-            bench::bench(&root, build(&root, true)?, &pythons)?;
+        Task::Bench { report_only: false, only, versions } => {
+            let inputs = setup(&root)?;
+            let selection = bench::Selection { sections: only, versions };
+            bench::bench(&root, build(&root, true)?, &inputs.pythons, &inputs.free_threaded, &selection)?;
         }
     }
     Ok(())

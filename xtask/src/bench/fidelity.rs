@@ -10,16 +10,16 @@ use super::{Bench, PROFILERS};
 pub const RUNS: usize = 3;
 pub const SECONDS: u32 = 4;
 const HZ: u32 = 999;
-/// 3.15, the one version all three profilers can attach to, and the two read with pyebpf's own
-/// tables (beside py-spy).
-pub const VERSIONS: [&str; 3] = ["3.11", "3.12", "3.15"];
+/// 3.15, the one version all three profilers can attach to, the two read with pyebpf's own
+/// tables (beside py-spy), and the free-threaded 3.13 (pyebpf alone).
+pub const VERSIONS: [&str; 4] = ["3.11", "3.12", "3.13t", "3.15"];
 const SPLIT: [(&str, f64); 3] = [("sixty_percent", 60.0), ("thirty_percent", 30.0), ("ten_percent", 10.0)];
 const PATH_A: [&str; 3] = ["a_outer", "a_mid", "a_leaf"];
 const PATH_B: [&str; 3] = ["b_outer", "b_mid", "b_leaf"];
 
 pub fn fidelity(bench: &Bench) -> Result<Value> {
     let mut rows = Vec::new();
-    for version in VERSIONS {
+    for version in VERSIONS.into_iter().filter(|v| bench.versions.contains(v)) {
         let split = bench.spawn_ready(version, "sampling_proportions.py", &[])?;
         let alternating = bench.spawn_ready(version, "alternating.py", &["10"])?;
         for profiler in PROFILERS.into_iter().filter(|p| p.supports(version)) {
