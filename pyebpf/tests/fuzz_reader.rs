@@ -66,11 +66,12 @@ impl Drop for Target {
 }
 
 /// The interpreter of `version`: pyenv's 3.10, Debian 12's own 3.11, the test set-up's Debian
-/// builds after.
+/// builds after, and its free-threaded 3.13 (`3.13t`).
 fn interpreter(version: &str) -> PathBuf {
     match version {
         "3.10" => pyebpf_tests::pyenv_python("3.10.13"),
         "3.11" => PathBuf::from("/usr/bin/python3.11"),
+        "3.13t" => pyebpf_tests::free_threaded_python(),
         _ => pyebpf_tests::test_pythons().join(format!("usr/bin/python{version}")),
     }
 }
@@ -203,6 +204,12 @@ fn reader_survives_mutated_3_11_memory() {
 #[test]
 fn reader_survives_mutated_3_13_memory() {
     fuzz_mutated("3.13", cases() / 4);
+}
+
+/// Free-threaded 3.13: the same structures behind a larger object header.
+#[test]
+fn reader_survives_mutated_free_threaded_3_13_memory() {
+    fuzz_mutated("3.13t", cases() / 8);
 }
 
 #[test]

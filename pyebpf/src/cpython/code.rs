@@ -40,13 +40,17 @@ pub struct CodeInfo {
     /// Address of the first instruction (`co_code_adaptive`); 0 before 3.11, whose frames give
     /// their instruction as an offset (see `DebugOffsets::instr_of`).
     instructions: u64,
+    /// Free-threaded 3.14+: where the thread-local copies of the instructions were when the code
+    /// was read (`co_tlbc`, the first of them `co_code_adaptive`), each `code_bytes` long.
+    copies: Vec<u64>,
+    code_bytes: u64,
 }
 
 impl CodeInfo {
     /// The source location of the instruction at `instr_ptr` (an address inside this code object's
     /// instructions, or before 3.11 its byte offset, as `DebugOffsets::instr_of` gives it).
     pub fn location_for(&self, instr_ptr: u64) -> Option<Location> {
-        let offset = instr_ptr.checked_sub(self.instructions)?;
+        let offset = instr_ptr.checked_sub(self.base_of(instr_ptr))?;
         let line = match self.format {
             LineTable::Locations => return location_for_index(&self.linetable, self.first_line, offset / CODE_UNIT),
             // A frame that has not started yet is on its first line, as CPython says.
@@ -55,6 +59,14 @@ impl CodeInfo {
             LineTable::Lines310 => line_for_lines_310(&self.linetable, self.first_line, offset)?,
         };
         Some(Location { line, end_line: None, column: None, end_column: None })
+    }
+
+    /// The start of the copy of the instructions holding `instr_ptr`: a thread may run a copy of
+    /// its own, with the same instructions at the same offsets. A pointer in no copy known is
+    /// taken against `co_code_adaptive`, as every build without copies does.
+    fn base_of(&self, instr_ptr: u64) -> u64 {
+        let holds = |&base: &u64| instr_ptr.checked_sub(base).is_some_and(|offset| offset < self.code_bytes);
+        self.copies.iter().copied().find(holds).unwrap_or(self.instructions)
     }
 
     /// The line of the instruction at `instr_ptr`.
@@ -74,7 +86,7 @@ impl CodeInfo {
 impl CodeInfo {
     /// Bytes this decoded code object holds, for the cache's budget.
     pub fn heap_bytes(&self) -> usize {
-        std::mem::size_of::<Self>() + self.linetable.len() + self.qualname.len() + self.filename.len()
+        std::mem::size_of::<Self>() + self.linetable.len() + self.qualname.len() + self.filename.len() + self.copies.len() * 8
     }
 }
 
@@ -146,7 +158,27 @@ pub fn read_code(
         linetable: mem.read_vec(linetable.wrapping_add(offsets.bytes_data), len)?,
         format: offsets.line_table,
         instructions: if offsets.code_bytes.is_some() { 0 } else { addr.wrapping_add(offsets.code_adaptive) },
+        copies: match offsets.code_tlbc {
+            Some(field) => read_copies(mem, mem.read_u64(addr.wrapping_add(field))?)?,
+            None => Vec::new(),
+        },
+        code_bytes: code_units.saturating_mul(CODE_UNIT),
     })
+}
+
+/// Most thread-local copies of one code object read: CPython makes one per thread index that ran
+/// the code, and indexes are reused as threads exit.
+const MAX_COPIES: u64 = 4096;
+
+/// The copies a `_PyCodeArray` (`Py_ssize_t size; char *entries[size]`) at `array` lists; an
+/// entry of a thread index that has not run the code is 0.
+fn read_copies(mem: &impl ReadMemory, array: u64) -> Result<Vec<u64>, PyError> {
+    let size = mem.read_u64(array)?;
+    if size == 0 || size > MAX_COPIES {
+        return Err(PyError::Malformed(format!("{size} thread-local copies of a code object's instructions")));
+    }
+    let entries = mem.read_vec(array.wrapping_add(8), size as usize * 8)?;
+    Ok(entries.chunks_exact(8).map(|entry| field_u64(entry, 0)).filter(|&base| base != 0).collect())
 }
 
 fn remember_code_type(code_types: &mut HashSet<u64>, ob_type: u64) {
@@ -168,6 +200,36 @@ mod tests {
             assert!(code_types.len() <= MAX_CODE_TYPES);
         }
         assert!(code_types.contains(&(99_999 * 8)), "the latest type is remembered");
+    }
+
+    /// Free-threaded 3.14+: an instruction in a thread's own copy has the line of the same
+    /// offset in `co_code_adaptive`; the copies come from the code's `_PyCodeArray`.
+    #[test]
+    fn an_instruction_in_a_thread_local_copy_has_the_line_of_its_offset() {
+        use super::super::memory::MemoryImage;
+        let (main, copy) = (0x10_0000u64, 0x20_0000u64);
+        let mut image = MemoryImage::default();
+        let array: Vec<u8> = [3u64, main, 0, copy].iter().flat_map(|word| word.to_le_bytes()).collect();
+        image.insert(0x9000, array);
+        let copies = read_copies(&image, 0x9000).unwrap();
+        assert_eq!(copies, [main, copy], "the unused index is skipped");
+        // Ten code units, each a line further than the one before.
+        let code = CodeInfo {
+            qualname: "f".into(),
+            filename: "f.py".into(),
+            first_line: 10,
+            linetable: [0x80 | (13 << 3), 2].repeat(10),
+            format: LineTable::Locations,
+            instructions: main,
+            copies,
+            code_bytes: 20,
+        };
+        for unit in 0..10 {
+            assert_eq!(code.line_for(copy + unit * CODE_UNIT), code.line_for(main + unit * CODE_UNIT), "code unit {unit}");
+        }
+        assert_eq!(code.line_for(copy + 8), Some(15));
+        image.insert(0x9000, u64::MAX.to_le_bytes().to_vec());
+        assert!(matches!(read_copies(&image, 0x9000), Err(PyError::Malformed(_))), "an absurd size is refused");
     }
 
     #[test]

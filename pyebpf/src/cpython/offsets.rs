@@ -147,6 +147,9 @@ pub struct DebugOffsets {
     pub code_linetable: u64,
     pub code_firstlineno: u64,
     pub code_adaptive: u64,
+    /// `co_tlbc` of a free-threaded 3.14+: where a code object points at the copies of its
+    /// instructions its threads run (see `code::CodeInfo`).
+    pub code_tlbc: Option<u64>,
     /// Before 3.11: `co_code`, the `bytes` holding the instructions (outside the code object).
     pub code_bytes: Option<u64>,
     pub line_table: LineTable,
@@ -274,13 +277,18 @@ pub fn read_debug_offsets(mem: &impl ReadMemory, runtime: u64) -> Result<DebugOf
     let version = PyVersion(table.at(1));
     let layout = layout_for(version).ok_or(PyError::UnsupportedVersion(version))?;
     let free_threaded = table.at(layout.free_threaded) != 0;
-    if free_threaded && version.minor() >= 14 {
-        // From 3.14 a free-threaded thread may run its own copy of a code object's bytecode
-        // (`co_tlbc`): lines would be read against the wrong copy until that path is tested.
+    let structures = Structures::check(table, layout)?;
+    let mut offsets = decode(&structures, layout, version)?;
+    offsets.free_threaded = free_threaded;
+    if free_threaded {
+        offsets.code_tlbc = structures.code.optional_field(layout.code_tlbc)?;
+    }
+    if offsets.code_tlbc.is_some() {
+        // From 3.14 a free-threaded thread may run its own copy of a code object's bytecode: the
+        // reading is built (`code::CodeInfo`) but no 3.14t could be tested here, so such a
+        // process is read natively until one is.
         return Err(PyError::FreeThreaded(version));
     }
-    let mut offsets = decode(&Structures::check(table, layout)?, layout, version)?;
-    offsets.free_threaded = free_threaded;
     Ok(offsets)
 }
 
@@ -423,6 +431,7 @@ fn decode(s: &Structures, l: &Layout, version: PyVersion) -> Result<DebugOffsets
         code_linetable: s.code.field(l.code_linetable)?,
         code_firstlineno: s.code.field(l.code_firstlineno)?,
         code_adaptive: s.code.field(l.code_adaptive)?,
+        code_tlbc: None,
         code_bytes: None,
         line_table: LineTable::Locations,
         object_type: s.object.field(l.object_type)?,

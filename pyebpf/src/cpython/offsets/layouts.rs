@@ -41,6 +41,9 @@ pub(super) struct Layout {
     /// version with a table, both flavours): `co_version` itself is not in the table.
     pub(super) code_localsplusnames: usize,
     pub(super) code_adaptive: usize,
+    /// `co_tlbc` (3.14+): the thread-local copies of the instructions, in free-threaded builds
+    /// (0 in the table of a GIL build).
+    pub(super) code_tlbc: Option<usize>,
     pub(super) object_size: usize,
     pub(super) object_type: usize,
     pub(super) type_size: usize,
@@ -118,6 +121,7 @@ pub(super) const LAYOUT_3_13: Layout = Layout {
     code_firstlineno: 39,
     code_localsplusnames: 41,
     code_adaptive: 43,
+    code_tlbc: None,
     object_size: 44,
     object_type: 45,
     type_size: 46,
@@ -167,6 +171,7 @@ pub(super) const LAYOUT_3_14: Layout = Layout {
     code_firstlineno: 44,
     code_localsplusnames: 46,
     code_adaptive: 48,
+    code_tlbc: Some(49),
     object_size: 50,
     object_type: 51,
     type_size: 52,
@@ -233,6 +238,7 @@ pub(super) const LAYOUT_3_15: Layout = Layout {
     code_firstlineno: 52,
     code_localsplusnames: 54,
     code_adaptive: 56,
+    code_tlbc: Some(57),
     object_size: 58,
     object_type: 59,
     type_size: 60,
