@@ -277,17 +277,17 @@ pub fn read_debug_offsets(mem: &impl ReadMemory, runtime: u64) -> Result<DebugOf
     let version = PyVersion(table.at(1));
     let layout = layout_for(version).ok_or(PyError::UnsupportedVersion(version))?;
     let free_threaded = table.at(layout.free_threaded) != 0;
+    if free_threaded && layout.code_tlbc.is_some() {
+        // From 3.14 a free-threaded thread may run its own copy of a code object's bytecode: the
+        // reading is built (`co_tlbc` below, `code::CodeInfo`) but no 3.14t could be tested
+        // here, so such a process is profiled natively, with this error named, until one is.
+        return Err(PyError::FreeThreaded(version));
+    }
     let structures = Structures::check(table, layout)?;
     let mut offsets = decode(&structures, layout, version)?;
     offsets.free_threaded = free_threaded;
     if free_threaded {
         offsets.code_tlbc = structures.code.optional_field(layout.code_tlbc)?;
-    }
-    if offsets.code_tlbc.is_some() {
-        // From 3.14 a free-threaded thread may run its own copy of a code object's bytecode: the
-        // reading is built (`code::CodeInfo`) but no 3.14t could be tested here, so such a
-        // process is read natively until one is.
-        return Err(PyError::FreeThreaded(version));
     }
     Ok(offsets)
 }
