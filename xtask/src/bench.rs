@@ -10,7 +10,9 @@
 //! - Reads: pyebpf's remote reads and bytes per Python sample, with and without the 3.15 marker.
 //! - Fidelity: a known 60/30/10 split and two alternating call paths.
 //! - Scale: 1, 10 and 50 Python processes under `record -a`.
+//! - Export: what `record --otlp` costs per period, 20 busy processes at 99 Hz.
 
+mod export;
 mod fidelity;
 mod measure;
 mod report;
@@ -83,7 +85,7 @@ struct Bench {
 }
 
 /// The parts of a bench run, by the name `--only` takes and the key of their figures.
-pub const SECTIONS: [&str; 7] = ["cpu_per_sample", "profile", "kernel_and_reads", "slowdown", "fidelity", "scale", "waits"];
+pub const SECTIONS: [&str; 8] = ["cpu_per_sample", "profile", "kernel_and_reads", "slowdown", "fidelity", "scale", "export", "waits"];
 
 /// What to measure: every section and version, or (`--only`, `--versions`) some of them, whose
 /// figures replace theirs in the last run's.
@@ -162,6 +164,7 @@ impl Bench {
             "slowdown" => self.slowdown(),
             "fidelity" => fidelity::fidelity(self),
             "scale" => self.scale(),
+            "export" => export::export(self),
             "waits" => waits::waits(self),
             other => bail!("no bench section {other}"),
         }

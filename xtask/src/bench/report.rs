@@ -170,6 +170,24 @@ fn scale_table(results: &Value) -> String {
     md
 }
 
+fn export_table(results: &Value) -> String {
+    let row = &results["export"];
+    if row.is_null() {
+        return "(not measured in this run)\n".to_string();
+    }
+    format!(
+        "| Python processes | Hz | period (s) | periods sent | export thread CPU per period (ms) | whole pyebpf CPU per period (ms) | export, share of one core | pyebpf, share of one core |\n|---|---|---|---|---|---|---|---|\n| {} | {} | {} | {} | {} | {} | {:.3}% | {:.2}% |\n",
+        row["processes"],
+        row["hz"],
+        row["period_s"],
+        num(&row["periods"]),
+        num(&row["export_ms_per_period"]),
+        num(&row["process_ms_per_period"]),
+        row["export_share_of_one_core"].as_f64().unwrap_or(f64::NAN) * 100.0,
+        row["process_share_of_one_core"].as_f64().unwrap_or(f64::NAN) * 100.0,
+    )
+}
+
 fn waits_tables(results: &Value) -> String {
     let waits = &results["waits"];
     if waits.is_null() {
@@ -270,6 +288,7 @@ pub fn tables(results: &Value) -> String {
          In-kernel time per sample (`record --stats`, from the kernel's BPF run-time statistics) and remote reads per Python sample, `record -p PID -F 999 -d 3`:\n\n{}\n\
          Fidelity at 999 Hz on Python {fidelity_versions} (3.11 and 3.12 are pyenv's 3.11.7 and 3.12.1; 3.13t is the free-threaded 3.13 built from Debian's sources, which py-spy 0.4 cannot read; Tachyon attaches only to 3.15), {runs} runs of {secs} s per profiler: the largest error of the three functions' shares, and the share of samples of the alternating workload whose stack mixes both paths:\n\n{}\n\
          Host-wide: `record -a -d {secs_attach}` with N spinning Python processes ({versions} in turn), steady CPU measured as above:\n\n{}\n\
+         Sending profiles (`record -a -F {export_hz} -d {export_s} --otlp http://... --otlp-period {export_period}` with {export_processes} busy Python processes, to a local sink that answers at once): the export thread's CPU (encoding, compressing, sending) per period, from the kernel's per-thread run time, beside the whole process's:\n\n{}\n\
          Off-CPU time (`--mode wall`): switch-heavy programs (`pingpong.py {pingpong_s}` on Python 3.15, two processes bouncing a byte over pipes, and `perf bench sched pipe -l {perf_loops}`) alone and under each profiler at {waits_hz} Hz, median of {waits_rounds} interleaved rounds \
          (\"profiling other processes\": `record -a --mode wall --comm` naming none, so every switch on the host runs the hook; \
          \"an empty BPF program\": the bench attaches a program that returns at once to `sched_switch`, what any hook run at every switch costs here, the floor under pyebpf's); \
@@ -284,10 +303,15 @@ pub fn tables(results: &Value) -> String {
         kernel_table(results),
         fidelity_table(results),
         scale_table(results),
+        export_table(results),
         waits_tables(results),
         targets_table(results),
         results["profile"].as_array().into_iter().flatten().filter_map(Value::as_str).collect::<Vec<_>>().join("\n"),
         secs_attach = super::ATTACH_S,
+        export_hz = super::export::HZ,
+        export_s = super::export::SECONDS,
+        export_period = super::export::PERIOD_S,
+        export_processes = super::export::PROCESSES,
         versions = VERSIONS.join("/"),
         from = super::WINDOW_FROM.as_secs_f64(),
         to = super::WINDOW_TO.as_secs_f64(),
