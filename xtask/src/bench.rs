@@ -31,6 +31,8 @@ use measure::{collapsed_samples, median, run_measured, stat_line, Measured};
 const VERSIONS: [&str; 6] = ["3.11", "3.12", "3.13", "3.13t", "3.14", "3.15"];
 /// The free-threaded 3.13 (`python3.13t`), which `cargo xtask setup` builds.
 const FREE_THREADED: &str = "3.13t";
+/// The mix of `record -a`'s processes in the scale runs: the default builds.
+const SCALE_VERSIONS: [&str; 5] = ["3.11", "3.12", "3.13", "3.14", "3.15"];
 /// 3.11 and 3.12 have no Debian sid build: pyenv's (on every machine) stand in.
 const PYENV_RELEASES: [&str; 2] = ["3.11.7", "3.12.1"];
 const DEPTHS: [u32; 2] = [5, 100];
@@ -407,7 +409,7 @@ impl Bench {
         for count in [1usize, 10, 50] {
             let mut targets = Vec::new();
             for i in 0..count {
-                targets.push(self.spawn_ready(VERSIONS[i % VERSIONS.len()], "sampling_deep.py", &["20"])?);
+                targets.push(self.spawn_ready(SCALE_VERSIONS[i % SCALE_VERSIONS.len()], "sampling_deep.py", &["20"])?);
             }
             for hz in FREQUENCIES {
                 let out = self.out.join("scale.txt");

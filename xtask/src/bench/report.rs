@@ -312,7 +312,7 @@ pub fn tables(results: &Value) -> String {
         export_s = super::export::SECONDS,
         export_period = super::export::PERIOD_S,
         export_processes = super::export::PROCESSES,
-        versions = VERSIONS.join("/"),
+        versions = super::SCALE_VERSIONS.join("/"),
         from = super::WINDOW_FROM.as_secs_f64(),
         to = super::WINDOW_TO.as_secs_f64(),
         rounds = super::SLOWDOWN_ROUNDS,
