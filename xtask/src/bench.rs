@@ -127,6 +127,8 @@ pub fn bench(root: &Path, pyebpf: PathBuf, pythons: &Path, free_threaded: &Path,
     }
     let machine = report::machine(&bench)?;
     if partial {
+        // The interpreters' list is the current one; the rest describes the last full run.
+        results["machine"]["pythons"] = machine["pythons"].clone();
         let note = json!({ "commit": machine["pyebpf_commit"], "sections": selection.sections, "versions": selection.versions });
         match results["machine"]["partial_runs"].as_array_mut() {
             Some(runs) => runs.push(note),
