@@ -352,7 +352,7 @@ pub fn rewrite(root: &Path, results: &Value) -> Result<()> {
          - Commands: `pyebpf record --stats -p PID -F HZ -d S -o out.txt`; `py-spy record --format raw --pid PID --rate HZ --duration S -o out.txt`; \
          `python3.15 -m profiling.sampling attach --collapsed -r HZ -d S -o out.txt PID`; to launch: `pyebpf record -F HZ -o out -- CMD`, \
          `py-spy record --rate HZ -o out -- CMD`, `python3.15 -m profiling.sampling run --collapsed -r HZ -o out SCRIPT`\n\
-         - CPU is user + system time of the profiler's process (`wait4`), samples are those in its output.\n\n{tables}",
+         - CPU is user + system time of the profiler's process (`wait4`), samples are those in its output.\n{partial}\n{tables}",
         secs = m["bench_seconds"],
         date = m["date"].as_str().unwrap_or("?"),
         cpus = m["cpus"],
@@ -362,11 +362,24 @@ pub fn rewrite(root: &Path, results: &Value) -> Result<()> {
         commit = m["pyebpf_commit"].as_str().unwrap_or("?"),
         py_spy = m["py_spy"].as_str().unwrap_or(PY_SPY_VERSION),
         pythons = pythons.join("; "),
+        partial = partial_runs(m),
     );
     std::fs::write(dir.join("RESULTS.md"), md)?;
     splice_readme(root, &tables)?;
     println!("{tables}");
     Ok(())
+}
+
+/// The lines naming the parts measured again since the full run (`--only`, `--versions`).
+fn partial_runs(machine: &Value) -> String {
+    let mut lines = String::new();
+    for run in machine["partial_runs"].as_array().into_iter().flatten() {
+        let list = |key: &str| run[key].as_array().map(|items| items.iter().filter_map(Value::as_str).collect::<Vec<_>>().join(", "));
+        let sections = list("sections").unwrap_or_else(|| "every part".into());
+        let versions = list("versions").map(|v| format!(" of {v}")).unwrap_or_default();
+        let _ = writeln!(lines, "- Measured again at {}: {sections}{versions} (`cargo xtask bench --only ... --versions ...`)", run["commit"].as_str().unwrap_or("?"));
+    }
+    lines
 }
 
 /// Replaces the README's performance tables (between the bench markers) with this run's.
