@@ -4,6 +4,7 @@
 mod bench;
 mod dist;
 mod house;
+mod otelcol;
 mod pythons;
 mod toolchain;
 
@@ -104,9 +105,16 @@ fn build(root: &Path, release: bool) -> Result<PathBuf> {
     Ok(root.join("target").join(if release { "release" } else { "debug" }).join("pyebpf"))
 }
 
-/// Installs what the tests need and is missing (quick when nothing is); returns the test
-/// CPythons' folder.
-fn setup(root: &Path) -> Result<PathBuf> {
+/// What `setup` installed outside the workspace, for the tests to find.
+struct Installed {
+    /// The test CPythons' prefix.
+    pythons: PathBuf,
+    /// The OpenTelemetry Collector's prefix, with the sink's Python environment.
+    otelcol: PathBuf,
+}
+
+/// Installs what the tests need and is missing (quick when nothing is).
+fn setup(root: &Path) -> Result<Installed> {
     toolchain::ensure_apt_packages(&[
         ("go", "golang-go"),
         ("patchelf", "patchelf"),
@@ -122,15 +130,17 @@ fn setup(root: &Path) -> Result<PathBuf> {
         ("/usr/lib/python3.11/ensurepip/__init__.py", "python3.11-venv"),
         ("capsh", "libcap2-bin"),
         ("systemd-analyze", "systemd"),
+        // The OTLP tests' certificates.
+        ("openssl", "openssl"),
     ])?;
     toolchain::ensure_components(&["rustfmt", "clippy"])?;
     toolchain::ensure_ebpf_toolchain(root)?;
-    pythons::ensure_installed()
+    Ok(Installed { pythons: pythons::ensure_installed()?, otelcol: otelcol::ensure_built(root)? })
 }
 
 fn test(root: &Path, filter: &[String]) -> Result<()> {
     let mut suite = Suite::new();
-    let pythons = setup(root)?;
+    let installed = setup(root)?;
     // The end-to-end tests run the binary that ships (dist/pyebpf, static), so its build is also
     // the suite's: one optimised build of pyebpf's dependencies fewer, and the artifacts checked
     // on every run (tests/tests/dist.rs).
@@ -144,7 +154,8 @@ fn test(root: &Path, filter: &[String]) -> Result<()> {
             .args(args)
             .env("PYEBPF_EBPF_OBJECT", &object)
             .env("PYEBPF_BIN", &dist.binary)
-            .env("PYEBPF_PYTHONS", &pythons)
+            .env("PYEBPF_PYTHONS", &installed.pythons)
+            .env("PYEBPF_OTELCOL", &installed.otelcol)
             .env("PYEBPF_DIST_BINARY", &dist.binary)
             .env("PYEBPF_DIST_WHEEL", &dist.wheel)
             .env("PYEBPF_DIST_DEB", &dist.deb);
