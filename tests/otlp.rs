@@ -180,6 +180,7 @@ pub struct Frame {
     pub kind: Option<String>,
     pub name: Option<String>,
     pub file: Option<String>,
+    pub start_line: i64,
     pub line: i64,
 }
 

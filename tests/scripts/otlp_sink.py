@@ -12,7 +12,7 @@ google.rpc.Status carrying TEXT (what a collector refusing the data sends). Each
       period_type: [type, unit], period, time_unix_nano, duration_nano,
       samples: [{thread_id, thread_name, attributes, values, count, stack}]}]}]
       (samples of the same thread and stack are merged: values added up, count is how many)
-  stack: frames leaf first, each {type, name, file, line}: `type` is the location's
+  stack: frames leaf first, each {type, name, file, start_line, line}: `type` is the location's
       profile.frame.type attribute; a location with several lines gives several frames, its
       innermost (last) line first
   totals: {resources, samples, values}: samples is the number of Sample messages, values the sum of
@@ -72,9 +72,10 @@ class Dictionary:
         for line in reversed(location.lines):
             function = self.d.function_table[line.function_index]
             frames.append({"type": kind, "name": self.string(function.name_strindex),
-                           "file": self.string(function.filename_strindex), "line": line.line})
+                           "file": self.string(function.filename_strindex), "start_line": function.start_line,
+                           "line": line.line})
         if not frames:
-            frames.append({"type": kind, "name": None, "file": None, "line": 0, "address": location.address})
+            frames.append({"type": kind, "name": None, "file": None, "start_line": 0, "line": 0, "address": location.address})
         return frames
 
     def stack(self, stack_index):
