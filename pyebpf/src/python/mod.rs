@@ -174,6 +174,11 @@ impl<M: Memory> Pythons<M> {
         self.processes.contains_key(&pid)
     }
 
+    /// The CPython version of `pid`, if it is a Python process attached to.
+    pub fn version(&self, pid: u32) -> Option<crate::cpython::PyVersion> {
+        self.processes.get(&pid).map(|process| process.resolver.py.version())
+    }
+
     /// Keeps a process attached to (not registered yet).
     fn insert(&mut self, py: PyProcess<M>, stats: &mut Stats) {
         let pid = py.pid();
