@@ -92,7 +92,13 @@ impl Endpoint {
         if path.contains(['?', '#']) {
             return Err(bad("a query or fragment is not allowed"));
         }
-        let port = parsed.port_u16().unwrap_or(default_port);
+        // `http` leaves a port that is not a u16 out rather than refusing it.
+        let has_port = authority.rsplit_once(']').map_or(authority, |(_, after)| after).contains(':');
+        let port = match parsed.port_u16() {
+            Some(port) => port,
+            None if has_port => return Err(bad("the port is not a number from 0 to 65535")),
+            None => default_port,
+        };
         let host = parsed.host().to_string();
         let path = if matches!(path, "" | "/") { DEFAULT_HTTP_PATH.to_string() } else { path.to_string() };
         Ok(Endpoint { protocol, tls, authority: format!("{host}:{port}"), host, path })

@@ -48,7 +48,10 @@ pub(super) fn request(pieces: &[Arc<Profile>], context: &Context<'_>) -> Request
     let mut samples = 0;
     for piece in pieces {
         let values = Values::of_mode(piece.mode);
-        for (stack, weight) in piece.stacks() {
+        let mut stacks: Vec<_> = piece.stacks().collect();
+        // A stable order makes the same request of the same profile (the dictionary's order too).
+        stacks.sort_by_key(|(stack, _)| (stack.pid, stack.tid, stack.state));
+        for (stack, weight) in stacks {
             samples += weight.samples;
             let process = processes.entry(stack.pid).or_insert_with(|| Process::of(&stack));
             let key = dictionary.sample_key(&stack, piece.mode != Mode::Cpu && piece.mode != Mode::Gil);
