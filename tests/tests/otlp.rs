@@ -262,18 +262,20 @@ fn check_python_frames(samples: &[&pyebpf_tests::otlp::Sample], label: &str) {
     let script_path = script(SCRIPT).display().to_string();
     let python: Vec<&&Frame> = frames.iter().filter(|f| f.file.as_deref() == Some(script_path.as_str())).collect();
     assert!(!python.is_empty(), "{label}: no frame of {script_path}");
-    for frame in &python {
-        assert_eq!(frame.kind(), "cpython", "{label}: a frame of the script is not typed cpython: {frame:?}");
-    }
+    let wrong: Vec<&&&Frame> = python.iter().filter(|f| f.kind() != "cpython").take(5).collect();
+    assert!(wrong.is_empty(), "{label}: frames of the script not typed cpython: {wrong:?}");
     for name in FUNCTIONS {
         let start = def_line(name);
         let of = python.iter().filter(|f| f.name() == name).collect::<Vec<_>>();
         assert!(!of.is_empty(), "{label}: no frame of {name}");
-        assert!(of.iter().all(|f| f.start_line == start && (start..=start + 1).contains(&f.line)), "{label}: {name} starts at {start}: {of:?}");
+        let wrong: Vec<_> = of.iter().filter(|f| f.start_line != start || !(start..=start + 1).contains(&f.line)).take(5).collect();
+        assert!(wrong.is_empty(), "{label}: {name} starts at {start} and calls on the next line: {wrong:?}");
     }
-    let native: Vec<&&Frame> = frames.iter().filter(|f| NATIVE_NAMES.contains(&f.name())).collect();
+    // (The script has a `main` too.)
+    let native: Vec<&&Frame> = frames.iter().filter(|f| NATIVE_NAMES.contains(&f.name()) && !f.file.as_deref().unwrap_or("").ends_with(".py")).collect();
     assert!(!native.is_empty(), "{label}: none of {NATIVE_NAMES:?} among the frames");
-    assert!(native.iter().all(|f| f.kind() == "native"), "{label}: interpreter frames not typed native: {native:?}");
+    let wrong: Vec<&&&Frame> = native.iter().filter(|f| f.kind() != "native").take(5).collect();
+    assert!(wrong.is_empty(), "{label}: interpreter frames not typed native: {wrong:?}");
 }
 
 /// Kernel frames (with `--kernel`) are typed `kernel`, are the leaf end of their stacks, are
@@ -288,7 +290,9 @@ fn check_kernel_frames(requests: &[Export], traces: &[Trace]) {
         assert!(sample.stack[kernel..].iter().all(|f| f.kind() != "kernel"), "kernel frames below user frames: {:?}", sample.stack);
         for frame in &sample.stack[..kernel] {
             let name = frame.name().trim_end_matches("_[k]");
-            assert!(symbols.contains(name) || name.starts_with("0x"), "a kernel frame of no kernel symbol: {frame:?}");
+            // eBPF programs (pyebpf's own among them) left /proc/kallsyms when they were unloaded.
+            let bpf = name.starts_with("bpf_prog_") || name.starts_with("bpf_trampoline_");
+            assert!(symbols.contains(name) || bpf || name.starts_with("0x"), "a kernel frame of no kernel symbol: {frame:?}");
         }
         assert!(sample.stack[kernel..].iter().all(|f| !f.name().ends_with("_[k]")), "`_[k]` frames not typed kernel: {:?}", sample.stack);
         at_sink += kernel as u64 * sample.value();
