@@ -221,9 +221,16 @@ pub(super) fn connection_cause(err: &(dyn StdError + 'static)) -> String {
     innermost
 }
 
-/// A rustls error, itself or wrapped in an I/O error (whose `source` skips what it wraps).
+/// A rustls error, itself or wrapped in I/O errors (whose `source` skips what they wrap).
 fn tls_error<'a>(error: &'a (dyn StdError + 'static)) -> Option<&'a rustls::Error> {
-    error.downcast_ref::<rustls::Error>().or_else(|| error.downcast_ref::<std::io::Error>()?.get_ref()?.downcast_ref::<rustls::Error>())
+    let mut current = error;
+    loop {
+        if let Some(tls) = current.downcast_ref::<rustls::Error>() {
+            return Some(tls);
+        }
+        let wrapped: &(dyn StdError + 'static) = current.downcast_ref::<std::io::Error>()?.get_ref()?;
+        current = wrapped;
+    }
 }
 
 /// At most [`MAX_MESSAGE_CHARS`] of a remote text, on one line.

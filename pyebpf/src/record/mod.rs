@@ -223,6 +223,7 @@ async fn record(args: &RecordArgs, watched: &Watched, mut periods: Periods) -> R
     profile.start_unix_ns = unix_now_ns();
     let mut run = Recording { session, sampler, profile, stats, started: Instant::now() };
     let deadline = args.duration.map(|duration| tokio::time::Instant::now() + duration);
+    periods.start_clocks();
     let mut tick = tokio::time::interval(TICK);
     let mut batch = RecordBatch::default();
     let mut lost_reported = 0;

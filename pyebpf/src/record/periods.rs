@@ -26,6 +26,8 @@ pub(super) enum Boundary {
 
 /// The recording's consumers of periods and their clocks.
 pub(super) struct Periods {
+    /// The clocks' periods in seconds, until they start.
+    seconds: (Option<u64>, Option<u64>),
     rotation: Option<tokio::time::Interval>,
     export: Option<tokio::time::Interval>,
     /// `--rotate`: writes each file period on a thread of its own.
@@ -57,14 +59,21 @@ impl Periods {
             _ => None,
         };
         Ok(Periods {
-            rotation: rotate_s.filter(|_| writer.is_some()).map(clock),
-            export: exporter.as_ref().map(|&(_, period_s)| clock(period_s)),
+            seconds: (rotate_s.filter(|_| writer.is_some()), exporter.as_ref().map(|&(_, period_s)| period_s)),
+            rotation: None,
+            export: None,
             writer,
             exporter: exporter.map(|(exporter, _)| exporter),
             files: sink.is_some(),
             file_period: None,
             totals: sink.is_none().then(RunTotals::default),
         })
+    }
+
+    /// Starts the clocks (in the recording's runtime), when sampling begins.
+    pub fn start_clocks(&mut self) {
+        self.rotation = self.seconds.0.map(clock);
+        self.export = self.seconds.1.map(clock);
     }
 
     /// The next tick of either clock (never, without both).
