@@ -47,11 +47,7 @@ pub fn run(args: RecordArgs) -> Result<()> {
     let watched = Watched::open(&args.pid)?;
     process::raise_open_file_limit();
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().context("start the async runtime")?;
-    // The periods' clocks are tokio intervals: made in the runtime's context.
-    let periods = {
-        let _entered = runtime.enter();
-        Periods::new(args.rotate, sink.as_ref(), exporter.map(|exporter| (exporter, args.otlp.period)))?
-    };
+    let periods = Periods::new(args.rotate, sink.as_ref(), exporter.map(|exporter| (exporter, args.otlp.period)))?;
     let (ended, mut stats) = runtime.block_on(record(&args, &watched, periods))?;
     let mut summary = summary(&args, sink.as_deref(), ended.file, ended.totals, ended.written, &stats)?;
     // Written first: the exporter's flush ran meanwhile, and -o never waits for a collector.
