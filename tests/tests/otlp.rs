@@ -179,22 +179,41 @@ fn counted_samples<'a>(resources: &[&'a Resource]) -> Vec<&'a pyebpf_tests::otlp
     resources.iter().flat_map(|r| &r.profiles).filter(|p| p.sample_type.1 == "count").flat_map(|p| &p.samples).collect()
 }
 
-/// The samples the sink got, of every process.
-fn counted(requests: &[Export]) -> u64 {
-    counted_samples(&requests.iter().flat_map(|r| &r.resources).collect::<Vec<_>>()).iter().map(|s| s.value()).sum()
+/// The samples the sink got, of every process: (with frames, without any).
+fn counted(requests: &[Export]) -> (u64, u64) {
+    let samples = counted_samples(&requests.iter().flat_map(|r| &r.resources).collect::<Vec<_>>());
+    let without: u64 = samples.iter().filter(|s| s.stack.is_empty()).map(|s| s.value()).sum();
+    (samples.iter().map(|s| s.value()).sum::<u64>() - without, without)
 }
 
-/// The processes whose samples differ between the sink and the file: (pid, at the sink, in the
-/// file), for a failure's message.
+/// The processes whose samples with frames differ between the sink and the file: (pid, at the
+/// sink, in the file), for a failure's message.
 fn differences(requests: &[Export], traces: &[Trace]) -> Vec<(Option<u32>, u64, u64)> {
     let mut counts: std::collections::BTreeMap<Option<u32>, (u64, u64)> = Default::default();
     for resource in requests.iter().flat_map(|r| &r.resources) {
-        counts.entry(resource.pid()).or_default().0 += counted_samples(&[resource]).iter().map(|s| s.value()).sum::<u64>();
+        let samples = counted_samples(&[resource]);
+        counts.entry(resource.pid()).or_default().0 += samples.iter().filter(|s| !s.stack.is_empty()).map(|s| s.value()).sum::<u64>();
     }
     for trace in traces {
         counts.entry(trace.pid()).or_default().1 += trace.count;
     }
     counts.into_iter().filter(|(_, (sink, file))| sink != file).map(|(pid, (sink, file))| (pid, sink, file)).collect()
+}
+
+/// Every sample of the file reached the collector, once, and it got no other: those with frames
+/// are the ones `go tool pprof` shows of the file (it leaves out samples without a location),
+/// those without are the summary's `unresolved (no frames)`; the summary counts them all.
+fn assert_same_samples(requests: &[Export], traces: &[Trace], summary: &Summary, stderr: &str) {
+    let (with_frames, without) = counted(requests);
+    let in_file: u64 = traces.iter().map(|t| t.count).sum();
+    let unresolved =
+        stderr.lines().find_map(|line| line.split_once("unresolved (no frames): ")?.1.split(|c: char| !c.is_ascii_digit()).next()?.parse::<u64>().ok());
+    assert!(
+        with_frames == in_file && Some(without) == unresolved && summary.samples == with_frames + without,
+        "{summary:?}: {with_frames} samples with frames at the collector, {in_file} in the file; {without} without frames, {unresolved:?} \
+         unresolved in the summary; (pid, at the collector, in the file) where they differ: {:?}",
+        differences(requests, traces)
+    );
 }
 
 /// Samples of `pid` in the sink's counting profiles: all, and those with each of [`FUNCTIONS`].
@@ -338,13 +357,7 @@ fn three_pythons_reach_the_collector(grpc: bool) {
         assert!(request.status == 200 && request.error.is_none(), "{request:?}");
     }
     let traces = pprof_traces(&recording.pprof);
-    let at_sink = counted(&requests);
-    let in_file: u64 = traces.iter().map(|t| t.count).sum();
-    assert!(
-        summary.samples == at_sink && at_sink == in_file,
-        "{summary:?}: {at_sink} samples at the collector, {in_file} in the file; (pid, at the collector, in the file) where they differ: {:?}",
-        differences(&requests, &traces)
-    );
+    assert_same_samples(&requests, &traces, &summary, &recording.stderr);
     for workload in &workloads {
         let service = format!("svc-{}", workload.exe.file_name().unwrap().to_string_lossy());
         check_process(&requests, &traces, workload, grpc.then_some(service.as_str()));
@@ -404,14 +417,8 @@ fn periods_a_stopped_collector_missed_arrive_when_it_is_back() {
     assert_eq!((summary.dropped, summary.refused), (0, 0), "{summary:?}\n{stderr}");
     assert!(summary.sent >= 5 && requests.len() as u64 == summary.sent, "{summary:?}, {} requests at the sink", requests.len());
     assert!(requests.iter().all(|r| r.status == 200 && r.error.is_none()), "{requests:?}");
-    let at_sink = counted(&requests);
     let traces = pprof_traces(&pprof);
-    let in_file: u64 = traces.iter().map(|t| t.count).sum();
-    assert!(
-        summary.samples == at_sink && at_sink == in_file,
-        "{summary:?}: {at_sink} samples at the collector, {in_file} in the file; (pid, at the collector, in the file) where they differ: {:?}",
-        differences(&requests, &traces)
-    );
+    assert_same_samples(&requests, &traces, &summary, &stderr);
     let (python_at_sink, _) = sink_counts(&requests, workload.pid());
     let (python_in_file, _) = pprof_counts(&traces, workload.pid());
     assert!(python_in_file >= 500 && python_at_sink == python_in_file, "the Python's samples: {python_at_sink} at the collector, {python_in_file} in the file");
