@@ -507,7 +507,8 @@ fn tls_delivers_with_the_collectors_ca_and_names_a_wrong_one() {
     let ca = tls.ca.to_str().unwrap();
     for url in [collector.http_url(), collector.grpc_url()] {
         let before = sink.requests().len();
-        let recording = record(&["-p", &pid, "-d", "4", "--otlp-period", "2", "--otlp", &url, "--otlp-ca", ca], &[]);
+        // The service named on the command line, for every process.
+        let recording = record(&["-p", &pid, "-d", "4", "--otlp-period", "2", "--otlp", &url, "--otlp-ca", ca, "--service-name", "=tls-test"], &[]);
         recording.assert_success();
         let summary = summary(&recording.stderr);
         let requests = sink.wait_requests(before + summary.sent as usize, Duration::from_secs(10));
@@ -516,6 +517,8 @@ fn tls_delivers_with_the_collectors_ca_and_names_a_wrong_one() {
         assert_eq!(requests.len() - before, summary.sent as usize, "{url}");
         let (at_sink, _) = sink_counts(&requests[before..], workload.pid());
         assert!(at_sink >= 100, "{url}: {at_sink} samples of the Python reached the collector");
+        let services: HashSet<Option<&str>> = requests[before..].iter().flat_map(|r| &r.resources).map(|r| r.string("service.name")).collect();
+        assert_eq!(services, HashSet::from([Some("tls-test")]), "{url}: service.name with --service-name =tls-test");
     }
     let delivered = sink.requests().len();
     for url in [collector.http_url(), collector.grpc_url()] {
