@@ -341,7 +341,10 @@ fn backoff_grows_with_jitter_up_to_its_cap() {
 
 /// A one-thread HTTP server answering each request with the next of `answers` (status, body),
 /// returning the requests' headers and bodies once done.
-fn fake_collector(answers: Vec<(u16, &'static str)>) -> (String, std::thread::JoinHandle<Vec<(String, Vec<u8>)>>) {
+/// The requests a fake collector received: head and body of each.
+type Received = Vec<(String, Vec<u8>)>;
+
+fn fake_collector(answers: Vec<(u16, &'static str)>) -> (String, std::thread::JoinHandle<Received>) {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let address = listener.local_addr().unwrap();
     let thread = std::thread::spawn(move || {
