@@ -200,10 +200,12 @@ pub struct OtlpOptions {
     pub host_name: String,
 }
 
-/// The endpoint to export to: `--otlp`, else [`ENDPOINT_VARIABLE`] when set and not empty.
+/// The endpoint to export to: `--otlp`, else [`ENDPOINT_VARIABLE`] when set and not empty (an
+/// empty `--otlp ''`, as a unit's unset variable gives, is no endpoint either).
 pub fn endpoint(given: Option<&str>) -> Result<Option<Endpoint>, OtlpError> {
-    let from_env = std::env::var(ENDPOINT_VARIABLE).ok().filter(|value| !value.trim().is_empty());
-    match given.map(str::to_string).or(from_env) {
+    let not_empty = |value: &String| !value.trim().is_empty();
+    let from_env = std::env::var(ENDPOINT_VARIABLE).ok().filter(not_empty);
+    match given.map(str::to_string).filter(not_empty).or(from_env) {
         Some(text) => Endpoint::parse(text.trim()).map(Some),
         None => Ok(None),
     }

@@ -262,6 +262,21 @@ fn endpoints_parse_with_their_defaults() {
 }
 
 #[test]
+fn the_endpoint_falls_back_to_the_variable_and_empty_is_none() {
+    // The only test that reads or sets the variable.
+    std::env::set_var(ENDPOINT_VARIABLE, "http://from-env:4318");
+    let shown = |given: Option<&str>| endpoint(given).unwrap().map(|endpoint| endpoint.to_string());
+    assert_eq!(shown(None).as_deref(), Some("http://from-env:4318/v1development/profiles"));
+    assert_eq!(shown(Some(" ")).as_deref(), Some("http://from-env:4318/v1development/profiles"));
+    assert_eq!(shown(Some("grpc://flag:1")).as_deref(), Some("grpc://flag:1"));
+    std::env::set_var(ENDPOINT_VARIABLE, "");
+    assert_eq!(shown(None), None);
+    assert_eq!(shown(Some("")), None);
+    std::env::remove_var(ENDPOINT_VARIABLE);
+    assert!(endpoint(Some("nonsense")).is_err());
+}
+
+#[test]
 fn service_name_rules() {
     assert_eq!(ServiceName::parse("exe"), Ok(ServiceName::Exe));
     assert_eq!(ServiceName::parse("cgroup"), Ok(ServiceName::Cgroup));
