@@ -257,7 +257,8 @@ pub struct OtlpArgs {
     /// `grpc://HOST:PORT` or `grpcs://HOST:PORT` (gRPC, plain or TLS), `http://HOST:PORT[/PATH]` or
     /// `https://HOST:PORT[/PATH]` (HTTP/protobuf POST; PATH defaults to /v1development/profiles);
     /// gzip-compressed. Works with every target and --mode; -o files are written as without it.
-    /// Default: the environment variable PYEBPF_OTLP_ENDPOINT, when set and not empty
+    /// Default (also for an empty ENDPOINT): the environment variable PYEBPF_OTLP_ENDPOINT, when
+    /// set and not empty
     #[arg(long = "otlp", value_name = "ENDPOINT")]
     pub endpoint: Option<String>,
 

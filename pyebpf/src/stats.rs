@@ -56,35 +56,7 @@ pub struct Stats {
     /// `--async-aware`.
     pub tasks: TaskTotals,
     /// `--otlp`.
-    pub otlp: Option<OtlpTotals>,
-}
-
-/// What `record --otlp` delivered.
-#[derive(Debug, Default, Clone, PartialEq, Eq)]
-pub struct OtlpTotals {
-    /// Where to, as the summary shows it.
-    pub endpoint: String,
-    /// Periods the collector accepted, and the samples in them.
-    pub periods_sent: u64,
-    pub samples_sent: u64,
-    /// Attempts that failed and were tried again (a connection failure, a busy collector).
-    pub retries: u64,
-    /// Periods never delivered: dropped from a full queue, or still queued at the end.
-    pub dropped: u64,
-    /// Periods the collector refused for good (or in part).
-    pub refused: u64,
-}
-
-/// `otlp: 4 periods sent to URL (1234 samples), 3 retries, 0 dropped, 0 refused`: scripts and
-/// tests read these words.
-impl fmt::Display for OtlpTotals {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "otlp: {} periods sent to {} ({} samples), {} retries, {} dropped, {} refused",
-            self.periods_sent, self.endpoint, self.samples_sent, self.retries, self.dropped, self.refused
-        )
-    }
+    pub otlp: Option<crate::otlp::OtlpTotals>,
 }
 
 /// asyncio tasks read at the captures (`--async-aware`).

@@ -102,7 +102,7 @@ pub struct Summary {
     pub output: String,
     pub open_command: Option<String>,
     /// `--otlp`: what was delivered.
-    pub otlp: Option<crate::stats::OtlpTotals>,
+    pub otlp: Option<crate::otlp::OtlpTotals>,
 }
 
 impl Summary {

@@ -46,15 +46,14 @@ pub fn dist(root: &Path) -> Result<Artifacts> {
 /// `dist/pyebpf`: stripped, statically linked, the eBPF object embedded.
 fn static_binary(root: &Path, out: &Path) -> Result<PathBuf> {
     toolchain::ensure_target(STATIC_TARGET)?;
-    // ring (rustls's cryptography, for `record --otlp` over TLS) compiles C for the target: musl's
-    // gcc wrapper.
+    // ring (TLS for `record --otlp`) compiles C and assembly for the target: musl-gcc does it
+    // against musl's headers.
     toolchain::ensure_apt_packages(&[("musl-gcc", "musl-tools")])?;
     let linker_bin = toolchain::ensure_ebpf_toolchain(root)?;
     let object = toolchain::build_ebpf(root, &linker_bin)?;
     run(Command::new(env!("CARGO"))
         .current_dir(root)
         .args(["build", "--package", "pyebpf", "--profile", "dist", "--target", STATIC_TARGET])
-        .env("CC_x86_64_unknown_linux_musl", "musl-gcc")
         .env("PYEBPF_EBPF_OBJECT", &object))?;
     let binary = out.join("pyebpf");
     std::fs::copy(root.join("target").join(STATIC_TARGET).join("dist/pyebpf"), &binary)?;

@@ -12,9 +12,9 @@ use super::model::{self, Context};
 use super::queue::{self, Encoded, Shared};
 use super::tls::TlsMaterial;
 use super::transport::Transport;
+use super::OtlpTotals;
 use super::{OtlpError, OtlpOptions};
 use crate::stack::Profile;
-use crate::stats::OtlpTotals;
 
 enum Order {
     /// A piece of the current period (the whole of it, unless `--rotate` cut it too).

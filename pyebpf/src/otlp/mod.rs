@@ -200,10 +200,12 @@ pub struct OtlpOptions {
     pub host_name: String,
 }
 
-/// The endpoint to export to: `--otlp`, else [`ENDPOINT_VARIABLE`] when set and not empty.
+/// The endpoint to export to: `--otlp`, else [`ENDPOINT_VARIABLE`] when set and not empty (an
+/// empty `--otlp ''`, as a unit's unset variable gives, is no endpoint either).
 pub fn endpoint(given: Option<&str>) -> Result<Option<Endpoint>, OtlpError> {
-    let from_env = std::env::var(ENDPOINT_VARIABLE).ok().filter(|value| !value.trim().is_empty());
-    match given.map(str::to_string).or(from_env) {
+    let not_empty = |value: &String| !value.trim().is_empty();
+    let from_env = std::env::var(ENDPOINT_VARIABLE).ok().filter(not_empty);
+    match given.map(str::to_string).filter(not_empty).or(from_env) {
         Some(text) => Endpoint::parse(text.trim()).map(Some),
         None => Ok(None),
     }
@@ -212,4 +214,32 @@ pub fn endpoint(given: Option<&str>) -> Result<Option<Endpoint>, OtlpError> {
 /// This host's name, as `uname` gives it.
 pub fn host_name() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname").map(|name| name.trim().to_string()).unwrap_or_default()
+}
+
+/// What `record --otlp` delivered.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct OtlpTotals {
+    /// Where to, as the summary shows it.
+    pub endpoint: String,
+    /// Periods the collector accepted, and the samples in them.
+    pub periods_sent: u64,
+    pub samples_sent: u64,
+    /// Attempts that failed and were tried again (a connection failure, a busy collector).
+    pub retries: u64,
+    /// Periods never delivered: dropped from a full queue, or still queued at the end.
+    pub dropped: u64,
+    /// Periods the collector refused for good (or in part).
+    pub refused: u64,
+}
+
+/// `otlp: 4 periods sent to URL (1234 samples), 3 retries, 0 dropped, 0 refused`: scripts and
+/// tests read these words.
+impl fmt::Display for OtlpTotals {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "otlp: {} periods sent to {} ({} samples), {} retries, {} dropped, {} refused",
+            self.periods_sent, self.endpoint, self.samples_sent, self.retries, self.dropped, self.refused
+        )
+    }
 }

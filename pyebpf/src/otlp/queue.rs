@@ -14,8 +14,8 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use super::transport::{Outcome, Transport};
+use super::OtlpTotals;
 use crate::report;
-use crate::stats::OtlpTotals;
 
 /// The first retry's delay; each next one doubles, up to [`MAX_BACKOFF`].
 const FIRST_BACKOFF: Duration = Duration::from_millis(500);

@@ -262,6 +262,21 @@ fn endpoints_parse_with_their_defaults() {
 }
 
 #[test]
+fn the_endpoint_falls_back_to_the_variable_and_empty_is_none() {
+    // The only test that reads or sets the variable.
+    std::env::set_var(ENDPOINT_VARIABLE, "http://from-env:4318");
+    let shown = |given: Option<&str>| endpoint(given).unwrap().map(|endpoint| endpoint.to_string());
+    assert_eq!(shown(None).as_deref(), Some("http://from-env:4318/v1development/profiles"));
+    assert_eq!(shown(Some(" ")).as_deref(), Some("http://from-env:4318/v1development/profiles"));
+    assert_eq!(shown(Some("grpc://flag:1")).as_deref(), Some("grpc://flag:1"));
+    std::env::set_var(ENDPOINT_VARIABLE, "");
+    assert_eq!(shown(None), None);
+    assert_eq!(shown(Some("")), None);
+    std::env::remove_var(ENDPOINT_VARIABLE);
+    assert!(endpoint(Some("nonsense")).is_err());
+}
+
+#[test]
 fn service_name_rules() {
     assert_eq!(ServiceName::parse("exe"), Ok(ServiceName::Exe));
     assert_eq!(ServiceName::parse("cgroup"), Ok(ServiceName::Cgroup));
@@ -341,7 +356,10 @@ fn backoff_grows_with_jitter_up_to_its_cap() {
 
 /// A one-thread HTTP server answering each request with the next of `answers` (status, body),
 /// returning the requests' headers and bodies once done.
-fn fake_collector(answers: Vec<(u16, &'static str)>) -> (String, std::thread::JoinHandle<Vec<(String, Vec<u8>)>>) {
+/// The requests a fake collector received: head and body of each.
+type Received = Vec<(String, Vec<u8>)>;
+
+fn fake_collector(answers: Vec<(u16, &'static str)>) -> (String, std::thread::JoinHandle<Received>) {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let address = listener.local_addr().unwrap();
     let thread = std::thread::spawn(move || {
