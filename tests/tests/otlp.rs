@@ -179,6 +179,28 @@ fn counted_samples<'a>(resources: &[&'a Resource]) -> Vec<&'a pyebpf_tests::otlp
     resources.iter().flat_map(|r| &r.profiles).filter(|p| p.sample_type.1 == "count").flat_map(|p| &p.samples).collect()
 }
 
+/// One request per period, in order: its profiles share the period's start and duration, each
+/// period starts where the one before ended, each but the last lasts `period_s`, and together they
+/// cover the recording's `duration_s` (to a tenth of a second).
+fn check_periods(requests: &[Export], period_s: f64, duration_s: f64) {
+    let spans: Vec<(u64, u64)> = requests
+        .iter()
+        .map(|request| {
+            let spans: HashSet<(u64, u64)> = request.resources.iter().flat_map(|r| &r.profiles).map(|p| (p.time_unix_nano, p.duration_nano)).collect();
+            assert_eq!(spans.len(), 1, "a request's profiles span different times: {spans:?}");
+            spans.into_iter().next().unwrap()
+        })
+        .collect();
+    let seconds = |ns: u64| ns as f64 / 1e9;
+    for pair in spans.windows(2) {
+        let gap = seconds(pair[1].0) - seconds(pair[0].0 + pair[0].1);
+        assert!(gap.abs() < 0.05, "periods do not follow each other ({gap:.3} s between): {spans:?}");
+        assert!((seconds(pair[0].1) - period_s).abs() < 0.1, "a period of {:.3} s, not {period_s} s: {spans:?}", seconds(pair[0].1));
+    }
+    let covered: f64 = spans.iter().map(|&(_, duration)| seconds(duration)).sum();
+    assert!((covered - duration_s).abs() < 0.1, "the periods cover {covered:.3} s of a {duration_s} s recording: {spans:?}");
+}
+
 /// The samples the sink got, of every process: (with frames, without any).
 fn counted(requests: &[Export]) -> (u64, u64) {
     let samples = counted_samples(&requests.iter().flat_map(|r| &r.resources).collect::<Vec<_>>());
@@ -356,6 +378,7 @@ fn three_pythons_reach_the_collector(grpc: bool) {
     for request in &requests {
         assert!(request.status == 200 && request.error.is_none(), "{request:?}");
     }
+    check_periods(&requests, 5.0, 20.0);
     let traces = pprof_traces(&recording.pprof);
     assert_same_samples(&requests, &traces, &summary, &recording.stderr);
     for workload in &workloads {
@@ -417,6 +440,7 @@ fn periods_a_stopped_collector_missed_arrive_when_it_is_back() {
     assert_eq!((summary.dropped, summary.refused), (0, 0), "{summary:?}\n{stderr}");
     assert!(summary.sent >= 5 && requests.len() as u64 == summary.sent, "{summary:?}, {} requests at the sink", requests.len());
     assert!(requests.iter().all(|r| r.status == 200 && r.error.is_none()), "{requests:?}");
+    check_periods(&requests, 5.0, 28.0);
     let traces = pprof_traces(&pprof);
     assert_same_samples(&requests, &traces, &summary, &stderr);
     let (python_at_sink, _) = sink_counts(&requests, workload.pid());
