@@ -222,7 +222,7 @@ async fn wait(shared: &Shared, delay: Duration) {
 }
 
 /// At the deadline: what is still queued is dropped, and counted.
-pub(super) fn drop_the_rest(shared: &Shared) {
+fn drop_the_rest(shared: &Shared) {
     let mut state = shared.lock();
     let left = state.queue.len() as u64;
     state.queue.clear();
