@@ -97,8 +97,10 @@ async fn run(options: OtlpOptions, transport: Transport, mut received: mpsc::Unb
         }
     }
     shared.close(tokio::time::Instant::now() + options.flush_timeout);
-    // The sender stops by the deadline; the extra second covers a request cut at it.
+    // The sender stops by the deadline; the extra second covers a request cut at it. Whatever
+    // it left is counted as dropped.
     let _ = tokio::time::timeout(options.flush_timeout + Duration::from_secs(1), sender).await;
+    queue::drop_the_rest(&shared);
     shared.totals()
 }
 

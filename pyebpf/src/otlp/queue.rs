@@ -154,7 +154,14 @@ pub(super) async fn send_all(shared: Arc<Shared>, mut transport: Transport, endp
             drop_the_rest(&shared);
             return;
         }
-        let outcome = transport.send(body, timeout).await;
+        let outcome = tokio::select! {
+            outcome = transport.send(body, timeout) => outcome,
+            // A request under way when the end's deadline passes is cut there.
+            _ = until_deadline(&shared) => {
+                drop_the_rest(&shared);
+                return;
+            }
+        };
         let retry = record(&shared, seq, samples, outcome, &endpoint);
         match retry {
             None => backoff = Backoff::default(),
@@ -221,8 +228,20 @@ async fn wait(shared: &Shared, delay: Duration) {
     }
 }
 
+/// Returns when the run has ended and its deadline passed.
+async fn until_deadline(shared: &Shared) {
+    loop {
+        let wake = shared.wake.notified();
+        let deadline = shared.lock().deadline;
+        match deadline {
+            Some(deadline) => return tokio::time::sleep_until(deadline).await,
+            None => wake.await,
+        }
+    }
+}
+
 /// At the deadline: what is still queued is dropped, and counted.
-fn drop_the_rest(shared: &Shared) {
+pub(super) fn drop_the_rest(shared: &Shared) {
     let mut state = shared.lock();
     let left = state.queue.len() as u64;
     state.queue.clear();

@@ -134,7 +134,9 @@ pub(super) fn grpc_outcome(status: &tonic::Status) -> Outcome {
     let retry_after = retry_delay(status.details());
     let text = || format!("gRPC {:?}: {}", status.code(), clip(status.message()));
     match status.code() {
-        Code::Unavailable if status.source().is_some() => Outcome::Retry { cause: connection_cause(status), after: retry_after },
+        // A status made from a transport error (no answer: refused, reset, not HTTP/2) is a
+        // connection failure, whatever code tonic gave it.
+        Code::Unavailable | Code::Unknown if status.source().is_some() => Outcome::Retry { cause: connection_cause(status), after: retry_after },
         Code::Unavailable | Code::DeadlineExceeded | Code::Aborted | Code::Cancelled | Code::OutOfRange | Code::DataLoss => {
             Outcome::Retry { cause: text(), after: retry_after }
         }

@@ -27,7 +27,11 @@ use crate::stack::{FrameCarry, Profile};
 use crate::stats::Stats;
 use crate::stop_signals::StopSignals;
 use crate::summary::{RunTotals, Summary};
-use periods::{report_period, write_and_retain, Ended, Periods, WrittenPeriods};
+use periods::{report_period, write_and_retain, Boundary, Ended, Periods, WrittenPeriods};
+
+/// An export period that ends this close to `--duration`'s end is ended by it (the timers of
+/// both fire in the same instant, in either order).
+const END_SLACK: Duration = Duration::from_millis(100);
 
 /// `-o` unless given (and without --otlp).
 const DEFAULT_OUTPUT: &str = "profile.pb.gz";
@@ -232,6 +236,10 @@ async fn record(args: &RecordArgs, watched: &Watched, mut periods: Periods) -> R
             }
             signal = stops.next() => if !pass_to_command(&mut command, signal) { break },
             boundary = periods.next() => {
+                if boundary == Boundary::Export && deadline.is_some_and(|deadline| deadline <= tokio::time::Instant::now() + END_SLACK) {
+                    // The recording ends now: its end sends this period, not a near-empty one after.
+                    break;
+                }
                 let piece = cut(&mut run);
                 periods.hand_over(piece, Some(boundary), run.sampler.lost_samples());
             }
