@@ -85,10 +85,11 @@ impl Sink {
         format!("http://127.0.0.1:{}", self.port)
     }
 
-    /// Every request it got so far, in order.
+    /// Every request it got so far, in order (a line it is still writing is left for later).
     pub fn requests(&self) -> Vec<Export> {
         let text = std::fs::read_to_string(&self.out).unwrap();
-        text.lines().map(|line| serde_json::from_str(line).unwrap_or_else(|err| panic!("sink line {line:.300}: {err}"))).collect()
+        let complete = text.rfind('\n').map_or("", |end| &text[..end]);
+        complete.lines().map(|line| serde_json::from_str(line).unwrap_or_else(|err| panic!("sink line {line:.300}: {err}"))).collect()
     }
 
     /// Waits up to `limit` until it got at least `count` requests; returns them.
@@ -194,13 +195,16 @@ impl Frame {
     }
 }
 
-/// A test CA, a server certificate it signed for 127.0.0.1 and localhost, and a second CA that
-/// signed nothing of the server's, made with the `openssl` command in a folder of their own.
+/// A test CA, a server certificate it signed for 127.0.0.1 and localhost, a client certificate it
+/// signed, and a second CA that signed nothing of them, made with the `openssl` command in a
+/// folder of their own.
 pub struct Tls {
     _dir: tempfile::TempDir,
     pub ca: PathBuf,
     pub cert: PathBuf,
     pub key: PathBuf,
+    pub client_cert: PathBuf,
+    pub client_key: PathBuf,
     pub wrong_ca: PathBuf,
 }
 
@@ -208,28 +212,42 @@ impl Tls {
     pub fn new() -> Tls {
         let dir = tempfile::tempdir().unwrap();
         let path = |name: &str| dir.path().join(name);
-        let ext = path("server.ext");
-        std::fs::write(
-            &ext,
-            "basicConstraints=critical,CA:FALSE\nkeyUsage=critical,digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\n\
-             subjectAltName=IP:127.0.0.1,DNS:localhost\n",
-        )
-        .unwrap();
+        let extensions = |usage: &str, names: &str| {
+            format!("basicConstraints=critical,CA:FALSE\nkeyUsage=critical,digitalSignature,keyEncipherment\nextendedKeyUsage={usage}\n{names}")
+        };
+        std::fs::write(path("server.ext"), extensions("serverAuth", "subjectAltName=IP:127.0.0.1,DNS:localhost\n")).unwrap();
+        std::fs::write(path("client.ext"), extensions("clientAuth", "")).unwrap();
         for name in ["ca", "wrong-ca"] {
             openssl(
                 &["req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-days", "2", "-subj", &format!("/CN=pyebpf test {name}")],
                 &[("-keyout", &path(&format!("{name}.key"))), ("-out", &path(&format!("{name}.pem")))],
             );
         }
-        openssl(
-            &["req", "-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-subj", "/CN=127.0.0.1"],
-            &[("-keyout", &path("server.key")), ("-out", &path("server.csr"))],
-        );
-        openssl(
-            &["x509", "-req", "-days", "2", "-CAcreateserial"],
-            &[("-in", &path("server.csr")), ("-CA", &path("ca.pem")), ("-CAkey", &path("ca.key")), ("-extfile", &ext), ("-out", &path("server.pem"))],
-        );
-        Tls { ca: path("ca.pem"), cert: path("server.pem"), key: path("server.key"), wrong_ca: path("wrong-ca.pem"), _dir: dir }
+        for (name, subject) in [("server", "/CN=127.0.0.1"), ("client", "/CN=pyebpf test client")] {
+            openssl(
+                &["req", "-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-subj", subject],
+                &[("-keyout", &path(&format!("{name}.key"))), ("-out", &path(&format!("{name}.csr")))],
+            );
+            openssl(
+                &["x509", "-req", "-days", "2", "-CAcreateserial"],
+                &[
+                    ("-in", &path(&format!("{name}.csr"))),
+                    ("-CA", &path("ca.pem")),
+                    ("-CAkey", &path("ca.key")),
+                    ("-extfile", &path(&format!("{name}.ext"))),
+                    ("-out", &path(&format!("{name}.pem"))),
+                ],
+            );
+        }
+        Tls {
+            ca: path("ca.pem"),
+            cert: path("server.pem"),
+            key: path("server.key"),
+            client_cert: path("client.pem"),
+            client_key: path("client.key"),
+            wrong_ca: path("wrong-ca.pem"),
+            _dir: dir,
+        }
     }
 }
 
@@ -265,10 +283,21 @@ pub struct Collector {
 
 impl Collector {
     pub fn start(sink: &Sink, tls: Option<&Tls>) -> Collector {
+        Collector::start_with(sink, tls, false)
+    }
+
+    /// One that takes only clients with a certificate of the test CA (mutual TLS).
+    pub fn start_mutual(sink: &Sink, tls: &Tls) -> Collector {
+        Collector::start_with(sink, Some(tls), true)
+    }
+
+    fn start_with(sink: &Sink, tls: Option<&Tls>, mutual: bool) -> Collector {
         let dir = tempfile::tempdir().unwrap();
         let (grpc_port, http_port) = (free_port(), free_port());
-        let tls_block =
-            tls.map_or(String::new(), |tls| format!("\n        tls:\n          cert_file: {}\n          key_file: {}", tls.cert.display(), tls.key.display()));
+        let tls_block = tls.map_or(String::new(), |tls| {
+            let client_ca = if mutual { format!("\n          client_ca_file: {}", tls.ca.display()) } else { String::new() };
+            format!("\n        tls:\n          cert_file: {}\n          key_file: {}{client_ca}", tls.cert.display(), tls.key.display())
+        });
         let config = format!(
             "receivers:\n  otlp:\n    protocols:\n      grpc:\n        endpoint: 127.0.0.1:{grpc_port}{tls_block}\n      http:\n        endpoint: 127.0.0.1:{http_port}{tls_block}\n\
              exporters:\n  otlphttp:\n    endpoint: http://127.0.0.1:{}\n    compression: gzip\n    retry_on_failure:\n      enabled: false\n    sending_queue:\n      enabled: false\n\

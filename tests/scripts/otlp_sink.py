@@ -178,10 +178,11 @@ class Sink(http.server.BaseHTTPRequestHandler):
                 record["status"] = 400
         if self.path != PATH:
             record["status"] = 404
-        self.answer(record)
+        # Written before the answer: once the sender has its answer, the line is there.
         with self.lock:
             with open(self.out, "a") as out:
                 out.write(json.dumps(record) + "\n")
+        self.answer(record)
 
     def answer(self, record):
         status = record["status"]

@@ -562,3 +562,32 @@ fn tls_delivers_with_the_collectors_ca_and_names_a_wrong_one() {
     assert_eq!(requests.len(), delivered, "requests reached the collector through a certificate of another CA");
     assert!(requests.iter().all(|r| r.status == 200 && r.error.is_none()), "{requests:?}");
 }
+
+/// A collector that takes only clients with a certificate of its CA: pyebpf's `--otlp-cert` and
+/// `--otlp-key` get the periods in; without them, one line names the refused handshake and
+/// nothing is delivered.
+#[test]
+fn mutual_tls_delivers_with_the_client_certificate_only() {
+    let tls = Tls::new();
+    let sink = Sink::start();
+    let collector = Collector::start_mutual(&sink, &tls);
+    let workload = Workload::start(&debian_python("3.13"), &[]);
+    let pid = workload.pid().to_string();
+    let url = collector.http_url();
+    let (ca, cert, key) = (tls.ca.to_str().unwrap(), tls.client_cert.to_str().unwrap(), tls.client_key.to_str().unwrap());
+    let without = record(&["-p", &pid, "-d", "2", "--otlp-period", "1", "--otlp", &url, "--otlp-ca", ca, "--otlp-flush-timeout", "2"], &[]);
+    without.assert_success();
+    let complaints = otlp_complaints(&without.stderr);
+    let tls_lines: Vec<&&str> = complaints.iter().filter(|line| ["certificate", "tls"].iter().any(|word| line.to_lowercase().contains(word))).collect();
+    assert_eq!(tls_lines.len(), 1, "without a client certificate: not one `pyebpf: otlp: ` line about it:\n{}", without.stderr);
+    assert_eq!(summary(&without.stderr).sent, 0, "{}", without.stderr);
+    assert!(sink.requests().is_empty(), "a request reached the collector without a client certificate");
+    let with = record(&["-p", &pid, "-d", "3", "--otlp-period", "1", "--otlp", &url, "--otlp-ca", ca, "--otlp-cert", cert, "--otlp-key", key], &[]);
+    with.assert_success();
+    let summary = summary(&with.stderr);
+    eprintln!("without: {complaints:?}; with: {summary:?}");
+    assert!(summary.sent >= 2 && (summary.dropped, summary.refused) == (0, 0), "{summary:?}\n{}", with.stderr);
+    let requests = sink.wait_requests(summary.sent as usize, Duration::from_secs(10));
+    let (at_sink, _) = sink_counts(&requests, workload.pid());
+    assert!(requests.len() as u64 == summary.sent && at_sink >= 50, "{} requests, {at_sink} samples of the Python reached the collector", requests.len());
+}
