@@ -5,6 +5,7 @@
 //! accepts connections and never answers; and `go tool pprof -traces`, read per sample.
 
 use std::collections::HashMap;
+use std::io::Read;
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -420,6 +421,54 @@ impl Silent {
 impl Drop for Silent {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+/// A cgroup named as container runtimes name theirs (`pyebpf-test-<64 hex>.scope`, the id
+/// random), made at the root of the cgroup v2 hierarchy: a process moved into it is, for pyebpf, a
+/// process of that container. Removed when dropped (after its processes ended).
+pub struct ContainerCgroup {
+    pub id: String,
+    pub path: PathBuf,
+}
+
+impl ContainerCgroup {
+    pub fn new() -> ContainerCgroup {
+        let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+        // `ID PARENT DEV ROOT MOUNT_POINT OPTIONS ... - TYPE SOURCE SUPER_OPTIONS`
+        let mount = mountinfo
+            .lines()
+            .find(|line| line.split_once(" - ").is_some_and(|(_, after)| after.starts_with("cgroup2 ")))
+            .and_then(|line| line.split_whitespace().nth(4))
+            .unwrap_or_else(|| panic!("no cgroup v2 hierarchy is mounted: the test puts a process in a container's cgroup there"));
+        let mut random = [0u8; 32];
+        std::fs::File::open("/dev/urandom").unwrap().read_exact(&mut random).unwrap();
+        let id: String = random.iter().map(|b| format!("{b:02x}")).collect();
+        let path = Path::new(mount).join(format!("pyebpf-test-{id}.scope"));
+        std::fs::create_dir(&path).unwrap_or_else(|err| panic!("cannot make the cgroup {}: {err}", path.display()));
+        ContainerCgroup { id, path }
+    }
+
+    /// Moves process `pid` into it.
+    pub fn add(&self, pid: u32) {
+        let procs = self.path.join("cgroup.procs");
+        std::fs::write(&procs, pid.to_string()).unwrap_or_else(|err| panic!("cannot move {pid} into {}: {err}", procs.display()));
+    }
+}
+
+impl Default for ContainerCgroup {
+    fn default() -> Self {
+        ContainerCgroup::new()
+    }
+}
+
+impl Drop for ContainerCgroup {
+    fn drop(&mut self) {
+        let started = Instant::now();
+        // A process just killed may leave it a moment later.
+        while std::fs::remove_dir(&self.path).is_err() && started.elapsed() < Duration::from_secs(5) {
+            std::thread::sleep(Duration::from_millis(50));
+        }
     }
 }
 

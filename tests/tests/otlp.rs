@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use pyebpf_tests::otlp::{otelcol_prefix, pprof_traces, Collector, Export, Frame, Resource, Silent, Sink, Tls, Trace};
+use pyebpf_tests::otlp::{otelcol_prefix, pprof_traces, Collector, ContainerCgroup, Export, Frame, Resource, Silent, Sink, Tls, Trace};
 use pyebpf_tests::{debian_python, pyebpf_command, pyenv_python, script, signal_masks, wait_after_signal, wait_for_file, Killed, Sent};
 
 /// The workload: one thread spending 60/30/10% of its time in three functions.
@@ -590,4 +590,33 @@ fn mutual_tls_delivers_with_the_client_certificate_only() {
     let requests = sink.wait_requests(summary.sent as usize, Duration::from_secs(10));
     let (at_sink, _) = sink_counts(&requests, workload.pid());
     assert!(requests.len() as u64 == summary.sent && at_sink >= 50, "{} requests, {at_sink} samples of the Python reached the collector", requests.len());
+}
+
+/// A Python in a container's cgroup has its id as `container.id`, and with `--service-name
+/// cgroup` the cgroup's name as its service; a Python of the host has no `container.id`.
+#[test]
+fn a_python_in_a_containers_cgroup_carries_its_id() {
+    let cgroup = ContainerCgroup::new();
+    let sink = Sink::start();
+    let collector = Collector::start(&sink, None);
+    let contained = Workload::start(&debian_python("3.13"), &[]);
+    cgroup.add(contained.pid());
+    let host = Workload::start(&debian_python("3.15"), &[]);
+    let recording = record(&["-a", "-d", "3", "--otlp-period", "1", "--otlp", &collector.http_url(), "--service-name", "cgroup"], &[]);
+    recording.assert_success();
+    let summary = summary(&recording.stderr);
+    let requests = sink.wait_requests(summary.sent as usize, Duration::from_secs(10));
+    let contained_resources = resources_of(&requests, contained.pid());
+    let host_resources = resources_of(&requests, host.pid());
+    assert!(!contained_resources.is_empty() && !host_resources.is_empty(), "{summary:?}: a Python is missing at the collector");
+    let scope = format!("pyebpf-test-{}.scope", cgroup.id);
+    for resource in contained_resources {
+        assert_eq!(resource.string("container.id"), Some(cgroup.id.as_str()), "{:?}", resource.attributes);
+        assert_eq!(resource.string("service.name"), Some(scope.as_str()), "{:?}", resource.attributes);
+    }
+    for resource in host_resources {
+        assert_eq!(resource.string("container.id"), None, "a process of the host: {:?}", resource.attributes);
+        assert!(!resource.string("service.name").unwrap_or_default().is_empty(), "{:?}", resource.attributes);
+    }
+    drop(contained);
 }
