@@ -8,7 +8,9 @@
 //! modes (each sample stands for one period of CPU time), `off_cpu/nanoseconds` and
 //! `wall/nanoseconds` otherwise, with `thread.state` telling the waits apart. Stacks are leaf
 //! first; every location says what ran there in `profile.frame.type` (`cpython`, `native`,
-//! `kernel`). Samples carry no timestamps: profiles aggregate per stack, not per sample.
+//! `kernel`), and has a line only where a function is known (a native or kernel address no
+//! symbol names is left to the backend, with its mapping's file and build id). Samples carry no
+//! timestamps: profiles aggregate per stack, not per sample.
 
 use std::collections::hash_map::RandomState;
 use std::collections::{BTreeMap, HashMap};
@@ -17,7 +19,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use crate::mode::Mode;
-use crate::output::{native_name, task_name};
+use crate::output::task_name;
 use crate::stack::{Frame, KernelFrame, Module, NativeFrame, ProcessDetails, Profile, PythonFrame, Stack, Weight};
 
 use super::proto::common::{any_value, AnyValue, InstrumentationScope, KeyValue};
@@ -54,7 +56,8 @@ pub(super) fn request(pieces: &[Arc<Profile>], context: &Context<'_>) -> Request
         for (stack, weight) in stacks {
             samples += weight.samples;
             let process = processes.entry(stack.pid).or_insert_with(|| Process::of(&stack));
-            let key = dictionary.sample_key(&stack, piece.mode != Mode::Cpu && piece.mode != Mode::Gil);
+            // As pprof labels them: every mode but cpu tells states apart.
+            let key = dictionary.sample_key(&stack, piece.mode != Mode::Cpu);
             *process.values.entry(key).or_default() += values.of(weight);
         }
     }
@@ -380,12 +383,10 @@ impl Dictionary {
             return index;
         }
         let index = index_of(self.locations.len());
-        self.locations.push(otlp::Location {
-            mapping_index: key.mapping,
-            address: key.address,
-            lines: vec![otlp::Line { function_index: key.function, line: key.line, column: 0 }],
-            attribute_indices: vec![key.frame_type],
-        });
+        // A frame without a function (a native or kernel address no symbol names) has no line:
+        // a backend can still symbolize it from its mapping's file and build id.
+        let lines = if key.function == 0 { Vec::new() } else { vec![otlp::Line { function_index: key.function, line: key.line, column: 0 }] };
+        self.locations.push(otlp::Location { mapping_index: key.mapping, address: key.address, lines, attribute_indices: vec![key.frame_type] });
         self.location_index.insert(key, index);
         index
     }
@@ -404,17 +405,19 @@ impl Dictionary {
         }
     }
 
-    /// A native frame at its address in the process, in its file's mapping; named by its symbol
-    /// or, without one, `FILE+0xOFFSET`, as in pprof.
+    /// A native frame at its address in the process (as in pprof), in its file's mapping; with
+    /// its symbol's function where it has one.
     fn native_location(&mut self, frame: &NativeFrame) -> LocationKey {
         let mapping = frame.module.as_ref().map_or(0, |module| self.mapping(MappingKey::Module(module.clone())));
-        let function = self.function(&native_name(frame), frame.file.as_deref().unwrap_or(""), 0);
+        let function = match &frame.symbol {
+            Some(symbol) => self.function(symbol, frame.file.as_deref().unwrap_or(""), 0),
+            None => 0,
+        };
         LocationKey { mapping, address: frame.addr, function, line: frame.line.map_or(0, i64::from), frame_type: self.frame_type("native") }
     }
 
     fn kernel_location(&mut self, frame: &KernelFrame) -> LocationKey {
-        let name = frame.symbol.as_deref().map_or_else(|| format!("{:#x}", frame.addr), str::to_string);
-        let function = self.function(&name, "", 0);
+        let function = frame.symbol.as_deref().map_or(0, |symbol| self.function(symbol, "", 0));
         LocationKey { mapping: self.mapping(MappingKey::Kernel), address: frame.addr, function, line: 0, frame_type: self.frame_type("kernel") }
     }
 

@@ -186,7 +186,8 @@ impl HttpClient {
 /// retried, any other status refused.
 pub(super) fn http_outcome(status: http::StatusCode, retry_after: Option<Duration>, protobuf: bool, body: &[u8]) -> Outcome {
     if status.is_success() {
-        let response = if protobuf || !body.is_empty() { ExportProfilesServiceResponse::decode(body).ok() } else { None };
+        // Only a protobuf answer is read: text decoded as protobuf could claim anything.
+        let response = if protobuf { ExportProfilesServiceResponse::decode(body).ok() } else { None };
         return delivered(response.and_then(|response| response.partial_success));
     }
     // The collector says why as a google.rpc.Status in protobuf, others in text or JSON.
