@@ -1,7 +1,8 @@
-//! `pyebpf record --otlp` (issue 32) against a real OpenTelemetry Collector: every period reaches
-//! it as OTLP profiles whose content is the pprof file's, over HTTP, gRPC and TLS; a collector that
-//! goes away gets what it missed when it comes back; one that refuses, hangs or presents a
-//! certificate of another CA costs nothing of the recording.
+//! `pyebpf record --otlp` (issue 32) against a real OpenTelemetry Collector (`tests/otlp.rs`):
+//! every period reaches it as OTLP profiles whose content is the pprof file's, over HTTP, gRPC,
+//! TLS and mutual TLS, with each process's resource attributes (its container's id too); a
+//! collector that goes away gets what it missed when it comes back; one that refuses, hangs or
+//! presents a certificate of another CA costs nothing of the recording.
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
