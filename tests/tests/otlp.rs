@@ -480,6 +480,7 @@ fn a_refusing_endpoint_is_named_once_and_the_recording_goes_on() {
     }
     let (in_file, with) = pprof_counts(&pprof_traces(&recording.pprof), workload.pid());
     let expected = cpu * 99.0;
+    eprintln!("{in_file} samples of the Python in the file; its {cpu:.2} s of CPU at 99 Hz are {expected:.0}");
     assert!(
         (in_file as f64 - expected).abs() <= expected * 0.2,
         "{in_file} samples of the Python in the file, where its {cpu:.1} s of CPU at 99 Hz are {expected:.0}"
