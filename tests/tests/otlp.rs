@@ -450,7 +450,8 @@ fn periods_a_stopped_collector_missed_arrive_when_it_is_back() {
 }
 
 /// pyebpf exporting straight to an endpoint that refuses every request with 400: one line says
-/// so with the endpoint's message, nothing is sent again, and the recording is whole.
+/// so with the endpoint's message, nothing is sent again, and the recording is whole. The
+/// requests carry the headers of `--otlp-headers-file` and `PYEBPF_OTLP_HEADERS`.
 #[test]
 fn a_refusing_endpoint_is_named_once_and_the_recording_goes_on() {
     const MESSAGE: &str = "profiles refused by the test sink: quota exhausted";
@@ -460,7 +461,10 @@ fn a_refusing_endpoint_is_named_once_and_the_recording_goes_on() {
     let headers = dir.path().join("headers");
     std::fs::write(&headers, "x-test-token: t0k3n\nx-tenant: acceptance\n").unwrap();
     let cpu_before = cpu_seconds(workload.pid());
-    let recording = record(&["-a", "-F", "99", "-d", "12", "--otlp-period", "3", "--otlp", &sink.url(), "--otlp-headers-file", headers.to_str().unwrap()], &[]);
+    let recording = record(
+        &["-a", "-F", "99", "-d", "12", "--otlp-period", "3", "--otlp", &sink.url(), "--otlp-headers-file", headers.to_str().unwrap()],
+        &[("PYEBPF_OTLP_HEADERS", "x-env-token=a%20b")],
+    );
     let cpu = cpu_seconds(workload.pid()) - cpu_before;
     // A refused export is the collector's verdict on data, not a failure of the recording.
     recording.assert_success();
@@ -476,6 +480,7 @@ fn a_refusing_endpoint_is_named_once_and_the_recording_goes_on() {
         assert!(request.error.is_none(), "the sink could not read a request: {request:?}");
         assert_eq!(request.headers.get("x-test-token").map(String::as_str), Some("t0k3n"), "{:?}", request.headers);
         assert_eq!(request.headers.get("x-tenant").map(String::as_str), Some("acceptance"), "{:?}", request.headers);
+        assert_eq!(request.headers.get("x-env-token").map(String::as_str), Some("a b"), "PYEBPF_OTLP_HEADERS: {:?}", request.headers);
         assert!(request.resources.iter().any(|r| r.pid() == Some(workload.pid())), "a request without the Python");
     }
     let (in_file, with) = pprof_counts(&pprof_traces(&recording.pprof), workload.pid());
