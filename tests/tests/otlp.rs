@@ -627,3 +627,29 @@ fn a_python_in_a_containers_cgroup_carries_its_id() {
     }
     drop(contained);
 }
+
+/// Without `-d`, `-o` or `--otlp-period` (60 s), SIGTERM after 3 s ends the recording and sends
+/// its partial period: one request spanning those seconds, with the Python in it.
+#[test]
+fn sigterm_sends_the_partial_period() {
+    let sink = Sink::start();
+    let collector = Collector::start(&sink, None);
+    let workload = Workload::start(&debian_python("3.15"), &[]);
+    let child = pyebpf_command().args(["record", "-a", "--otlp", &collector.grpc_url()]).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
+    let at_start = signal_masks(child.id());
+    std::thread::sleep(Duration::from_secs(3));
+    let sent = Sent { name: "SIGTERM", signal: libc::SIGTERM, after_ms: 3000, at_start };
+    // SAFETY: kill takes a pid and a signal; the child is not reaped yet.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let output = wait_after_signal(child, &sent, Duration::from_secs(15));
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    assert!(output.status.success(), "pyebpf record failed ({}):\n{stderr}", output.status);
+    let summary = summary(&stderr);
+    let requests = sink.wait_requests(1, Duration::from_secs(10));
+    assert!(summary.sent == 1 && requests.len() == 1, "{summary:?}, {} requests at the sink:\n{stderr}", requests.len());
+    let durations: HashSet<u64> = requests[0].resources.iter().flat_map(|r| &r.profiles).map(|p| p.duration_nano).collect();
+    let seconds: Vec<f64> = durations.iter().map(|&ns| ns as f64 / 1e9).collect();
+    assert!(seconds.len() == 1 && (1.5..=3.5).contains(&seconds[0]), "the partial period lasts {seconds:?} s of a 3 s run");
+    let (at_sink, _) = sink_counts(&requests, workload.pid());
+    assert!(at_sink >= 50, "{at_sink} samples of the Python in the partial period");
+}
