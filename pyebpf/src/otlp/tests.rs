@@ -331,8 +331,17 @@ fn grpc_codes_are_refused_or_retried() {
     use super::transport::grpc_outcome;
     assert!(matches!(grpc_outcome(&tonic::Status::invalid_argument("bad")), Outcome::Refused(text) if text == "gRPC InvalidArgument: bad"));
     assert!(matches!(grpc_outcome(&tonic::Status::unavailable("later")), Outcome::Retry { .. }));
-    // RESOURCE_EXHAUSTED is retried only when the server says when.
+    // RESOURCE_EXHAUSTED is retried only when the server says when (RetryInfo in the details).
     assert!(matches!(grpc_outcome(&tonic::Status::resource_exhausted("full")), Outcome::Refused(_)));
+    let retry_info = [0x0a, 0x02, 0x08, 0x02]; // RetryInfo { retry_delay: { seconds: 2 } }
+    let mut any = vec![0x0a, 40];
+    any.extend_from_slice(b"type.googleapis.com/google.rpc.RetryInfo");
+    any.extend_from_slice(&[0x12, retry_info.len() as u8]);
+    any.extend_from_slice(&retry_info);
+    let mut details = vec![0x08, 8, 0x1a, any.len() as u8];
+    details.extend_from_slice(&any);
+    let busy = tonic::Status::with_details(tonic::Code::ResourceExhausted, "slow down", details.into());
+    assert_eq!(grpc_outcome(&busy), Outcome::Retry { cause: "gRPC ResourceExhausted: slow down".into(), after: Some(Duration::from_secs(2)) });
 }
 
 #[test]
