@@ -573,6 +573,36 @@ mod tests {
     }
 
     #[test]
+    fn absorbed_pieces_add_up_to_one_period() {
+        let key = |tid, line| StackKey {
+            pid: 1,
+            tid,
+            comm: "python3".into(),
+            frames: vec![python(line), python(20)],
+            truncated: false,
+            labels: None,
+            state: ThreadState::OnCpu,
+        };
+        let mut first = Profile::new(100);
+        (first.start_unix_ns, first.duration_ns) = (2_000, 5);
+        first.add(key(1, 4), 2);
+        first.add(key(2, 4), 1);
+        let mut second = first.next_period();
+        (second.start_unix_ns, second.duration_ns) = (3_000, 7);
+        second.add(key(1, 4), 3);
+        second.add(key(1, 5), 1);
+        let mut period = first.next_period();
+        period.absorb(&first);
+        period.absorb(&second);
+        assert_eq!((period.start_unix_ns, period.duration_ns), (2_000, 12));
+        assert_eq!((period.len(), period.total_samples()), (3, 7));
+        // The frames are the period's own, each once.
+        assert_eq!(period.frames.len(), 3);
+        let thread_1_line_4 = period.stacks().find(|(stack, _)| stack.tid == 1 && stack.frames.iter().next() == Some(&python(4))).unwrap().1;
+        assert_eq!(thread_1_line_4.samples, 5);
+    }
+
+    #[test]
     fn renewed_frames_keep_the_stacks_and_what_is_carried_and_drop_the_rest() {
         let key = |line| StackKey {
             pid: 1,

@@ -87,8 +87,8 @@ async fn run(options: OtlpOptions, transport: Transport, mut received: mpsc::Unb
         match received.recv().await {
             Some(Order::Piece(piece)) => pieces.push(piece),
             Some(Order::EndPeriod) => {
-                if let Some(period) = encode(&std::mem::take(&mut pieces), &context) {
-                    shared.push(period);
+                for request in encode(&std::mem::take(&mut pieces), &context, MAX_REQUEST_BYTES) {
+                    shared.push(request);
                 }
                 // Let the sender start on it before the next period comes.
                 tokio::task::yield_now().await;
@@ -104,11 +104,31 @@ async fn run(options: OtlpOptions, transport: Transport, mut received: mpsc::Unb
     shared.totals()
 }
 
-/// The period's request, encoded; None for a period without samples (nothing to say).
-fn encode(pieces: &[Arc<Profile>], context: &Context<'_>) -> Option<Encoded> {
-    let request = model::request(pieces, context);
-    if request.message.resource_profiles.is_empty() {
-        return None;
+/// The largest request made when a period can be split: gRPC servers refuse messages past 4 MiB
+/// unless told otherwise (the collector's receiver among them).
+const MAX_REQUEST_BYTES: usize = 3 << 20;
+
+/// The period's requests, encoded: one, or for a period past `max_bytes` as many as it takes, each
+/// with a share of the processes (a process is never split); none for a period without samples.
+pub(super) fn encode(pieces: &[Arc<Profile>], context: &Context<'_>, max_bytes: usize) -> Vec<Encoded> {
+    let whole = model::request(pieces, context, None);
+    let body = whole.message.encode_to_vec();
+    let pids = model::pids(&whole.message);
+    if pids.is_empty() {
+        return Vec::new();
     }
-    Some(Encoded { body: request.message.encode_to_vec().into(), samples: request.samples })
+    let parts = body.len().div_ceil(max_bytes.max(1)).clamp(1, pids.len());
+    if parts == 1 {
+        return vec![Encoded { body: body.into(), samples: whole.samples, ends_period: true }];
+    }
+    let chunks: Vec<&[u32]> = pids.chunks(pids.len().div_ceil(parts)).collect();
+    let last = chunks.len() - 1;
+    chunks
+        .into_iter()
+        .enumerate()
+        .map(|(index, chunk)| {
+            let part = model::request(pieces, context, Some(chunk));
+            Encoded { body: part.message.encode_to_vec().into(), samples: part.samples, ends_period: index == last }
+        })
+        .collect()
 }

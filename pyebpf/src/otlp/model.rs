@@ -43,8 +43,9 @@ pub(super) struct Request {
     pub samples: u64,
 }
 
-/// The request for the period made of `pieces` (consecutive profiles of the same recording).
-pub(super) fn request(pieces: &[Arc<Profile>], context: &Context<'_>) -> Request {
+/// The request for the period made of `pieces` (consecutive profiles of the same recording),
+/// of every process, or of those in `only`.
+pub(super) fn request(pieces: &[Arc<Profile>], context: &Context<'_>, only: Option<&[u32]>) -> Request {
     let mut dictionary = Dictionary::new();
     let mut processes: BTreeMap<u32, Process> = BTreeMap::new();
     let mut samples = 0;
@@ -54,6 +55,9 @@ pub(super) fn request(pieces: &[Arc<Profile>], context: &Context<'_>) -> Request
         // A stable order makes the same request of the same profile (the dictionary's order too).
         stacks.sort_by_key(|(stack, _)| (stack.pid, stack.tid, stack.state));
         for (stack, weight) in stacks {
+            if only.is_some_and(|only| only.binary_search(&stack.pid).is_err()) {
+                continue;
+            }
             samples += weight.samples;
             let process = processes.entry(stack.pid).or_insert_with(|| Process::of(&stack));
             // As pprof labels them: every mode but cpu tells states apart.
@@ -70,6 +74,18 @@ pub(super) fn request(pieces: &[Arc<Profile>], context: &Context<'_>) -> Request
     };
     let resource_profiles = processes.into_iter().map(|(pid, process)| process.into_resource(pid, &time, context, &mut dictionary)).collect();
     Request { message: collector::ExportProfilesServiceRequest { resource_profiles, dictionary: Some(dictionary.finish()) }, samples }
+}
+
+/// The processes of a request, in order.
+pub(super) fn pids(request: &collector::ExportProfilesServiceRequest) -> Vec<u32> {
+    let pid = |resource: &otlp::ResourceProfiles| {
+        let attributes = &resource.resource.as_ref()?.attributes;
+        match attributes.iter().find(|kv| kv.key == "process.pid")?.value.as_ref()?.value.as_ref()? {
+            any_value::Value::IntValue(pid) => u32::try_from(*pid).ok(),
+            _ => None,
+        }
+    };
+    request.resource_profiles.iter().filter_map(pid).collect()
 }
 
 /// The one value each sample carries, by mode.

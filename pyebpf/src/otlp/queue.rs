@@ -28,10 +28,12 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 /// Distinct problems said at most; past that, they are only counted.
 const MAX_CAUSES: usize = 64;
 
-/// One encoded request.
+/// One encoded request: a period, or a part of one too large for a single request.
 pub(super) struct Encoded {
     pub body: Bytes,
     pub samples: u64,
+    /// The period's last (or only) request: its delivery counts the period as sent.
+    pub ends_period: bool,
 }
 
 struct Queued {
@@ -140,9 +142,9 @@ pub(super) async fn send_all(shared: Arc<Shared>, mut transport: Transport, endp
         let wake = shared.wake.notified();
         let (next, deadline) = {
             let state = shared.lock();
-            (state.queue.front().map(|front| (front.seq, front.period.body.clone(), front.period.samples)), state.deadline)
+            (state.queue.front().map(|front| (front.seq, front.period.body.clone(), (front.period.samples, front.period.ends_period))), state.deadline)
         };
-        let Some((seq, body, samples)) = next else {
+        let Some((seq, body, counts)) = next else {
             if deadline.is_some() {
                 return;
             }
@@ -162,7 +164,7 @@ pub(super) async fn send_all(shared: Arc<Shared>, mut transport: Transport, endp
                 return;
             }
         };
-        let retry = record(&shared, seq, samples, outcome, &endpoint);
+        let retry = record(&shared, seq, counts, outcome, &endpoint);
         match retry {
             None => backoff = Backoff::default(),
             Some(after) => {
@@ -173,9 +175,10 @@ pub(super) async fn send_all(shared: Arc<Shared>, mut transport: Transport, endp
     }
 }
 
-/// Counts what became of period `seq` and says what went wrong; the wait before a retry, if
-/// the period is to be retried (Some(None): as the backoff says).
-fn record(shared: &Shared, seq: u64, samples: u64, outcome: Outcome, endpoint: &str) -> Option<Option<Duration>> {
+/// Counts what became of request `seq` (its samples, and whether it ends its period) and says
+/// what went wrong; the wait before a retry, if it is to be retried (Some(None): as the backoff
+/// says).
+fn record(shared: &Shared, seq: u64, (samples, ends_period): (u64, bool), outcome: Outcome, endpoint: &str) -> Option<Option<Duration>> {
     let mut state = shared.lock();
     match outcome {
         Outcome::Delivered { warning } => {
@@ -183,7 +186,7 @@ fn record(shared: &Shared, seq: u64, samples: u64, outcome: Outcome, endpoint: &
                 // Dropped for room while it was being sent, but it got there.
                 state.totals.dropped = state.totals.dropped.saturating_sub(1);
             }
-            state.totals.periods_sent += 1;
+            state.totals.periods_sent += u64::from(ends_period);
             state.totals.samples_sent += samples;
             if let Some(warning) = warning {
                 state.tell_once(format!("the collector accepted a period with a warning: {warning}"));

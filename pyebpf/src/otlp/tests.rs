@@ -27,7 +27,7 @@ fn context(service_name: &ServiceName) -> Context<'_> {
 
 fn build(pieces: &[Profile], service_name: &ServiceName) -> (ExportProfilesServiceRequest, u64) {
     let pieces: Vec<Arc<Profile>> = pieces.iter().map(|piece| Arc::new(copy(piece))).collect();
-    let built = request(&pieces, &context(service_name));
+    let built = request(&pieces, &context(service_name), None);
     // What a collector reads: the request through the wire format.
     let decoded = ExportProfilesServiceRequest::decode(&built.message.encode_to_vec()[..]).unwrap();
     assert_eq!(decoded, built.message);
@@ -232,6 +232,31 @@ fn a_cut_python_chain_is_marked_as_in_pprof() {
 }
 
 #[test]
+fn a_period_too_large_for_one_request_is_split_by_process() {
+    let mut profile = sample_profile();
+    for pid in 1000..1040 {
+        profile.add(key(pid, pid, "worker", vec![python("work", &format!("/srv/w{pid}.py"), 1, 2)]), 2);
+    }
+    let pieces = [Arc::new(profile)];
+    let service = ServiceName::Exe;
+    let whole = super::exporter::encode(&pieces, &context(&service), usize::MAX);
+    assert_eq!(whole.len(), 1);
+    let parts = super::exporter::encode(&pieces, &context(&service), whole[0].body.len() / 3);
+    assert!((3..=4).contains(&parts.len()), "{} parts", parts.len());
+    assert_eq!(parts.iter().map(|part| part.samples).sum::<u64>(), whole[0].samples);
+    assert_eq!(parts.iter().map(|part| part.ends_period).collect::<Vec<_>>(), [vec![false; parts.len() - 1], vec![true]].concat());
+    let mut pids = Vec::new();
+    for part in &parts {
+        let request = ExportProfilesServiceRequest::decode(&part.body[..]).unwrap();
+        assert_eq!(request.dictionary.as_ref().unwrap().string_table[0], "");
+        pids.extend(super::model::pids(&request));
+    }
+    let mut unique = pids.clone();
+    unique.dedup();
+    assert_eq!((pids.len(), unique.len()), (42, 42), "each process in one part");
+}
+
+#[test]
 fn container_ids_come_from_the_runtimes_cgroup_names() {
     let id = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
     for path in [
@@ -331,19 +356,28 @@ fn grpc_codes_are_refused_or_retried() {
     use super::transport::grpc_outcome;
     assert!(matches!(grpc_outcome(&tonic::Status::invalid_argument("bad")), Outcome::Refused(text) if text == "gRPC InvalidArgument: bad"));
     assert!(matches!(grpc_outcome(&tonic::Status::unavailable("later")), Outcome::Retry { .. }));
-    // RESOURCE_EXHAUSTED is retried only when the server says when.
+    // RESOURCE_EXHAUSTED is retried only when the server says when (RetryInfo in the details).
     assert!(matches!(grpc_outcome(&tonic::Status::resource_exhausted("full")), Outcome::Refused(_)));
+    let retry_info = [0x0a, 0x02, 0x08, 0x02]; // RetryInfo { retry_delay: { seconds: 2 } }
+    let mut any = vec![0x0a, 40];
+    any.extend_from_slice(b"type.googleapis.com/google.rpc.RetryInfo");
+    any.extend_from_slice(&[0x12, retry_info.len() as u8]);
+    any.extend_from_slice(&retry_info);
+    let mut details = vec![0x08, 8, 0x1a, any.len() as u8];
+    details.extend_from_slice(&any);
+    let busy = tonic::Status::with_details(tonic::Code::ResourceExhausted, "slow down", details.into());
+    assert_eq!(grpc_outcome(&busy), Outcome::Retry { cause: "gRPC ResourceExhausted: slow down".into(), after: Some(Duration::from_secs(2)) });
 }
 
 #[test]
 fn the_queue_drops_the_oldest_period_past_its_bound() {
     let shared = Shared::new(100, "http://x".into());
     for size in [40, 40, 40] {
-        shared.push(Encoded { body: vec![0; size].into(), samples: 1 });
+        shared.push(Encoded { body: vec![0; size].into(), samples: 1, ends_period: true });
     }
     assert_eq!(shared.totals().dropped, 1);
     // Larger than the whole bound: dropped itself.
-    shared.push(Encoded { body: vec![0; 101].into(), samples: 1 });
+    shared.push(Encoded { body: vec![0; 101].into(), samples: 1, ends_period: true });
     assert_eq!(shared.totals().dropped, 2);
 }
 

@@ -37,8 +37,8 @@ const END_SLACK: Duration = Duration::from_millis(100);
 const DEFAULT_OUTPUT: &str = "profile.pb.gz";
 
 pub fn run(args: RecordArgs) -> Result<()> {
-    let exporter = exporter(&args)?;
-    let output = output_path(&args, exporter.is_some())?;
+    let endpoint = otlp::endpoint(args.otlp.endpoint.as_deref())?;
+    let output = output_path(&args, endpoint.is_some())?;
     let rendering = Rendering { threads: args.threads, title: command_line() };
     let sink = output
         .as_deref()
@@ -48,6 +48,7 @@ pub fn run(args: RecordArgs) -> Result<()> {
         })
         .transpose()?;
     check_privileges()?;
+    let exporter = endpoint.map(|endpoint| exporter(&args, endpoint)).transpose()?;
     let watched = Watched::open(&args.pid)?;
     process::raise_open_file_limit();
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().context("start the async runtime")?;
@@ -75,8 +76,7 @@ fn output_path(args: &RecordArgs, exporting: bool) -> Result<Option<PathBuf>> {
 }
 
 /// The exporter `--otlp` (or PYEBPF_OTLP_ENDPOINT) asks for, started.
-fn exporter(args: &RecordArgs) -> Result<Option<Exporter>> {
-    let Some(endpoint) = otlp::endpoint(args.otlp.endpoint.as_deref())? else { return Ok(None) };
+fn exporter(args: &RecordArgs, endpoint: otlp::Endpoint) -> Result<Exporter> {
     let otlp = &args.otlp;
     let options = OtlpOptions {
         endpoint,
@@ -88,7 +88,7 @@ fn exporter(args: &RecordArgs) -> Result<Option<Exporter>> {
         service_name: otlp.service_name.clone(),
         host_name: otlp::host_name(),
     };
-    Ok(Some(Exporter::start(options)?))
+    Ok(Exporter::start(options)?)
 }
 
 /// Writes the last file period (the whole run without `--rotate`) and sums up the run.
