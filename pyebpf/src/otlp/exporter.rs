@@ -28,6 +28,7 @@ enum Order {
 /// The handle the recording keeps.
 pub struct Exporter {
     messages: mpsc::UnboundedSender<Order>,
+    shared: Arc<Shared>,
     thread: std::thread::JoinHandle<OtlpTotals>,
 }
 
@@ -42,11 +43,13 @@ impl Exporter {
             Transport::new(&options.endpoint, &tls, &options.headers)?
         };
         let (messages, received) = mpsc::unbounded_channel();
+        let shared = Arc::new(Shared::new(options.queue_bytes, options.endpoint.to_string()));
+        let thread_shared = Arc::clone(&shared);
         let thread = std::thread::Builder::new()
             .name("pyebpf-otlp".into())
-            .spawn(move || runtime.block_on(run(options, transport, received)))
+            .spawn(move || runtime.block_on(run(options, transport, thread_shared, received)))
             .map_err(OtlpError::Start)?;
-        Ok(Exporter { messages, thread })
+        Ok(Exporter { messages, shared, thread })
     }
 
     /// Adds a piece of the current period.
@@ -58,6 +61,12 @@ impl Exporter {
     /// Ends the current period: its pieces are encoded and queued.
     pub fn end_period(&self) {
         let _ = self.messages.send(Order::EndPeriod);
+    }
+
+    /// What the exporter has to say since the last call, one `otlp: ...` line each, for the
+    /// recording to print (until [`Exporter::close`], which has the rest said at once).
+    pub fn take_lines(&self) -> Vec<String> {
+        self.shared.take_lines()
     }
 
     /// No more periods: from now on, the queue has `--otlp-flush-timeout` to be delivered.
@@ -77,9 +86,8 @@ impl Exporter {
 
 /// Receives pieces and ends of periods, encodes and queues each period, and sends the queue
 /// meanwhile; returns once the queue is delivered or dropped after the end.
-async fn run(options: OtlpOptions, transport: Transport, mut received: mpsc::UnboundedReceiver<Order>) -> OtlpTotals {
+async fn run(options: OtlpOptions, transport: Transport, shared: Arc<Shared>, mut received: mpsc::UnboundedReceiver<Order>) -> OtlpTotals {
     let endpoint = options.endpoint.to_string();
-    let shared = Arc::new(Shared::new(options.queue_bytes, endpoint.clone()));
     let sender = tokio::spawn(queue::send_all(Arc::clone(&shared), transport, endpoint));
     let context = Context { service_name: &options.service_name, host_name: &options.host_name };
     let mut pieces = Vec::new();

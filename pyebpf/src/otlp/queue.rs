@@ -58,12 +58,25 @@ struct State {
     totals: OtlpTotals,
     causes: HashSet<String>,
     told_full: bool,
+    /// What is to be said, kept while the recording's status line is up (its loop prints them
+    /// without tearing it); None: said at once.
+    lines: Option<Vec<String>>,
 }
 
 impl Shared {
     pub fn new(limit: usize, endpoint: String) -> Shared {
         let totals = OtlpTotals { endpoint, ..OtlpTotals::default() };
-        let state = State { queue: VecDeque::new(), bytes: 0, limit, next_seq: 0, deadline: None, totals, causes: HashSet::new(), told_full: false };
+        let state = State {
+            queue: VecDeque::new(),
+            bytes: 0,
+            limit,
+            next_seq: 0,
+            deadline: None,
+            totals,
+            causes: HashSet::new(),
+            told_full: false,
+            lines: Some(Vec::new()),
+        };
         Shared { state: Mutex::new(state), wake: Notify::new() }
     }
 
@@ -94,10 +107,21 @@ impl Shared {
         self.wake.notify_one();
     }
 
-    /// No period comes after this; the sender stops at `deadline` at the latest.
+    /// No period comes after this; the sender stops at `deadline` at the latest. What is still
+    /// to be said is said, and what comes later is said at once.
     pub fn close(&self, deadline: Instant) {
-        self.lock().deadline = Some(deadline);
+        let mut state = self.lock();
+        state.deadline = Some(deadline);
+        for line in state.lines.take().unwrap_or_default() {
+            report!("{line}");
+        }
+        drop(state);
         self.wake.notify_one();
+    }
+
+    /// The lines to say (`pyebpf: ` not included) since the last call.
+    pub fn take_lines(&self) -> Vec<String> {
+        self.lock().lines.as_mut().map(std::mem::take).unwrap_or_default()
     }
 
     pub fn totals(&self) -> OtlpTotals {
@@ -110,14 +134,21 @@ impl State {
         self.totals.dropped += count;
         if !self.told_full {
             self.told_full = true;
-            report!("otlp: the periods waiting to be sent exceed --otlp-queue-mb: dropping the oldest");
+            self.say("otlp: the periods waiting to be sent exceed --otlp-queue-mb: dropping the oldest".into());
         }
     }
 
     /// Says `line` unless it was said already.
     fn tell_once(&mut self, line: String) {
         if self.causes.len() < MAX_CAUSES && self.causes.insert(line.clone()) {
-            report!("otlp: {line}");
+            self.say(format!("otlp: {line}"));
+        }
+    }
+
+    fn say(&mut self, line: String) {
+        match &mut self.lines {
+            Some(lines) => lines.push(line),
+            None => report!("{line}"),
         }
     }
 
@@ -251,7 +282,7 @@ pub(super) fn drop_the_rest(shared: &Shared) {
     state.bytes = 0;
     if left > 0 {
         state.totals.dropped += left;
-        report!("otlp: {left} periods not delivered within --otlp-flush-timeout: dropped");
+        state.say(format!("otlp: {left} periods not delivered within --otlp-flush-timeout: dropped"));
     }
 }
 

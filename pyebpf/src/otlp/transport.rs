@@ -82,7 +82,8 @@ impl Transport {
             Transport::Grpc(client) => tokio::time::timeout(timeout, send_grpc(&mut client.grpc, &client.metadata, body, timeout)).await,
             Transport::Http(http) => tokio::time::timeout(timeout, http.send(body)).await,
         };
-        sent.unwrap_or_else(|_| Outcome::Retry { cause: format!("no answer within {} s", timeout.as_secs_f64()), after: None })
+        // One cause whatever the timeout was, so that it is said once.
+        sent.unwrap_or_else(|_| Outcome::Retry { cause: "no answer before the request timed out".into(), after: None })
     }
 }
 

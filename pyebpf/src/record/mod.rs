@@ -246,6 +246,9 @@ async fn record(args: &RecordArgs, watched: &Watched, mut periods: Periods) -> R
             _ = sleep_until(deadline) => break,
             _ = tick.tick() => {
                 lost_reported = report_lost(&run.sampler, lost_reported, &progress);
+                for line in periods.exporter_lines() {
+                    progress.warn(&format!("pyebpf: {line}"));
+                }
                 progress.update(&run.stats, lost_reported);
                 run.session.upkeep(&mut run.sampler);
                 if command.as_mut().is_some_and(Launched::exited) || watched.all_exited() {

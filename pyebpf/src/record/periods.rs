@@ -111,6 +111,11 @@ impl Periods {
         }
     }
 
+    /// What the exporter has to say, for the status line's owner to print.
+    pub fn exporter_lines(&self) -> Vec<String> {
+        self.exporter.as_ref().map(Exporter::take_lines).unwrap_or_default()
+    }
+
     /// The end of the recording, after its last piece was handed over.
     pub fn finish(mut self) -> Ended {
         if let Some(exporter) = &self.exporter {
