@@ -5,6 +5,7 @@ fn main() {
     embed_ebpf_object();
     version_line();
     compile_profile_proto();
+    compile_otlp_protos();
 }
 
 /// Copies the eBPF object built by `cargo xtask build` into OUT_DIR so the binary embeds it: the
@@ -58,4 +59,23 @@ fn compile_profile_proto() {
     println!("cargo:rerun-if-changed=proto/profile.proto");
     let protoc = protoc_bin_vendored::protoc_bin_path().expect("vendored protoc for this host");
     prost_build::Config::new().protoc_executable(protoc).compile_protos(&["proto/profile.proto"], &["proto"]).expect("compile proto/profile.proto");
+}
+
+/// OTLP profiles (opentelemetry-proto v1.10.0, vendored under `proto/opentelemetry`) for `record
+/// --otlp`: messages only, into one file of nested modules (`otlp.rs`) since the packages refer to
+/// each other by relative paths; the gRPC call is made by hand with tonic's generic client.
+fn compile_otlp_protos() {
+    const ROOT: &str = "proto/opentelemetry/proto";
+    let files = [
+        "collector/profiles/v1development/profiles_service.proto",
+        "profiles/v1development/profiles.proto",
+        "common/v1/common.proto",
+        "resource/v1/resource.proto",
+    ]
+    .map(|file| format!("{ROOT}/{file}"));
+    for file in &files {
+        println!("cargo:rerun-if-changed={file}");
+    }
+    let protoc = protoc_bin_vendored::protoc_bin_path().expect("vendored protoc for this host");
+    prost_build::Config::new().protoc_executable(protoc).include_file("otlp.rs").compile_protos(&files, &["proto"]).expect("compile the OTLP protos");
 }

@@ -1,6 +1,8 @@
 //! Helpers shared by the end-to-end tests in `tests/tests/`: they run the real `pyebpf` binary
 //! (`PYEBPF_BIN`) against real processes; `cargo xtask test` sets the environment.
 
+pub mod otlp;
+
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};

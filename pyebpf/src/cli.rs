@@ -7,6 +7,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::bpf::{ring_buffer_kb_fits, UnwindMode, MAX_RING_BUFFER_KB};
 use crate::mode::Mode;
+use crate::otlp::ServiceName;
 use crate::output::OutputFormat;
 
 #[derive(Parser, Debug)]
@@ -151,9 +152,10 @@ pub struct RecordArgs {
     #[arg(short = 'd', long = "duration", value_name = "SECONDS", value_parser = parse_duration, allow_negative_numbers = true)]
     pub duration: Option<Duration>,
 
-    /// Where to write the profile: a file, `-` (standard output), a device or a FIFO
-    #[arg(short = 'o', long = "output", value_name = "PATH", default_value = "profile.pb.gz")]
-    pub output: PathBuf,
+    /// Where to write the profile: a file, `-` (standard output), a device or a FIFO (default:
+    /// profile.pb.gz; with --otlp, no file unless -o is given)
+    #[arg(short = 'o', long = "output", value_name = "PATH")]
+    pub output: Option<PathBuf>,
 
     /// Output format (default: from the output's extension: .pb.gz/.pprof -> pprof,
     /// .folded/.txt/.collapsed -> collapsed, .svg -> svg, .speedscope.json -> speedscope; a name
@@ -235,11 +237,76 @@ pub struct RecordArgs {
     #[arg(long = "group-by", value_enum, default_value = "process")]
     pub group_by: GroupBy,
 
+    #[command(flatten)]
+    pub otlp: Box<OtlpArgs>,
+
     /// Launch COMMAND and profile it and its children until it exits; the first stop signal
     /// (SIGINT, SIGTERM, SIGHUP) is passed to it (a second one stops pyebpf while it runs).
     /// COMMAND starts with the signal dispositions pyebpf's parent left
     #[arg(last = true, value_name = "COMMAND")]
     pub command: Vec<String>,
+}
+
+/// `record --otlp`: pushing the profiles to an OpenTelemetry Collector or Pyroscope.
+#[derive(Args, Debug, Clone)]
+#[command(next_help_heading = "Sending profiles over OTLP")]
+pub struct OtlpArgs {
+    /// Send the profiles as OTLP profiles (v1development) to an OpenTelemetry Collector (receiver
+    /// `otlp`, run with --feature-gates=+service.profilesSupport) or Pyroscope: every
+    /// --otlp-period, one request holding every process profiled in that period.
+    /// `grpc://HOST:PORT` or `grpcs://HOST:PORT` (gRPC, plain or TLS), `http://HOST:PORT[/PATH]` or
+    /// `https://HOST:PORT[/PATH]` (HTTP/protobuf POST; PATH defaults to /v1development/profiles);
+    /// gzip-compressed. Works with every target and --mode; -o files are written as without it.
+    /// Default (also for an empty ENDPOINT): the environment variable PYEBPF_OTLP_ENDPOINT, when
+    /// set and not empty
+    #[arg(long = "otlp", value_name = "ENDPOINT")]
+    pub endpoint: Option<String>,
+
+    /// With --otlp: send a request every SECONDS (the end of the recording sends the last,
+    /// partial period)
+    #[arg(long = "otlp-period", value_name = "SECONDS", default_value_t = 60, allow_negative_numbers = true,
+          value_parser = clap::value_parser!(u64).range(1..=MAX_SECONDS))]
+    pub period: u64,
+
+    /// With --otlp over TLS: trust the certificate authorities of this PEM file instead of the
+    /// system's
+    #[arg(long = "otlp-ca", value_name = "FILE")]
+    pub ca: Option<PathBuf>,
+
+    /// With --otlp over TLS: present this client certificate (PEM; with --otlp-key)
+    #[arg(long = "otlp-cert", value_name = "FILE", requires = "key")]
+    pub cert: Option<PathBuf>,
+
+    /// The private key of --otlp-cert (PEM)
+    #[arg(long = "otlp-key", value_name = "FILE", requires = "cert")]
+    pub key: Option<PathBuf>,
+
+    /// With --otlp: headers to send with every request (an API key, a tenant), one `name: value`
+    /// per line, `#` starting a comment. Headers are also read from the environment variable
+    /// PYEBPF_OTLP_HEADERS (else OTEL_EXPORTER_OTLP_HEADERS): `name=value,name=value`, values
+    /// percent-encoded. Never on the command line, where other users can read them
+    #[arg(long = "otlp-headers-file", value_name = "FILE")]
+    pub headers_file: Option<PathBuf>,
+
+    /// With --otlp: the memory the periods waiting to be sent may take, in MiB (encoded); past
+    /// it, the oldest waiting period is dropped. Failed sends are retried with backoff while
+    /// the periods wait
+    #[arg(long = "otlp-queue-mb", value_name = "MIB", default_value_t = 64, allow_negative_numbers = true,
+          value_parser = clap::value_parser!(u64).range(1..=16_384))]
+    pub queue_mb: u64,
+
+    /// With --otlp: at the end of the recording (its duration, COMMAND's exit, a stop signal), how
+    /// long to wait for the waiting periods to be delivered before dropping them
+    #[arg(long = "otlp-flush-timeout", value_name = "SECONDS", default_value_t = 10, allow_negative_numbers = true,
+          value_parser = clap::value_parser!(u64).range(0..=3600))]
+    pub flush_timeout: u64,
+
+    /// With --otlp: the `service.name` of each process: `exe` (its executable's name), `env:VAR`
+    /// (the value of VAR in the environment the process started with, else its executable's
+    /// name), `cgroup` (the last component of its cgroup path: its container or systemd unit),
+    /// `=NAME` (NAME for every process)
+    #[arg(long = "service-name", value_name = "RULE", default_value = "exe", value_parser = ServiceName::parse)]
+    pub service_name: ServiceName,
 }
 
 /// `--max-python-frames` unless given (and what `top` walks).

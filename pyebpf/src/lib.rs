@@ -12,6 +12,7 @@ pub mod maps;
 pub mod merge;
 pub mod mode;
 pub mod native_ids;
+pub mod otlp;
 pub mod output;
 pub mod process;
 pub mod progress;

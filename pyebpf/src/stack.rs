@@ -138,10 +138,40 @@ pub struct StackKey {
 
 /// Where a process runs: its PID inside its own PID namespace (when that is not the host's) and
 /// its cgroup path (which names the container, for most container runtimes).
-#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+#[derive(Clone, Debug, Default)]
 pub struct ProcessLabels {
     pub ns_pid: Option<u32>,
     pub cgroup: Option<Arc<str>>,
+    /// What `record --otlp` names the process by, read with the labels; not part of the labels'
+    /// identity (stacks are told apart by PID and labels already, and hashing it per sample
+    /// would cost for nothing).
+    pub details: Option<Arc<ProcessDetails>>,
+}
+
+impl PartialEq for ProcessLabels {
+    fn eq(&self, other: &Self) -> bool {
+        self.ns_pid == other.ns_pid && self.cgroup == other.cgroup
+    }
+}
+
+impl Eq for ProcessLabels {}
+
+impl Hash for ProcessLabels {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        self.ns_pid.hash(state);
+        self.cgroup.hash(state);
+    }
+}
+
+/// A process as OTLP resources describe it, read at its first sample (`record --otlp` only).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ProcessDetails {
+    /// `/proc/PID/exe`'s target.
+    pub exe: Option<Arc<str>>,
+    /// The value of `--service-name env:VAR` in the process's initial environment.
+    pub env_value: Option<Arc<str>>,
+    /// The CPython version (`3.12.1`), for a Python process pyebpf reads.
+    pub python_version: Option<Arc<str>>,
 }
 
 /// A frame's index in its profile's [`FrameTable`].
@@ -470,6 +500,21 @@ impl Profile {
         self.counts.keys().map(|stored| stored.pid).collect::<std::collections::HashSet<_>>().len()
     }
 
+    /// Adds `other`'s stacks to this profile, interning their frames here, and its time: a
+    /// period made of several pieces (see `record`'s periods).
+    pub fn absorb(&mut self, other: &Profile) {
+        if self.start_unix_ns == 0 || (other.start_unix_ns != 0 && other.start_unix_ns < self.start_unix_ns) {
+            self.start_unix_ns = other.start_unix_ns;
+        }
+        self.duration_ns = self.duration_ns.saturating_add(other.duration_ns);
+        let mut ids = Vec::new();
+        for (stored, &weight) in &other.counts {
+            ids.clear();
+            ids.extend(stored.frames.iter().map(|&id| self.frames.intern(other.frames.frame(id).clone())));
+            self.add_sample(SampleStack { frames: &ids, ..stored.as_sample() }, weight);
+        }
+    }
+
     /// The profile with Python frames aggregated per function (`--function`): line numbers are
     /// dropped, so stacks that differed only in the executing lines become one.
     pub fn by_function(&self) -> Profile {
@@ -525,6 +570,36 @@ mod tests {
         let (key, weight) = merged.stacks().next().unwrap();
         assert_eq!(weight, Weight { samples: 5, ns: 5 * merged.period_ns() });
         assert!(key.frames.iter().all(|f| matches!(f, Frame::Python(p) if p.line == 0 && p.first_line == 3)));
+    }
+
+    #[test]
+    fn absorbed_pieces_add_up_to_one_period() {
+        let key = |tid, line| StackKey {
+            pid: 1,
+            tid,
+            comm: "python3".into(),
+            frames: vec![python(line), python(20)],
+            truncated: false,
+            labels: None,
+            state: ThreadState::OnCpu,
+        };
+        let mut first = Profile::new(100);
+        (first.start_unix_ns, first.duration_ns) = (2_000, 5);
+        first.add(key(1, 4), 2);
+        first.add(key(2, 4), 1);
+        let mut second = first.next_period();
+        (second.start_unix_ns, second.duration_ns) = (3_000, 7);
+        second.add(key(1, 4), 3);
+        second.add(key(1, 5), 1);
+        let mut period = first.next_period();
+        period.absorb(&first);
+        period.absorb(&second);
+        assert_eq!((period.start_unix_ns, period.duration_ns), (2_000, 12));
+        assert_eq!((period.len(), period.total_samples()), (3, 7));
+        // The frames are the period's own, each once.
+        assert_eq!(period.frames.len(), 3);
+        let thread_1_line_4 = period.stacks().find(|(stack, _)| stack.tid == 1 && stack.frames.iter().next() == Some(&python(4))).unwrap().1;
+        assert_eq!(thread_1_line_4.samples, 5);
     }
 
     #[test]

@@ -57,6 +57,8 @@ pub struct Stats {
     pub off_cpu: OffCpuTotals,
     /// `--async-aware`.
     pub tasks: TaskTotals,
+    /// `--otlp`.
+    pub otlp: Option<crate::otlp::OtlpTotals>,
 }
 
 /// asyncio tasks read at the captures (`--async-aware`).
@@ -211,6 +213,10 @@ impl fmt::Display for Stats {
         writeln!(f, "code objects cached:        {} ({:.1} MiB)", code.cached_entries, code.cached_bytes as f64 / (1 << 20) as f64)?;
         writeln!(f, "  evicted (cache budget):   {}", code.evictions)?;
         writeln!(f, "  line tables cut at 64 KiB: {}", code.truncated_linetables)?;
-        write!(f, "  names cut at 4 KiB:       {}", code.truncated_strings)
+        write!(f, "  names cut at 4 KiB:       {}", code.truncated_strings)?;
+        if let Some(otlp) = &self.otlp {
+            write!(f, "\n{otlp}")?;
+        }
+        Ok(())
     }
 }

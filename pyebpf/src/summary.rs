@@ -102,6 +102,8 @@ pub struct Summary {
     /// Where the profile went, and the command that opens it (none for standard output, devices).
     pub output: String,
     pub open_command: Option<String>,
+    /// `--otlp`: what was delivered.
+    pub otlp: Option<crate::otlp::OtlpTotals>,
 }
 
 impl Summary {
@@ -125,6 +127,7 @@ impl Summary {
             tasks: stats.tasks.clone(),
             output,
             open_command,
+            otlp: stats.otlp.clone(),
         }
     }
 }
@@ -281,6 +284,9 @@ impl fmt::Display for Summary {
         self.write_top(f)?;
         self.write_tasks(f)?;
         write!(f, "  lost: {}, Python stacks truncated: {}, unresolved (no frames): {}", self.lost, self.truncated, self.unresolved)?;
+        if let Some(otlp) = &self.otlp {
+            write!(f, "\n  {otlp}")?;
+        }
         if let Some(command) = &self.open_command {
             write!(f, "\n  open it: {command}")?;
         }

@@ -135,6 +135,7 @@ fn replay(marker: bool, keep: impl Fn(&SampleRecord) -> bool) -> (u64, usize, Pr
         unwind: UnwindMode::Auto,
         mode: Mode::Cpu,
         kernel: true,
+        details: None,
     });
     let mut stats = Stats::default();
     let mut sampler = session

@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+use pyebpf_tests::otlp::{Collector, Sink};
 use pyebpf_tests::*;
 
 /// An artifact `cargo xtask test` built with `cargo xtask dist` (`PYEBPF_DIST_*`).
@@ -165,27 +166,57 @@ fn verify_unit(root: &Path) {
     assert!(complaints.trim().is_empty(), "systemd-analyze verify complains about the unit: {complaints}");
 }
 
-#[test]
-fn the_package_installs_and_its_unit_writes_and_retires_profiles_with_three_capabilities() {
-    let root = installed_package();
-    verify_unit(root.path());
+/// Sets `KEY=VALUE` lines of the installed `/etc/default/pyebpf`, as an administrator edits it:
+/// a setting already there is replaced, a new one added.
+fn set_defaults(root: &Path, settings: &[(&str, &str)]) {
+    let file = root.join("etc/default/pyebpf");
+    let mut lines: Vec<String> = std::fs::read_to_string(&file).unwrap().lines().map(str::to_string).collect();
+    for (key, value) in settings {
+        let line = format!("{key}={value}");
+        match lines.iter_mut().find(|l| l.split_once('=').is_some_and(|(k, _)| k.trim() == *key)) {
+            Some(existing) => *existing = line,
+            None => lines.push(line),
+        }
+    }
+    std::fs::write(&file, lines.join("\n") + "\n").unwrap();
+}
 
-    // The unit's command line, with the periods of a test (what /etc/default/pyebpf would set),
-    // chrooted into the installed root, under only the three capabilities the unit keeps.
-    let unit = std::fs::read_to_string(root.path().join("lib/systemd/system/pyebpf.service")).unwrap();
-    let command = exec_start(&unit, &[("PYEBPF_ROTATE", "1"), ("PYEBPF_KEEP", "3"), ("PYEBPF_OPTIONS", "--python-only")]);
+/// The environment systemd gives the unit's command: the unit's `Environment=` assignments, then
+/// those of its `EnvironmentFile=` (the installed `/etc/default/pyebpf`), the later winning.
+fn unit_environment(unit: &str, root: &Path) -> Vec<(String, String)> {
+    let mut variables: Vec<(String, String)> = Vec::new();
+    let mut set = |key: &str, value: &str| {
+        variables.retain(|(k, _)| k != key);
+        variables.push((key.to_string(), value.trim_matches('"').to_string()));
+    };
+    for assignment in unit.lines().filter_map(|line| line.strip_prefix("Environment=")).flat_map(str::split_whitespace) {
+        let (key, value) = assignment.split_once('=').unwrap_or_else(|| panic!("Environment= assignment {assignment:?}"));
+        set(key, value);
+    }
+    assert!(unit.lines().any(|line| line == "EnvironmentFile=-/etc/default/pyebpf"), "the unit does not read /etc/default/pyebpf");
+    let defaults = std::fs::read_to_string(root.join("etc/default/pyebpf")).unwrap();
+    for line in defaults.lines().map(str::trim).filter(|line| !line.is_empty() && !line.starts_with('#')) {
+        let (key, value) = line.split_once('=').unwrap_or_else(|| panic!("/etc/default/pyebpf line {line:?}"));
+        set(key.trim(), value.trim());
+    }
+    variables
+}
+
+/// The unit's command line, with the variables the unit and `/etc/default/pyebpf` set, chrooted
+/// into the installed root, under only the three capabilities the unit keeps, with the
+/// environment systemd gives it (and a PATH for the wrappers); killed if it outlives a test.
+fn start_unit_command(root: &Path) -> (std::process::Child, Instant) {
+    let unit = std::fs::read_to_string(root.join("lib/systemd/system/pyebpf.service")).unwrap();
+    let environment = unit_environment(&unit, root);
+    let variables: Vec<(&str, &str)> = environment.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let command = exec_start(&unit, &variables);
     assert_eq!(command[0], "/usr/bin/pyebpf", "{command:?}");
-    let state = root.path().join("var/lib/pyebpf");
-    std::fs::create_dir_all(&state).unwrap();
-    let (python, _ready) = busy_python(&pyenv_python("3.12.1"));
+    std::fs::create_dir_all(root.join("var/lib/pyebpf")).unwrap();
     let setup = "mount -t proc proc \"$1/proc\" && mount -t sysfs sysfs \"$1/sys\" && root=$1 && drop=$2 && shell=$3 && shift 3 && \
                  exec capsh --chroot=\"$root\" --drop=\"$drop\" --shell=\"$shell\" -- \"$@\"";
     let mut run = Command::new("unshare");
-    run.args(["--mount", "--propagation", "private", "sh", "-c", setup, "sh"])
-        .arg(root.path())
-        .arg(all_capabilities_but_three())
-        .arg(&command[0])
-        .args(&command[1..]);
+    run.args(["--mount", "--propagation", "private", "sh", "-c", setup, "sh"]).arg(root).arg(all_capabilities_but_three()).arg(&command[0]).args(&command[1..]);
+    run.env_clear().env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin").envs(variables.iter().copied());
     let started = Instant::now();
     let child = with_default_signals(&mut run).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
     let pid = child.id();
@@ -201,18 +232,36 @@ fn the_package_installs_and_its_unit_writes_and_retires_profiles_with_three_capa
     };
     let three = (1u64 << 19) | (1 << 38) | (1 << 39);
     assert_eq!(u64::from_str_radix(&effective, 16).unwrap(), three, "CapEff {effective}");
-    std::thread::sleep(Duration::from_millis(5500));
+    (child, started)
+}
+
+/// Sends SIGTERM to the unit's command after `run_for`, as `systemctl stop` does; returns its
+/// stderr once it succeeded.
+fn stop_unit_command(child: std::process::Child, started: Instant, run_for: Duration) -> String {
+    std::thread::sleep(run_for.saturating_sub(started.elapsed()));
     let sent = Sent { name: "SIGTERM", signal: libc::SIGTERM, after_ms: started.elapsed().as_millis() as u64, at_start: String::new() };
     // SAFETY: kill takes a pid and a signal; the child is not reaped yet.
-    unsafe { libc::kill(pid as i32, sent.signal) };
+    unsafe { libc::kill(child.id() as i32, sent.signal) };
     let output = wait_after_signal(child, &sent, Duration::from_secs(30));
     success(&output, "the unit's command line under capsh");
-    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+#[test]
+fn the_package_installs_and_its_unit_writes_and_retires_profiles_with_three_capabilities() {
+    let root = installed_package();
+    // The periods of a test, set where an administrator sets them.
+    set_defaults(root.path(), &[("PYEBPF_ROTATE", "1"), ("PYEBPF_KEEP", "3"), ("PYEBPF_OPTIONS", "--python-only")]);
+    verify_unit(root.path());
+    let (python, _ready) = busy_python(&pyenv_python("3.12.1"));
+    let (child, started) = start_unit_command(root.path());
+    let stderr = stop_unit_command(child, started, Duration::from_millis(5500));
     // `wrote N samples of M processes to NAME (L lost)`, one line per period (the summary's
     // `to K files, ...` is not one).
     let written: Vec<&str> =
         stderr.lines().filter_map(|line| line.split_once(" processes to ")?.1.split(" (").next()).filter(|name| name.starts_with('/')).collect();
     assert!(written.len() >= 5, "fewer than 5 periods written in 5.5 s at 1 s each:\n{stderr}");
+    let state = root.path().join("var/lib/pyebpf");
     let mut left: Vec<String> = std::fs::read_dir(&state).unwrap().map(|e| format!("/var/lib/pyebpf/{}", e.unwrap().file_name().to_string_lossy())).collect();
     left.sort();
     let newest: Vec<String> = written[written.len() - 3..].iter().map(|name| name.to_string()).collect();
@@ -222,4 +271,36 @@ fn the_package_installs_and_its_unit_writes_and_retires_profiles_with_three_capa
     success(&top, "go tool pprof -top of the last period");
     assert!(String::from_utf8_lossy(&top.stdout).contains("fib"), "the last period lacks Python's fib: {}", String::from_utf8_lossy(&top.stdout));
     drop(python);
+}
+
+/// With `PYEBPF_OTLP_ENDPOINT` set in `/etc/default/pyebpf`, the unit (still valid) sends every
+/// period to a real collector there, and may reach it: the network is not taken from it.
+#[test]
+fn the_packages_unit_exports_to_the_collector_named_in_etc_default() {
+    let root = installed_package();
+    let unit = std::fs::read_to_string(root.path().join("lib/systemd/system/pyebpf.service")).unwrap();
+    assert!(!unit.lines().any(|line| line.trim() == "PrivateNetwork=yes"), "the unit has no network to export with");
+    let families = unit_setting(&unit, "RestrictAddressFamilies");
+    assert!(families.split_whitespace().any(|f| f == "AF_INET") && families.split_whitespace().any(|f| f == "AF_INET6"), "RestrictAddressFamilies={families}");
+    let sink = Sink::start();
+    let collector = Collector::start(&sink, None);
+    set_defaults(root.path(), &[("PYEBPF_OTLP_ENDPOINT", &collector.http_url()), ("PYEBPF_OPTIONS", "--python-only --otlp-period 2")]);
+    verify_unit(root.path());
+    let (python, _ready) = busy_python(&pyenv_python("3.12.1"));
+    let (child, started) = start_unit_command(root.path());
+    let stderr = stop_unit_command(child, started, Duration::from_millis(5500));
+    let summary = stderr.lines().find(|line| line.contains("otlp: ") && line.contains(" sent to ")).unwrap_or_else(|| panic!("no otlp summary:\n{stderr}"));
+    assert!(summary.contains(&format!(" sent to {}", collector.http_url())), "{summary}");
+    let requests = sink.wait_requests(3, Duration::from_secs(10));
+    assert!(requests.len() >= 3, "{} requests reached the collector in 5.5 s at 2 s each:\n{stderr}", requests.len());
+    let fib: u64 = requests
+        .iter()
+        .flat_map(|r| &r.resources)
+        .filter(|r| r.pid() == Some(python.pid()))
+        .flat_map(|r| &r.profiles)
+        .flat_map(|p| &p.samples)
+        .filter(|s| s.stack.iter().any(|f| f.name() == "fib"))
+        .map(|s| s.count)
+        .sum();
+    assert!(fib >= 100, "{fib} samples in Python's fib reached the collector:\n{stderr}");
 }

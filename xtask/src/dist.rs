@@ -46,6 +46,9 @@ pub fn dist(root: &Path) -> Result<Artifacts> {
 /// `dist/pyebpf`: stripped, statically linked, the eBPF object embedded.
 fn static_binary(root: &Path, out: &Path) -> Result<PathBuf> {
     toolchain::ensure_target(STATIC_TARGET)?;
+    // ring (TLS for `record --otlp`) compiles C and assembly for the target: musl-gcc does it
+    // against musl's headers.
+    toolchain::ensure_apt_packages(&[("musl-gcc", "musl-tools")])?;
     let linker_bin = toolchain::ensure_ebpf_toolchain(root)?;
     let object = toolchain::build_ebpf(root, &linker_bin)?;
     run(Command::new(env!("CARGO"))

@@ -5,6 +5,7 @@ mod bench;
 mod dist;
 mod free_threaded;
 mod house;
+mod otelcol;
 mod pythons;
 mod toolchain;
 
@@ -81,9 +82,9 @@ fn main() -> Result<()> {
         Task::Test { filter } => test(&root, &filter)?,
         Task::Bench { report_only: true, .. } => bench::report_only(&root)?,
         Task::Bench { report_only: false, only, versions } => {
-            let inputs = setup(&root)?;
+            let installed = setup(&root)?;
             let selection = bench::Selection { sections: only, versions };
-            bench::bench(&root, build(&root, true)?, &inputs.pythons, &inputs.free_threaded, &selection)?;
+            bench::bench(&root, build(&root, true)?, &installed.pythons, &installed.free_threaded, &selection)?;
         }
     }
     Ok(())
@@ -106,16 +107,18 @@ fn build(root: &Path, release: bool) -> Result<PathBuf> {
     Ok(root.join("target").join(if release { "release" } else { "debug" }).join("pyebpf"))
 }
 
-/// What the tests run against, as `setup` left it.
-struct TestInputs {
-    /// The Debian test CPythons' folder.
+/// What `setup` installed outside the workspace, for the tests to find.
+struct Installed {
+    /// The Debian test CPythons' prefix.
     pythons: PathBuf,
     /// The free-threaded `python3.13t`.
     free_threaded: PathBuf,
+    /// The OpenTelemetry Collector's prefix, with the sink's Python environment.
+    otelcol: PathBuf,
 }
 
 /// Installs what the tests need and is missing (quick when nothing is).
-fn setup(root: &Path) -> Result<TestInputs> {
+fn setup(root: &Path) -> Result<Installed> {
     toolchain::ensure_apt_packages(&[
         ("go", "golang-go"),
         ("patchelf", "patchelf"),
@@ -131,15 +134,17 @@ fn setup(root: &Path) -> Result<TestInputs> {
         ("/usr/lib/python3.11/ensurepip/__init__.py", "python3.11-venv"),
         ("capsh", "libcap2-bin"),
         ("systemd-analyze", "systemd"),
+        // The OTLP tests' certificates.
+        ("openssl", "openssl"),
     ])?;
     toolchain::ensure_components(&["rustfmt", "clippy"])?;
     toolchain::ensure_ebpf_toolchain(root)?;
-    Ok(TestInputs { pythons: pythons::ensure_installed()?, free_threaded: free_threaded::ensure_built(root)? })
+    Ok(Installed { pythons: pythons::ensure_installed()?, free_threaded: free_threaded::ensure_built(root)?, otelcol: otelcol::ensure_built(root)? })
 }
 
 fn test(root: &Path, filter: &[String]) -> Result<()> {
     let mut suite = Suite::new();
-    let inputs = setup(root)?;
+    let installed = setup(root)?;
     // The end-to-end tests run the binary that ships (dist/pyebpf, static), so its build is also
     // the suite's: one optimised build of pyebpf's dependencies fewer, and the artifacts checked
     // on every run (tests/tests/dist.rs).
@@ -153,8 +158,9 @@ fn test(root: &Path, filter: &[String]) -> Result<()> {
             .args(args)
             .env("PYEBPF_EBPF_OBJECT", &object)
             .env("PYEBPF_BIN", &dist.binary)
-            .env("PYEBPF_PYTHONS", &inputs.pythons)
-            .env("PYEBPF_FREE_THREADED", &inputs.free_threaded)
+            .env("PYEBPF_PYTHONS", &installed.pythons)
+            .env("PYEBPF_FREE_THREADED", &installed.free_threaded)
+            .env("PYEBPF_OTELCOL", &installed.otelcol)
             .env("PYEBPF_DIST_BINARY", &dist.binary)
             .env("PYEBPF_DIST_WHEEL", &dist.wheel)
             .env("PYEBPF_DIST_DEB", &dist.deb);

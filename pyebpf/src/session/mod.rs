@@ -31,6 +31,7 @@ use crate::stats::Stats;
 use crate::waits::{wait_reason, waiting_record, KernelSymbols};
 use native::NativeStacks;
 use off_cpu::{monotonic_ns, OffCpu};
+pub use processes::DetailsWanted;
 use processes::ProcessTable;
 
 /// How often lost samples are checked and periodic upkeep runs.
@@ -48,6 +49,8 @@ pub struct SessionOptions {
     pub mode: Mode,
     /// Show kernel frames (`--kernel`); off-CPU records carry them anyway, to tell why.
     pub kernel: bool,
+    /// What is read of each process beyond its labels (`record --otlp`).
+    pub details: Option<DetailsWanted>,
 }
 
 /// Buffers reused from sample to sample, so a sample seen before allocates nothing.
@@ -72,7 +75,7 @@ pub struct Session {
 impl Session {
     pub fn new(options: SessionOptions) -> Self {
         Session {
-            processes: ProcessTable::default(),
+            processes: ProcessTable::with_details(options.details.clone()),
             python: Pythons::new(options.sampling),
             native: NativeStacks::new(options.unwind, options.no_native),
             off_cpu: OffCpu::new(options.mode.counts_waits()),
@@ -168,8 +171,9 @@ impl Session {
         if !filter.keeps_process(&comm) {
             return None;
         }
-        let labels = self.processes.sampled(record.tgid);
         self.python.discover(record.tgid, kernel, self.processes.maps(), stats);
+        let python = &self.python;
+        let labels = self.processes.sampled(record.tgid, || python.version(record.tgid).map(|version| version.to_string()));
         if filter.python_only && !self.python.is_python(record.tgid) {
             return None;
         }
@@ -238,7 +242,8 @@ impl Session {
         }
         stats.off_cpu.open_at_end += 1;
         let comm = self.processes.name(start.tgid, &record.comm);
-        let labels = self.processes.sampled(start.tgid);
+        let python = &self.python;
+        let labels = self.processes.sampled(start.tgid, || python.version(start.tgid).map(|version| version.to_string()));
         for (frames, truncated) in &task_stacks {
             let sample = SampleStack { pid: start.tgid, tid, comm: &comm, frames, truncated: *truncated, labels: Some(&labels), state: ThreadState::TaskWait };
             profile.add_sample(sample, Weight { samples: 1, ns: record.weight_ns });

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use crate::maps::MapsCache;
 use crate::process::comm_to_string;
-use crate::stack::ProcessLabels;
+use crate::stack::{ProcessDetails, ProcessLabels};
 
 /// A process not sampled for this long is checked against /proc (safety net for lost events).
 const IDLE_BEFORE_CHECK: Duration = Duration::from_secs(1);
@@ -30,25 +30,47 @@ struct Sampled {
     last_sample: Instant,
 }
 
+/// Which details of a process are read at its first sample, for `record --otlp`.
+#[derive(Clone, Debug, Default)]
+pub struct DetailsWanted {
+    /// The environment variable `--service-name env:VAR` names the service by.
+    pub env_var: Option<String>,
+}
+
+/// The most of /proc/PID/environ read: a process's environment can be large, and only one
+/// variable is looked for.
+const MAX_ENVIRON_BYTES: u64 = 256 * 1024;
+
 #[derive(Default)]
 pub struct ProcessTable {
     entries: HashMap<u32, Entry>,
+    /// None unless `record --otlp` names processes by more than their labels.
+    details: Option<DetailsWanted>,
     /// Their maps: the one snapshot per process that the symbolizer, the unwinder and the Python
     /// reader share.
     maps: MapsCache,
 }
 
 impl ProcessTable {
+    pub fn with_details(details: Option<DetailsWanted>) -> Self {
+        ProcessTable { details, ..ProcessTable::default() }
+    }
+
     /// The process's `comm`, or `fallback` (the sampled thread's) when it has already exited.
     pub fn name(&mut self, pid: u32, fallback: &[u8]) -> Arc<str> {
         self.entry(pid, fallback).name.clone()
     }
 
-    /// The labels of `pid`, read when it is first sampled.
-    pub fn sampled(&mut self, pid: u32) -> Arc<ProcessLabels> {
+    /// The labels of `pid`, read when it is first sampled (with the details wanted, and the
+    /// CPython version `python_version` gives).
+    pub fn sampled(&mut self, pid: u32, python_version: impl FnOnce() -> Option<String>) -> Arc<ProcessLabels> {
+        let wanted = self.details.as_ref().map(|wanted| wanted.env_var.clone());
         let entry = self.entry(pid, &[]);
-        let sampled =
-            entry.sampled.get_or_insert_with(|| Sampled { start_time: start_time(pid), labels: Arc::new(read_labels(pid)), last_sample: Instant::now() });
+        let sampled = entry.sampled.get_or_insert_with(|| {
+            let mut labels = read_labels(pid);
+            labels.details = wanted.map(|env_var| Arc::new(read_details(pid, env_var.as_deref(), python_version())));
+            Sampled { start_time: start_time(pid), labels: Arc::new(labels), last_sample: Instant::now() }
+        });
         sampled.last_sample = Instant::now();
         sampled.labels.clone()
     }
@@ -87,7 +109,31 @@ fn read_labels(pid: u32) -> ProcessLabels {
     let ns_pid =
         status.lines().find_map(|line| line.strip_prefix("NSpid:")).and_then(|ids| ids.split_whitespace().last()?.parse().ok()).filter(|&inner| inner != pid);
     let cgroup = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok().and_then(|text| cgroup_path(&text)).map(Arc::from);
-    ProcessLabels { ns_pid, cgroup }
+    ProcessLabels { ns_pid, cgroup, details: None }
+}
+
+/// The executable, the value of `env_var` and the CPython version of `pid`.
+fn read_details(pid: u32, env_var: Option<&str>, python_version: Option<String>) -> ProcessDetails {
+    let exe = std::fs::read_link(format!("/proc/{pid}/exe")).ok().map(|path| Arc::from(path.to_string_lossy().as_ref()));
+    let env_value = env_var.and_then(|name| environ_value(pid, name)).map(Arc::from);
+    ProcessDetails { exe, env_value, python_version: python_version.map(Arc::from) }
+}
+
+/// The value of `name` in the environment the process started with (at most
+/// [`MAX_ENVIRON_BYTES`] of it are read).
+fn environ_value(pid: u32, name: &str) -> Option<String> {
+    use std::io::Read;
+    let mut environ = Vec::new();
+    std::fs::File::open(format!("/proc/{pid}/environ")).ok()?.take(MAX_ENVIRON_BYTES).read_to_end(&mut environ).ok()?;
+    find_variable(&environ, name)
+}
+
+/// `name`'s value among NUL-separated `NAME=VALUE` entries.
+fn find_variable(environ: &[u8], name: &str) -> Option<String> {
+    environ
+        .split(|&b| b == 0)
+        .find_map(|entry| entry.strip_prefix(name.as_bytes())?.strip_prefix(b"="))
+        .map(|value| String::from_utf8_lossy(value).into_owned())
 }
 
 /// The cgroup v2 path (`0::/PATH`); on a host that keeps its containers in v1 hierarchies only
@@ -113,10 +159,26 @@ mod tests {
     }
 
     #[test]
+    fn details_name_the_executable_the_variable_and_the_python() {
+        std::env::set_var("PYEBPF_TEST_SERVICE", "checkout");
+        let me = std::process::id();
+        let mut table = ProcessTable::with_details(Some(DetailsWanted { env_var: Some("PYEBPF_TEST_SERVICE".into()) }));
+        let labels = table.sampled(me, || Some("3.12.1".into()));
+        let details = labels.details.as_deref().unwrap();
+        assert_eq!(details.exe.as_deref(), std::env::current_exe().ok().map(|exe| exe.to_string_lossy().into_owned()).as_deref());
+        assert_eq!(details.python_version.as_deref(), Some("3.12.1"));
+        // The environment the process started with: set_var does not change /proc/PID/environ.
+        assert_eq!(find_variable(b"A=1\0SERVICE=x=y\0SERVICE_B=2\0", "SERVICE").as_deref(), Some("x=y"));
+        assert_eq!(find_variable(b"SERVICEX=1\0", "SERVICE"), None);
+        assert_eq!(find_variable(b"", "SERVICE"), None);
+    }
+
+    #[test]
     fn this_process_has_its_own_identity_and_no_namespace_pid() {
         let me = std::process::id();
         let mut table = ProcessTable::default();
-        assert_eq!(table.sampled(me).ns_pid, None);
+        assert_eq!(table.sampled(me, || None).ns_pid, None);
+        assert!(table.sampled(me, || None).details.is_none());
         assert!(table.stale().is_empty());
         assert!(start_time(me).is_some());
     }

@@ -34,7 +34,8 @@ impl Drop for Sleeper {
 fn wall_session() -> Session {
     let sampling = SamplingOptions { marker: false, read_only: true, max_frames: 512, async_aware: false };
     let filter = crate::filter::SampleFilter::default();
-    let mut session = Session::new(SessionOptions { sampling, no_native: false, filter, unwind: UnwindMode::Fp, mode: Mode::Wall, kernel: false });
+    let mut session =
+        Session::new(SessionOptions { sampling, no_native: false, filter, unwind: UnwindMode::Fp, mode: Mode::Wall, kernel: false, details: None });
     session.start_recording();
     session
 }

@@ -154,6 +154,7 @@ fn session(args: &TopArgs) -> Session {
         unwind: UnwindMode::Auto,
         mode: args.mode.mode,
         kernel: false,
+        details: None,
     })
 }
 

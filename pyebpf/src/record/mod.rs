@@ -1,40 +1,112 @@
 //! `pyebpf record`: sample until the duration ends, a signal arrives, the command or every given
 //! process exits (a launched command gets the first signal and is waited for), resolve every
 //! sample to a stack while its process is alive, then write the profile (with `--rotate`, also at
-//! the end of every period, starting a new profile each time).
+//! the end of every period, starting a new profile each time; with `--otlp`, also sends each
+//! export period to a collector: see [`periods`]).
 
+mod periods;
+
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 
 use crate::bpf::{check_privileges, Sampler, SamplerOptions, UnwindMode};
 use crate::cli::{GroupBy, RecordArgs};
 use crate::mode::Mode;
-use crate::output::{self, Files, OutputError, ProfileSink, Rendering};
+use crate::otlp::{self, Exporter, Headers, OtlpOptions, TlsFiles};
+use crate::output::{self, Files, ProfileSink, Rendering};
 use crate::process::{self, Launched, Watched};
 use crate::progress::Progress;
 use crate::python::SamplingOptions;
 use crate::reader::RecordBatch;
 use crate::report;
-use crate::session::{add_samples, Session, SessionOptions, TICK};
+use crate::session::{add_samples, DetailsWanted, Session, SessionOptions, TICK};
 use crate::stack::{FrameCarry, Profile};
 use crate::stats::Stats;
 use crate::stop_signals::StopSignals;
 use crate::summary::{RunTotals, Summary};
+use periods::{report_period, write_and_retain, Boundary, Ended, Periods, WrittenPeriods};
+
+/// An export period that ends this close to `--duration`'s end is ended by it (the timers of
+/// both fire in the same instant, in either order).
+const END_SLACK: Duration = Duration::from_millis(100);
+
+/// `-o` unless given (and without --otlp).
+const DEFAULT_OUTPUT: &str = "profile.pb.gz";
 
 pub fn run(args: RecordArgs) -> Result<()> {
-    let output_name = output::display_name(&args.output);
+    let endpoint = otlp::endpoint(args.otlp.endpoint.as_deref())?;
+    let output = output_path(&args, endpoint.is_some())?;
     let rendering = Rendering { threads: args.threads, title: command_line() };
-    let sink =
-        Arc::new(ProfileSink::new(&args.output, args.format, files(&args), rendering, args.function).with_context(|| format!("cannot write {output_name}"))?);
+    let sink = output
+        .as_deref()
+        .map(|path| {
+            let sink = ProfileSink::new(path, args.format, files(&args), rendering, args.function);
+            sink.map(Arc::new).with_context(|| format!("cannot write {}", output::display_name(path)))
+        })
+        .transpose()?;
     check_privileges()?;
+    let exporter = endpoint.map(|endpoint| exporter(&args, endpoint)).transpose()?;
     let watched = Watched::open(&args.pid)?;
     process::raise_open_file_limit();
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().context("start the async runtime")?;
-    let ((profile, stats), periods) = runtime.block_on(record(&args, &watched, &sink))?;
-    let output = write_and_retain(&sink, &profile).context("cannot write the profile")?;
-    let summary = match periods {
+    let periods = Periods::new(args.rotate, sink.as_ref(), exporter.map(|exporter| (exporter, args.otlp.period)))?;
+    let (ended, mut stats) = runtime.block_on(record(&args, &watched, periods))?;
+    let mut summary = summary(&args, sink.as_deref(), ended.file, ended.totals, ended.written, &stats)?;
+    // Written first: the exporter's flush ran meanwhile, and -o never waits for a collector.
+    stats.otlp = ended.exporter.map(Exporter::join);
+    summary.otlp = stats.otlp.clone();
+    report::report_text(format_args!("{summary}"));
+    if args.stats {
+        report::report_text(format_args!("{stats}"));
+    }
+    Ok(())
+}
+
+/// `-o`, or profile.pb.gz without it; with --otlp, no file unless -o is given.
+fn output_path(args: &RecordArgs, exporting: bool) -> Result<Option<PathBuf>> {
+    match (&args.output, exporting) {
+        (Some(path), _) => Ok(Some(path.clone())),
+        (None, false) => Ok(Some(PathBuf::from(DEFAULT_OUTPUT))),
+        (None, true) if args.rotate.is_some() => bail!("--rotate with --otlp needs -o: the files' names are made from it"),
+        (None, true) => Ok(None),
+    }
+}
+
+/// The exporter `--otlp` (or PYEBPF_OTLP_ENDPOINT) asks for, started.
+fn exporter(args: &RecordArgs, endpoint: otlp::Endpoint) -> Result<Exporter> {
+    let otlp = &args.otlp;
+    let options = OtlpOptions {
+        endpoint,
+        period: Duration::from_secs(otlp.period),
+        tls: TlsFiles { ca: otlp.ca.clone(), cert: otlp.cert.clone(), key: otlp.key.clone() },
+        headers: Headers::load(otlp.headers_file.as_deref())?,
+        queue_bytes: usize::try_from(otlp.queue_mb << 20).unwrap_or(usize::MAX),
+        flush_timeout: Duration::from_secs(otlp.flush_timeout),
+        service_name: otlp.service_name.clone(),
+        host_name: otlp::host_name(),
+    };
+    Ok(Exporter::start(options)?)
+}
+
+/// Writes the last file period (the whole run without `--rotate`) and sums up the run.
+fn summary(
+    args: &RecordArgs,
+    sink: Option<&ProfileSink>,
+    file: Option<Profile>,
+    totals: Option<RunTotals>,
+    written: Option<WrittenPeriods>,
+    stats: &Stats,
+) -> Result<Summary> {
+    let (Some(sink), Some(profile)) = (sink, file) else {
+        // No files: the run is what the exporter was given.
+        let endpoint = otlp::endpoint(args.otlp.endpoint.as_deref()).ok().flatten().map_or_else(String::new, |endpoint| endpoint.to_string());
+        return Ok(Summary::new(totals.unwrap_or_default(), stats, endpoint, None));
+    };
+    let output = write_and_retain(sink, &profile).context("cannot write the profile")?;
+    Ok(match written {
         // The run's summary adds up every period; each period's own line names its file.
         Some(WrittenPeriods { mut totals, first }) => {
             report_period(&profile, &output, stats.lost_samples);
@@ -46,15 +118,10 @@ pub fn run(args: RecordArgs) -> Result<()> {
                 }
                 None => output,
             };
-            Summary::new(totals, &stats, files, None)
+            Summary::new(totals, stats, files, None)
         }
-        None => Summary::new(RunTotals::of(&profile), &stats, output, sink.open_command()),
-    };
-    report::report_text(format_args!("{summary}"));
-    if args.stats {
-        report::report_text(format_args!("{stats}"));
-    }
-    Ok(())
+        None => Summary::new(RunTotals::of(&profile), stats, output, sink.open_command()),
+    })
 }
 
 /// One profile at `-o`, or a file per `--rotate` period.
@@ -65,87 +132,17 @@ fn files(args: &RecordArgs) -> Files {
     }
 }
 
-/// Writes a profile, then with `--keep` removes the oldest period files past it (a file that
-/// cannot be removed is said, and the recording goes on).
-fn write_and_retain(sink: &ProfileSink, profile: &Profile) -> Result<String, OutputError> {
-    let name = sink.write(profile)?;
-    if let Err(err) = sink.remove_oldest() {
-        report!("cannot remove an old profile: {err}");
-    }
-    Ok(name)
-}
-
-/// `--rotate`: ends the period and hands its profile to the writer; the next period starts in
-/// the recording's profile, with only the frames the session's caches still use.
-fn rotate(writer: &PeriodWriter, run: &mut Recording) {
+/// Ends the current piece of the recording (a `--rotate` or `--otlp-period` boundary) and
+/// returns it; the next starts in the recording's profile, with only the frames the session's
+/// caches still use.
+fn cut(run: &mut Recording) -> Profile {
     let next = run.profile.next_period();
     let mut finished = std::mem::replace(&mut run.profile, next);
     run.session.carry_frames(&mut FrameCarry::new(&finished.frames, &mut run.profile.frames));
     finished.duration_ns = run.started.elapsed().as_nanos() as i64;
     run.started = Instant::now();
     run.profile.start_unix_ns = unix_now_ns();
-    writer.write(finished, run.sampler.lost_samples());
-}
-
-/// The line of one `--rotate` period written to `name`, with the samples lost in the run so far.
-fn report_period(profile: &Profile, name: &str, lost: u64) {
-    report!("wrote {} samples of {} processes to {name} ({lost} lost)", profile.total_samples(), profile.processes());
-}
-
-/// Writes the periods of `--rotate` in order on a thread of its own, so that the sampling loop
-/// keeps reading samples while a large profile is rendered: a short-lived process whose samples
-/// waited in the ring buffer meanwhile would be gone, unresolved, when they were read.
-struct PeriodWriter {
-    /// One period waits at most; a writer slower than the periods holds the loop back.
-    queue: std::sync::mpsc::SyncSender<(Profile, u64)>,
-    thread: std::thread::JoinHandle<WrittenPeriods>,
-}
-
-/// The periods a [`PeriodWriter`] wrote: what they add up to, and the first one's file.
-#[derive(Default)]
-struct WrittenPeriods {
-    totals: RunTotals,
-    first: Option<String>,
-}
-
-impl PeriodWriter {
-    fn start(sink: Arc<ProfileSink>) -> Result<PeriodWriter> {
-        let (queue, periods) = std::sync::mpsc::sync_channel::<(Profile, u64)>(1);
-        let thread = std::thread::Builder::new()
-            .name("pyebpf-writer".into())
-            .spawn(move || {
-                let mut written = WrittenPeriods::default();
-                for (profile, lost) in periods {
-                    // A period that cannot be written is lost, but the next ones may still be.
-                    match write_and_retain(&sink, &profile) {
-                        Ok(name) => {
-                            report_period(&profile, &name, lost);
-                            written.totals.add(&profile);
-                            written.first.get_or_insert(name);
-                        }
-                        Err(err) => report!("cannot write the profile: {err}"),
-                    }
-                }
-                written
-            })
-            .context("start the profile writer")?;
-        Ok(PeriodWriter { queue, thread })
-    }
-
-    fn write(&self, profile: Profile, lost: u64) {
-        if self.queue.send((profile, lost)).is_err() {
-            report!("cannot write the profile: the writer stopped");
-        }
-    }
-
-    /// Waits until every period handed over is written; returns what they add up to.
-    fn finish(self) -> WrittenPeriods {
-        drop(self.queue);
-        self.thread.join().unwrap_or_else(|_| {
-            report!("cannot write the profile: the writer failed");
-            WrittenPeriods::default()
-        })
-    }
+    finished
 }
 
 fn unix_now_ns() -> i64 {
@@ -163,6 +160,10 @@ fn session(args: &RecordArgs) -> Session {
         unwind: args.unwind,
         mode: args.mode.mode,
         kernel: args.kernel,
+        details: otlp::endpoint(args.otlp.endpoint.as_deref())
+            .ok()
+            .flatten()
+            .map(|_| DetailsWanted { env_var: args.otlp.service_name.env_var().map(str::to_string) }),
     })
 }
 
@@ -192,19 +193,7 @@ fn launch(args: &RecordArgs, sampler: &mut Sampler) -> Result<Option<Launched>> 
     // pyebpf itself is a target for the fork hook (its own samples are still dropped), so the
     // command is one from its fork on and cannot start children before it is registered.
     sampler.add_target(std::process::id())?;
-    Ok(Some(Launched::start(&args.command, output::is_stdout(&args.output))?))
-}
-
-/// The `--rotate` periods' clock.
-fn rotation(args: &RecordArgs) -> Option<tokio::time::Interval> {
-    args.rotate.map(|secs| {
-        let period = Duration::from_secs(secs);
-        let mut interval = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
-        // A period that ends late (a busy host) does not make the next ones short to catch up:
-        // every period lasts at least SECONDS, so no two start in the same second.
-        interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        interval
-    })
+    Ok(Some(Launched::start(&args.command, args.output.as_deref().is_some_and(output::is_stdout))?))
 }
 
 /// A recording under way: the session, the sampler feeding it, and the profile it fills.
@@ -217,9 +206,9 @@ struct Recording {
     started: Instant,
 }
 
-/// Records until the end of the run; returns its last (or only) profile, and with `--rotate` what
-/// the periods written before it add up to.
-async fn record(args: &RecordArgs, watched: &Watched, sink: &Arc<ProfileSink>) -> Result<((Profile, Stats), Option<WrittenPeriods>)> {
+/// Records until the end of the run, handing each piece cut at a period's end (and the last) to
+/// `periods`; returns what they came to, and the run's counts.
+async fn record(args: &RecordArgs, watched: &Watched, mut periods: Periods) -> Result<(Ended, Stats)> {
     // Stop signals that came while pyebpf loaded are read here too (see `stop_signals`).
     let mut stops = StopSignals::new().context("read stop signals")?;
     let mut session = session(args);
@@ -234,8 +223,7 @@ async fn record(args: &RecordArgs, watched: &Watched, sink: &Arc<ProfileSink>) -
     profile.start_unix_ns = unix_now_ns();
     let mut run = Recording { session, sampler, profile, stats, started: Instant::now() };
     let deadline = args.duration.map(|duration| tokio::time::Instant::now() + duration);
-    let writer = args.rotate.map(|_| PeriodWriter::start(Arc::clone(sink))).transpose()?;
-    let mut rotation = rotation(args);
+    periods.start_clocks();
     let mut tick = tokio::time::interval(TICK);
     let mut batch = RecordBatch::default();
     let mut lost_reported = 0;
@@ -247,12 +235,20 @@ async fn record(args: &RecordArgs, watched: &Watched, sink: &Arc<ProfileSink>) -
                 add_samples(&mut batch, &mut run.session, &mut run.sampler, &mut run.profile, &mut run.stats);
             }
             signal = stops.next() => if !pass_to_command(&mut command, signal) { break },
-            _ = next_period(&mut rotation) => if let Some(writer) = &writer {
-                rotate(writer, &mut run);
-            },
+            boundary = periods.next() => {
+                if boundary == Boundary::Export && deadline.is_some_and(|deadline| deadline <= tokio::time::Instant::now() + END_SLACK) {
+                    // The recording ends now: its end sends this period, not a near-empty one after.
+                    break;
+                }
+                let piece = cut(&mut run);
+                periods.hand_over(piece, Some(boundary), run.sampler.lost_samples());
+            }
             _ = sleep_until(deadline) => break,
             _ = tick.tick() => {
                 lost_reported = report_lost(&run.sampler, lost_reported, &progress);
+                for line in periods.exporter_lines() {
+                    progress.warn(&format!("pyebpf: {line}"));
+                }
                 progress.update(&run.stats, lost_reported);
                 run.session.upkeep(&mut run.sampler);
                 if command.as_mut().is_some_and(Launched::exited) || watched.all_exited() {
@@ -267,8 +263,9 @@ async fn record(args: &RecordArgs, watched: &Watched, sink: &Arc<ProfileSink>) -
     }
     run.session.count_open_waits(&mut run.sampler, &mut run.stats, &mut run.profile);
     progress.finish();
-    let periods = writer.map(PeriodWriter::finish);
-    Ok((run.finish(args.mode.mode), periods))
+    let (last, stats) = run.finish(args.mode.mode);
+    periods.hand_over(last, None, stats.lost_samples);
+    Ok((periods.finish(), stats))
 }
 
 impl Recording {
@@ -303,15 +300,6 @@ fn own_cpu_ns() -> u64 {
     let usage = unsafe { usage.assume_init() };
     let ns = |t: libc::timeval| t.tv_sec as u64 * 1_000_000_000 + t.tv_usec as u64 * 1000;
     ns(usage.ru_utime) + ns(usage.ru_stime)
-}
-
-async fn next_period(rotation: &mut Option<tokio::time::Interval>) {
-    match rotation {
-        Some(interval) => {
-            interval.tick().await;
-        }
-        None => std::future::pending().await,
-    }
 }
 
 async fn sleep_until(deadline: Option<tokio::time::Instant>) {
