@@ -174,15 +174,14 @@ impl<M: Memory> Pythons<M> {
         self.processes.contains_key(&pid)
     }
 
-<<<<<<< HEAD
     /// Whether `pid` is a free-threaded CPython attached to: it has no GIL to hold.
     pub fn is_free_threaded(&self, pid: u32) -> bool {
         self.processes.get(&pid).is_some_and(|process| process.resolver.py.offsets().free_threaded)
-=======
+    }
+
     /// The CPython version of `pid`, if it is a Python process attached to.
     pub fn version(&self, pid: u32) -> Option<crate::cpython::PyVersion> {
         self.processes.get(&pid).map(|process| process.resolver.py.version())
->>>>>>> otlp-tests
     }
 
     /// Keeps a process attached to (not registered yet).

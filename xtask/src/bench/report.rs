@@ -377,7 +377,11 @@ fn partial_runs(machine: &Value) -> String {
         let list = |key: &str| run[key].as_array().map(|items| items.iter().filter_map(Value::as_str).collect::<Vec<_>>().join(", "));
         let sections = list("sections").unwrap_or_else(|| "every part".into());
         let versions = list("versions").map(|v| format!(" of {v}")).unwrap_or_default();
-        let _ = writeln!(lines, "- Measured again at {}: {sections}{versions} (`cargo xtask bench --only ... --versions ...`)", run["commit"].as_str().unwrap_or("?"));
+        let _ = writeln!(
+            lines,
+            "- Measured again at {}: {sections}{versions} (`cargo xtask bench --only ... --versions ...`)",
+            run["commit"].as_str().unwrap_or("?")
+        );
     }
     lines
 }
