@@ -45,14 +45,24 @@ fn version_line() {
         .map_or_else(|| "unknown".to_string(), |commit| commit.trim().to_string());
     let version = env::var("CARGO_PKG_VERSION").unwrap_or_default();
     println!("cargo:rustc-env=PYEBPF_LONG_VERSION={version} (commit {commit}; reads CPython 3.8 to 3.15, and free-threaded 3.13)");
-    // A new commit moves the branch HEAD names (or, packed, packed-refs), not HEAD itself.
-    let git = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.git");
-    if let Ok(head) = std::fs::read_to_string(git.join("HEAD")) {
-        let branch = head.trim().strip_prefix("ref: ").map(|branch| git.join(branch));
-        for watched in [Some(git.join("HEAD")), Some(git.join("packed-refs")), branch].into_iter().flatten().filter(|file| file.exists()) {
-            println!("cargo:rerun-if-changed={}", watched.display());
-        }
+    // A new commit moves the branch HEAD names (or, packed, packed-refs), not HEAD itself. git
+    // says where each lives: in a worktree, HEAD is the worktree's and the refs are shared.
+    let head = git_path("HEAD");
+    let branch = head.as_ref().and_then(|head| std::fs::read_to_string(head).ok()).and_then(|head| git_path(head.trim().strip_prefix("ref: ")?));
+    for watched in [head, git_path("packed-refs"), branch].into_iter().flatten().filter(|file| file.exists()) {
+        println!("cargo:rerun-if-changed={}", watched.display());
     }
+}
+
+/// Where `name` (`HEAD`, a ref, `packed-refs`) is in the repository holding this crate.
+fn git_path(name: &str) -> Option<PathBuf> {
+    let out = std::process::Command::new("git")
+        .args(["rev-parse", "--path-format=absolute", "--git-path", name])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .ok()
+        .filter(|out| out.status.success())?;
+    Some(PathBuf::from(String::from_utf8(out.stdout).ok()?.trim()))
 }
 
 fn compile_profile_proto() {
