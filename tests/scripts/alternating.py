@@ -48,8 +48,15 @@ def b_outer():
     b_mid()
 
 
-def alternate(seed):
+def main(seed=7, first=True):
+    """The main thread starts the others and says it is ready; every thread then alternates, each
+    under its own coin, one call below its entry (`main`), as before threads were added."""
     coins.jitter = random.Random(seed)
+    if first:
+        for i in range(1, THREADS):
+            threading.Thread(target=main, args=(7 + i, False)).start()
+        with open(sys.argv[1], "w") as ready:
+            ready.write("ready\n")
     stop = time.monotonic() + 120
     while time.monotonic() < stop:
         if coins.jitter.random() < 0.5:
@@ -58,15 +65,6 @@ def alternate(seed):
         else:
             b_outer()
             a_outer()
-
-
-def main():
-    workers = [threading.Thread(target=alternate, args=(7 + i,)) for i in range(1, THREADS)]
-    for worker in workers:
-        worker.start()
-    with open(sys.argv[1], "w") as ready:
-        ready.write("ready\n")
-    alternate(7)
 
 
 main()

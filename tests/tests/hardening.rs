@@ -87,7 +87,7 @@ fn version_names_the_commit_and_the_pythons_read() {
     let head = Command::new("git").args(["rev-parse", "--short=12", "HEAD"]).current_dir(env!("CARGO_MANIFEST_DIR")).output().unwrap();
     let head = String::from_utf8_lossy(&head.stdout).trim().to_string();
     assert_eq!(head.len(), 12, "no git HEAD to compare with");
-    assert_eq!(text.trim(), format!("pyebpf {} (commit {head}; reads CPython 3.8 to 3.15)", env!("CARGO_PKG_VERSION")));
+    assert_eq!(text.trim(), format!("pyebpf {} (commit {head}; reads CPython 3.8 to 3.15, and free-threaded 3.13)", env!("CARGO_PKG_VERSION")));
 }
 
 fn runnable_by_anyone(dir: &Path) -> PathBuf {
