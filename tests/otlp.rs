@@ -165,11 +165,15 @@ pub struct Sample {
     pub attributes: HashMap<String, serde_json::Value>,
     pub values: Vec<i64>,
     pub count: u64,
+    /// Timestamps they carry: one per event counted.
+    pub events: u64,
+    /// Each had as many timestamps as values (or none), in order, within its profile's time.
+    pub timestamps_ok: bool,
     pub stack: Vec<Frame>,
 }
 
 impl Sample {
-    /// The first value: the sample count where the profile counts samples.
+    /// Their values added up: the sample count where the profile counts samples.
     pub fn value(&self) -> u64 {
         self.values.first().copied().unwrap_or(0) as u64
     }

@@ -9,6 +9,10 @@ use hashbrown::HashMap;
 
 use crate::mode::Mode;
 
+mod timeline;
+
+pub use timeline::{Event, Timeline, MAX_EVENTS};
+
 /// A loaded file in a process's address space (one executable mapping of `/proc/PID/maps`).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Module {
@@ -399,6 +403,8 @@ pub struct Profile {
     pub duration_ns: i64,
     /// Collapsed output starts each stack at the process's container (`--group-by container`).
     pub group_by_container: bool,
+    /// `record --otlp`: each stack's events and each thread's name.
+    pub timeline: Option<Box<Timeline>>,
 }
 
 impl Profile {
@@ -409,7 +415,12 @@ impl Profile {
     /// An empty profile for the next period of a recording: the same settings, and an empty frame
     /// table into which the resolver carries the frames it keeps ids of ([`FrameCarry`]).
     pub fn next_period(&self) -> Profile {
-        Profile { group_by_container: self.group_by_container, mode: self.mode, ..Profile::new(self.frequency_hz) }
+        Profile {
+            group_by_container: self.group_by_container,
+            mode: self.mode,
+            timeline: self.timeline.as_ref().map(|timeline| Box::new(timeline.next_piece())),
+            ..Profile::new(self.frequency_hz)
+        }
     }
 
     /// Starts a new frame table with the frames of this profile's stacks and those `carry_caches`
@@ -458,18 +469,19 @@ impl Profile {
 
     /// Every aggregated stack with its weight, in no particular order.
     pub fn stacks(&self) -> impl Iterator<Item = (Stack<'_>, Weight)> {
-        self.counts.iter().map(|(stored, &weight)| {
-            let stack = Stack {
-                pid: stored.pid,
-                tid: stored.tid,
-                comm: &stored.comm,
-                frames: Frames { ids: &stored.frames, table: &self.frames },
-                truncated: stored.truncated,
-                labels: stored.labels.as_deref(),
-                state: stored.state,
-            };
-            (stack, weight)
-        })
+        self.counts.iter().map(|(stored, &weight)| (self.stack(stored), weight))
+    }
+
+    fn stack<'a>(&'a self, stored: &'a StoredStack) -> Stack<'a> {
+        Stack {
+            pid: stored.pid,
+            tid: stored.tid,
+            comm: &stored.comm,
+            frames: Frames { ids: &stored.frames, table: &self.frames },
+            truncated: stored.truncated,
+            labels: stored.labels.as_deref(),
+            state: stored.state,
+        }
     }
 
     /// Distinct stacks.

@@ -10,13 +10,16 @@ google.rpc.Status carrying TEXT (what a collector refusing the data sends). Each
   status, path, content_type, content_encoding, user_agent, headers (lower-case names)
   resources: [{attributes: {key: value}, profiles: [{sample_type: [type, unit],
       period_type: [type, unit], period, time_unix_nano, duration_nano,
-      samples: [{thread_id, thread_name, attributes, values, count, stack}]}]}]
-      (samples of the same thread and stack are merged: values added up, count is how many)
+      samples: [{thread_id, thread_name, attributes, values, count, events, timestamps_ok, stack}]}]}]
+      (samples of the same thread and stack are merged: count is how many; values holds one
+      number, the sum of all their values (a Sample carries one value per event it counts);
+      events is how many timestamps they carry, timestamps_ok whether each Sample had as many
+      timestamps as values (or none), in order, all within its profile's time)
   stack: frames leaf first, each {type, name, file, start_line, line}: `type` is the location's
       profile.frame.type attribute; a location with several lines gives several frames, its
       innermost (last) line first
   totals: {resources, samples, values}: samples is the number of Sample messages, values the sum of
-      their first values
+      all their values
   error: set when the body could not be read or decoded
 """
 import argparse
@@ -100,17 +103,25 @@ def summarize(request):
                 merged = {}
                 for sample in profile.samples:
                     totals["samples"] += 1
-                    totals["values"] += sample.values[0] if sample.values else 0
+                    value = sum(sample.values)
+                    totals["values"] += value
+                    times = list(sample.timestamps_unix_nano)
+                    end = profile.time_unix_nano + profile.duration_nano
+                    timestamps_ok = (not times or len(times) == len(sample.values)) and times == sorted(times) \
+                        and all(profile.time_unix_nano <= t <= end for t in times)
                     attributes = dictionary.attributes(sample.attribute_indices)
                     stack = dictionary.stack(sample.stack_index)
                     key = json.dumps([attributes, stack], sort_keys=True)
                     entry = merged.get(key)
                     if entry is None:
                         merged[key] = {"thread_id": attributes.get("thread.id"), "thread_name": attributes.get("thread.name"),
-                                       "attributes": attributes, "values": list(sample.values), "count": 1, "stack": stack}
+                                       "attributes": attributes, "values": [value], "count": 1, "events": len(times),
+                                       "timestamps_ok": timestamps_ok, "stack": stack}
                     else:
                         entry["count"] += 1
-                        entry["values"] = [a + b for a, b in zip(entry["values"], sample.values)]
+                        entry["values"][0] += value
+                        entry["events"] += len(times)
+                        entry["timestamps_ok"] = entry["timestamps_ok"] and timestamps_ok
                 profiles.append({"sample_type": dictionary.value_type(profile.sample_type),
                                  "period_type": dictionary.value_type(profile.period_type), "period": profile.period,
                                  "time_unix_nano": profile.time_unix_nano, "duration_nano": profile.duration_nano,

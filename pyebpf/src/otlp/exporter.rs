@@ -95,6 +95,9 @@ async fn run(options: OtlpOptions, transport: Transport, shared: Arc<Shared>, mu
         match received.recv().await {
             Some(Order::Piece(piece)) => pieces.push(piece),
             Some(Order::EndPeriod) => {
+                if model::untimed(&pieces) {
+                    shared.count_untimed();
+                }
                 for request in encode(&std::mem::take(&mut pieces), &context, MAX_REQUEST_BYTES) {
                     shared.push(request);
                 }

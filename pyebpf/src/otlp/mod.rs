@@ -230,16 +230,22 @@ pub struct OtlpTotals {
     pub dropped: u64,
     /// Periods the collector refused for good (or in part).
     pub refused: u64,
+    /// Periods sent without timestamps: more events than [`crate::stack::MAX_EVENTS`].
+    pub untimed: u64,
 }
 
 /// `otlp: 4 periods sent to URL (1234 samples), 3 retries, 0 dropped, 0 refused`: scripts and
-/// tests read these words.
+/// tests read these words. Periods sent without timestamps are said after them, if any.
 impl fmt::Display for OtlpTotals {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
             "otlp: {} periods sent to {} ({} samples), {} retries, {} dropped, {} refused",
             self.periods_sent, self.endpoint, self.samples_sent, self.retries, self.dropped, self.refused
-        )
+        )?;
+        if self.untimed > 0 {
+            write!(f, ", {} periods without timestamps (over {} events)", self.untimed, crate::stack::MAX_EVENTS)?;
+        }
+        Ok(())
     }
 }

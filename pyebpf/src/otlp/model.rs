@@ -9,8 +9,10 @@
 //! `wall/nanoseconds` otherwise, with `thread.state` telling the waits apart. Stacks are leaf
 //! first; every location says what ran there in `profile.frame.type` (`cpython`, `native`,
 //! `kernel`), and has a line only where a function is known (a native or kernel address no
-//! symbol names is left to the backend, with its mapping's file and build id). Samples carry no
-//! timestamps: profiles aggregate per stack, not per sample.
+//! symbol names is left to the backend, with its mapping's file and build id). A sample (one per
+//! stack, thread and state) has one value per event (an on-CPU sample, an interval off CPU) with
+//! its timestamp, where the recording kept them all ([`Timeline`]), else their sum alone; its
+//! `thread.name` is the thread's own, where known.
 
 use std::collections::hash_map::RandomState;
 use std::collections::{BTreeMap, HashMap};
@@ -20,7 +22,7 @@ use std::sync::Arc;
 
 use crate::mode::Mode;
 use crate::output::task_name;
-use crate::stack::{Frame, KernelFrame, Module, NativeFrame, ProcessDetails, Profile, PythonFrame, Stack, Weight};
+use crate::stack::{Event, Frame, KernelFrame, Module, NativeFrame, ProcessDetails, Profile, PythonFrame, Stack, Timeline, Weight};
 
 use super::proto::common::{any_value, AnyValue, InstrumentationScope, KeyValue};
 use super::proto::profiles as otlp;
@@ -49,20 +51,23 @@ pub(super) fn request(pieces: &[Arc<Profile>], context: &Context<'_>, only: Opti
     let mut dictionary = Dictionary::new();
     let mut processes: BTreeMap<u32, Process> = BTreeMap::new();
     let mut samples = 0;
+    let names = thread_names(pieces);
+    let timed = !untimed(pieces);
     for piece in pieces {
         let values = Values::of_mode(piece.mode);
-        let mut stacks: Vec<_> = piece.stacks().collect();
+        let mut stacks: Vec<_> = piece.timed_stacks().collect();
         // A stable order makes the same request of the same profile (the dictionary's order too).
-        stacks.sort_by_key(|(stack, _)| (stack.pid, stack.tid, stack.state));
-        for (stack, weight) in stacks {
+        stacks.sort_by_key(|(stack, ..)| (stack.pid, stack.tid, stack.state));
+        for (stack, weight, events) in stacks {
             if only.is_some_and(|only| only.binary_search(&stack.pid).is_err()) {
                 continue;
             }
             samples += weight.samples;
             let process = processes.entry(stack.pid).or_insert_with(|| Process::of(&stack));
+            let thread_name = names.get(&(stack.pid, stack.tid)).copied().unwrap_or(stack.comm);
             // As pprof labels them: every mode but cpu tells states apart.
-            let key = dictionary.sample_key(&stack, piece.mode != Mode::Cpu);
-            *process.values.entry(key).or_default() += values.of(weight);
+            let key = dictionary.sample_key(&stack, thread_name, piece.mode != Mode::Cpu);
+            process.values.entry(key).or_default().add(values, weight, events.filter(|_| timed));
         }
     }
     let first = pieces.first().map(|piece| &**piece);
@@ -74,6 +79,16 @@ pub(super) fn request(pieces: &[Arc<Profile>], context: &Context<'_>, only: Opti
     };
     let resource_profiles = processes.into_iter().map(|(pid, process)| process.into_resource(pid, &time, context, &mut dictionary)).collect();
     Request { message: collector::ExportProfilesServiceRequest { resource_profiles, dictionary: Some(dictionary.finish()) }, samples }
+}
+
+/// Whether the period went past the bound of events kept: it is sent without timestamps.
+pub(super) fn untimed(pieces: &[Arc<Profile>]) -> bool {
+    pieces.iter().any(|piece| piece.timeline.as_ref().is_some_and(|timeline| timeline.overflowed()))
+}
+
+/// Each thread's own name, the latest of the period's (pieces are in order).
+fn thread_names(pieces: &[Arc<Profile>]) -> HashMap<(u32, u32), &str> {
+    pieces.iter().filter_map(|piece| piece.timeline.as_deref()).flat_map(Timeline::thread_names).collect()
 }
 
 /// The processes of a request, in order.
@@ -136,7 +151,49 @@ struct Process {
     comm: Arc<str>,
     cgroup: Option<Arc<str>>,
     details: Option<Arc<ProcessDetails>>,
-    values: HashMap<SampleKey, i64>,
+    values: HashMap<SampleKey, Tally>,
+}
+
+/// What a sample adds up to: its value, and while every stack it is made of has all its events
+/// (see `Profile::timed_stacks`), each event's value and time.
+#[derive(Default)]
+struct Tally {
+    value: i64,
+    /// (Unix ns, value), in the order counted.
+    events: Vec<(i64, i64)>,
+    untimed: bool,
+}
+
+impl Tally {
+    fn add(&mut self, values: Values, weight: Weight, events: Option<&[Event]>) {
+        self.value += values.of(weight);
+        match events {
+            Some(events) if !self.untimed => self.events.extend(events.iter().map(|event| (event.unix_ns, values.of(Weight { samples: 1, ns: event.ns })))),
+            _ => {
+                self.untimed = true;
+                self.events = Vec::new();
+            }
+        }
+    }
+
+    fn timed(&self) -> bool {
+        !self.untimed && !self.events.is_empty()
+    }
+
+    /// The sample's values and timestamps: one per event in time order, each within the period
+    /// (a sample read just after a cut, an interval begun before it); or (`timed` false) its one
+    /// value without timestamps.
+    fn into_sample(mut self, key: SampleKey, time: &Time, timed: bool) -> otlp::Sample {
+        let (values, timestamps_unix_nano) = if !timed {
+            (vec![self.value], Vec::new())
+        } else {
+            self.events.sort_by_key(|&(unix_ns, _)| unix_ns);
+            let start = time.start_unix_ns.max(0);
+            let end = start.saturating_add(i64::try_from(time.duration_ns).unwrap_or(i64::MAX));
+            self.events.iter().map(|&(unix_ns, value)| (value, unix_ns.max(start).min(end) as u64)).unzip()
+        };
+        otlp::Sample { stack_index: key.stack, attribute_indices: key.attributes, values, timestamps_unix_nano, ..Default::default() }
+    }
 }
 
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -158,16 +215,15 @@ impl Process {
 
     fn into_resource(self, pid: u32, time: &Time, context: &Context<'_>, dictionary: &mut Dictionary) -> otlp::ResourceProfiles {
         let attributes = self.attributes(pid, context);
-        let mut samples: Vec<(SampleKey, i64)> = self.values.into_iter().collect();
+        let mut samples: Vec<(SampleKey, Tally)> = self.values.into_iter().collect();
         // A stable order keeps the request the same for the same profile.
-        samples.sort();
+        samples.sort_by(|(one, _), (other, _)| one.cmp(other));
+        // A profile's samples should all have the same shape: all timed, or none.
+        let timed = samples.iter().all(|(_, tally)| tally.timed());
         let (kind, unit) = time.values.sample_type();
         let profile = otlp::Profile {
             sample_type: Some(dictionary.value_type(kind, unit)),
-            samples: samples
-                .into_iter()
-                .map(|(key, value)| otlp::Sample { stack_index: key.stack, attribute_indices: key.attributes, values: vec![value], ..Default::default() })
-                .collect(),
+            samples: samples.into_iter().map(|(key, tally)| tally.into_sample(key, time, timed)).collect(),
             time_unix_nano: time.start_unix_ns.max(0) as u64,
             duration_nano: time.duration_ns,
             period_type: Some(dictionary.value_type("cpu", "nanoseconds")),
@@ -360,7 +416,7 @@ impl Dictionary {
 
     /// The stack's index and the sample's attributes: the thread, and where they tell samples
     /// apart, its state and a cut Python chain.
-    fn sample_key(&mut self, stack: &Stack<'_>, with_state: bool) -> SampleKey {
+    fn sample_key(&mut self, stack: &Stack<'_>, thread_name: &str, with_state: bool) -> SampleKey {
         let mut locations = std::mem::take(&mut self.scratch);
         locations.clear();
         locations.extend(stack.frames.iter().map(|frame| self.location(frame)));
@@ -375,7 +431,7 @@ impl Dictionary {
         };
         self.scratch = locations;
         let mut attributes =
-            vec![self.attribute("thread.id", AttributeValue::Int(stack.tid.into())), self.attribute("thread.name", AttributeValue::Str(stack.comm.into()))];
+            vec![self.attribute("thread.id", AttributeValue::Int(stack.tid.into())), self.attribute("thread.name", AttributeValue::Str(thread_name.into()))];
         if with_state {
             attributes.push(self.attribute("thread.state", AttributeValue::Str(stack.state.name().into())));
         }

@@ -124,6 +124,11 @@ impl Shared {
         self.lock().lines.as_mut().map(std::mem::take).unwrap_or_default()
     }
 
+    /// A period goes without timestamps: it had too many events.
+    pub fn count_untimed(&self) {
+        self.lock().totals.untimed += 1;
+    }
+
     pub fn totals(&self) -> OtlpTotals {
         self.lock().totals.clone()
     }

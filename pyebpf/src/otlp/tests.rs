@@ -17,7 +17,7 @@ use super::transport::{http_outcome, Outcome, Transport};
 use super::*;
 use crate::mode::Mode;
 use crate::output::test_profile::{key, python, sample_profile};
-use crate::stack::{ProcessDetails, ProcessLabels, Profile, ThreadState, Weight};
+use crate::stack::{ProcessDetails, ProcessLabels, Profile, SampleStack, ThreadState, Timeline, Weight, MAX_EVENTS};
 
 const CGROUP: &str = "/system.slice/docker-0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef.scope";
 
@@ -487,4 +487,116 @@ fn a_connection_failure_names_its_cause() {
         transport.send(bytes::Bytes::from_static(b""), Duration::from_secs(5)).await
     });
     assert!(matches!(&outcome, Outcome::Retry { cause, .. } if cause.contains("refused")), "{outcome:?}");
+}
+
+/// 1.7e18 ns since the epoch, when CLOCK_MONOTONIC read 5 s.
+const START_UNIX_NS: i64 = 1_700_000_000_000_000_000;
+const START_MONOTONIC_NS: u64 = 5_000_000_000;
+
+/// A period of 2 s from [`START_UNIX_NS`] whose events are kept (at most `limit`).
+fn timed_profile(mode: Mode, limit: usize) -> Profile {
+    let mut profile = Profile::new(100);
+    profile.mode = mode;
+    (profile.start_unix_ns, profile.duration_ns) = (START_UNIX_NS, 2_000_000_000);
+    profile.timeline = Some(Box::new(Timeline::with_offset(START_UNIX_NS - START_MONOTONIC_NS as i64, limit)));
+    profile
+}
+
+/// Counts one event of thread `tid` (named `thread_name` by the kernel) of process 7 `app`, in
+/// `function`, `after_ns` after the period's start (before it, if negative).
+fn add_event(profile: &mut Profile, tid: u32, thread_name: &str, function: &str, after_ns: i64, ns: u64) {
+    let frames = [profile.frames.intern(python(function, "/w.py", 1, 2))];
+    let comm: Arc<str> = "app".into();
+    let sample = SampleStack { pid: 7, tid, comm: &comm, frames: &frames, truncated: false, labels: None, state: ThreadState::OnCpu };
+    let mut kernel_comm = [0u8; 16];
+    kernel_comm[..thread_name.len()].copy_from_slice(thread_name.as_bytes());
+    profile.name_thread(7, tid, &kernel_comm);
+    profile.add_event(sample, Weight { samples: 1, ns }, START_MONOTONIC_NS.saturating_add_signed(after_ns));
+}
+
+fn samples_of(request: &ExportProfilesServiceRequest) -> Vec<&otlp::Sample> {
+    request.resource_profiles.iter().flat_map(|r| &r.scope_profiles).flat_map(|s| &s.profiles).flat_map(|p| &p.samples).collect()
+}
+
+fn encode(pieces: Vec<Profile>) -> ExportProfilesServiceRequest {
+    let pieces: Vec<Arc<Profile>> = pieces.into_iter().map(Arc::new).collect();
+    let built = request(&pieces, &context(&ServiceName::Exe), None);
+    ExportProfilesServiceRequest::decode(&built.message.encode_to_vec()[..]).unwrap()
+}
+
+#[test]
+fn each_event_has_its_value_and_timestamp_in_time_order_within_the_period() {
+    for (mode, ns) in [(Mode::Cpu, 10_000_000), (Mode::Wall, 3_000)] {
+        let mut first = timed_profile(mode, MAX_EVENTS);
+        // One read just after the cut, counted in this period though sampled before it.
+        for (function, after_ns) in [("run", 1_500_000_000), ("run", 100_000_000), ("idle", 200_000_000), ("run", -1_000)] {
+            add_event(&mut first, 10, "app", function, after_ns, ns);
+        }
+        let mut second = first.next_period();
+        (second.start_unix_ns, second.duration_ns) = (START_UNIX_NS + 2_000_000_000, 1_000_000_000);
+        add_event(&mut second, 10, "app", "run", 2_500_000_000, ns);
+        let request = encode(vec![first, second]);
+        let samples = samples_of(&request);
+        assert_eq!(samples.len(), 2);
+        let period = START_UNIX_NS as u64..=START_UNIX_NS as u64 + 3_000_000_000;
+        for sample in &samples {
+            assert_eq!(sample.values.len(), sample.timestamps_unix_nano.len());
+            assert!(sample.timestamps_unix_nano.is_sorted());
+            assert!(sample.timestamps_unix_nano.iter().all(|t| period.contains(t)), "{:?}", sample.timestamps_unix_nano);
+        }
+        let run = samples.iter().find(|s| s.values.len() == 4).expect("run's four events, from both pieces");
+        let each = if mode == Mode::Cpu { 1 } else { ns as i64 };
+        assert_eq!(run.values, [each; 4]);
+        assert_eq!(run.timestamps_unix_nano[0], START_UNIX_NS as u64, "before the start: at the start");
+        assert_eq!(run.timestamps_unix_nano[3], START_UNIX_NS as u64 + 2_500_000_000);
+        // What the aggregated value was.
+        assert_eq!(total(&request), 5 * each);
+    }
+}
+
+#[test]
+fn thread_name_is_the_threads_own_and_the_latest() {
+    let mut profile = timed_profile(Mode::Cpu, MAX_EVENTS);
+    add_event(&mut profile, 10, "app", "run", 1, 10_000_000);
+    add_event(&mut profile, 11, "worker", "run", 2, 10_000_000);
+    add_event(&mut profile, 11, "worker-x", "run", 3, 10_000_000);
+    let request = encode(vec![profile]);
+    let names: HashSet<(String, String)> = samples_of(&request)
+        .iter()
+        .map(|sample| {
+            let attributes: Vec<_> = sample.attribute_indices.iter().map(|&i| dictionary_attribute(&request, i)).collect();
+            (attributes[0].1.clone(), attributes[1].1.clone())
+        })
+        .collect();
+    assert_eq!(names, HashSet::from([("10".to_string(), "app".to_string()), ("11".to_string(), "worker-x".to_string())]));
+    // The process keeps its own name.
+    let resource = request.resource_profiles[0].resource.as_ref().unwrap();
+    assert_eq!(string_attribute(&resource.attributes, "process.executable.name").as_deref(), Some("app"));
+}
+
+#[test]
+fn past_the_bound_the_whole_period_goes_without_timestamps_and_the_next_has_them_again() {
+    let mut first = timed_profile(Mode::Cpu, 3);
+    add_event(&mut first, 10, "app", "run", 1, 10_000_000);
+    add_event(&mut first, 10, "app", "run", 2, 10_000_000);
+    // The bound spans the pieces of a period: the second piece goes past it.
+    let mut second = first.next_period();
+    add_event(&mut second, 10, "app", "idle", 3, 10_000_000);
+    add_event(&mut second, 11, "app", "run", 4, 10_000_000);
+    let mut next_period = second.next_period();
+    assert!(second.timeline.as_ref().unwrap().overflowed());
+    let request = encode(vec![first, second]);
+    assert!(samples_of(&request).iter().all(|sample| sample.timestamps_unix_nano.is_empty() && sample.values.len() == 1));
+    assert_eq!(total(&request), 4);
+
+    next_period.timeline.as_mut().unwrap().restart_bound();
+    add_event(&mut next_period, 10, "app", "run", 5, 10_000_000);
+    let request = encode(vec![next_period]);
+    assert_eq!(samples_of(&request)[0].timestamps_unix_nano.len(), 1);
+}
+
+#[test]
+fn untimed_periods_are_said_after_the_totals() {
+    let totals = OtlpTotals { endpoint: "http://c:4318".into(), untimed: 2, ..OtlpTotals::default() };
+    assert!(totals.to_string().ends_with(", 0 refused, 2 periods without timestamps (over 2000000 events)"), "{totals}");
 }

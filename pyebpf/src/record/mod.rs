@@ -23,7 +23,7 @@ use crate::python::SamplingOptions;
 use crate::reader::RecordBatch;
 use crate::report;
 use crate::session::{add_samples, DetailsWanted, Session, SessionOptions, TICK};
-use crate::stack::{FrameCarry, Profile};
+use crate::stack::{FrameCarry, Profile, Timeline, MAX_EVENTS};
 use crate::stats::Stats;
 use crate::stop_signals::StopSignals;
 use crate::summary::{RunTotals, Summary};
@@ -221,6 +221,7 @@ async fn record(args: &RecordArgs, watched: &Watched, mut periods: Periods) -> R
     profile.mode = args.mode.mode;
     profile.group_by_container = args.group_by == GroupBy::Container;
     profile.start_unix_ns = unix_now_ns();
+    profile.timeline = periods.exports().then(|| Box::new(Timeline::new(MAX_EVENTS)));
     let mut run = Recording { session, sampler, profile, stats, started: Instant::now() };
     let deadline = args.duration.map(|duration| tokio::time::Instant::now() + duration);
     periods.start_clocks();
@@ -241,6 +242,9 @@ async fn record(args: &RecordArgs, watched: &Watched, mut periods: Periods) -> R
                     break;
                 }
                 let piece = cut(&mut run);
+                if let (Boundary::Export, Some(timeline)) = (boundary, &mut run.profile.timeline) {
+                    timeline.restart_bound();
+                }
                 periods.hand_over(piece, Some(boundary), run.sampler.lost_samples());
             }
             _ = sleep_until(deadline) => break,

@@ -111,6 +111,11 @@ impl Periods {
         }
     }
 
+    /// Whether the periods are exported.
+    pub fn exports(&self) -> bool {
+        self.exporter.is_some()
+    }
+
     /// What the exporter has to say, for the status line's owner to print.
     pub fn exporter_lines(&self) -> Vec<String> {
         self.exporter.as_ref().map(Exporter::take_lines).unwrap_or_default()

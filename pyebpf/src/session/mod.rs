@@ -144,6 +144,8 @@ impl Session {
     pub fn resolve(&mut self, record: &SampleRecord, kernel: &mut dyn KernelMaps, stats: &mut Stats, profile: &mut Profile) -> bool {
         self.follow_frame_table(profile);
         let Some((comm, labels)) = self.admit(record, kernel, stats) else { return false };
+        // `comm` is the process's name (as pprof labels it); OTLP's `thread.name` is the thread's.
+        profile.name_thread(record.tgid, record.tid, &record.comm);
         let python = &mut self.scratch.python;
         let outcome = self.python.python_stack(record, kernel, stats, &mut profile.frames, python);
         let frames = self.native.stack(record, outcome.is_python().then_some(&python[..]), self.processes.maps(), kernel, stats, &mut profile.frames);
@@ -246,7 +248,7 @@ impl Session {
         let labels = self.processes.sampled(start.tgid, || python.version(start.tgid).map(|version| version.to_string()));
         for (frames, truncated) in &task_stacks {
             let sample = SampleStack { pid: start.tgid, tid, comm: &comm, frames, truncated: *truncated, labels: Some(&labels), state: ThreadState::TaskWait };
-            profile.add_sample(sample, Weight { samples: 1, ns: record.weight_ns });
+            profile.add_event(sample, Weight { samples: 1, ns: record.weight_ns }, record.time_ns);
         }
     }
 

@@ -27,7 +27,7 @@ impl PendingWait {
     /// The thread's stack and its waiting tasks', each for the `ns` it was off CPU.
     fn count(&self, ns: u64, profile: &mut Profile) {
         for stack in std::iter::once(&self.stack).chain(&self.tasks) {
-            profile.add_sample(stack.as_sample(), Weight { samples: 1, ns });
+            profile.add_event(stack.as_sample(), Weight { samples: 1, ns }, self.start_ns);
         }
     }
 }
@@ -89,11 +89,11 @@ impl OffCpu {
     /// open) nothing until its thread is back. A capture whose waiting tasks follow is kept for them.
     pub fn count(&mut self, record: &SampleRecord, sample: SampleStack<'_>, stats: &mut Stats, profile: &mut Profile) {
         let ns = if record.origin != origin::OFF_CPU {
-            profile.add_sample(sample, Weight { samples: 1, ns: profile.period_ns() });
+            profile.add_event(sample, Weight { samples: 1, ns: profile.period_ns() }, record.time_ns);
             Some(profile.period_ns())
         } else if record.weight_ns != 0 {
             stats.off_cpu.intervals += 1;
-            profile.add_sample(sample, Weight { samples: 1, ns: record.weight_ns });
+            profile.add_event(sample, Weight { samples: 1, ns: record.weight_ns }, record.time_ns);
             Some(record.weight_ns)
         } else {
             // Its length comes when the thread is back (`end_wait`).
@@ -126,7 +126,7 @@ impl OffCpu {
                 state: ThreadState::TaskWait,
             };
             match capture.ns {
-                Some(ns) => profile.add_sample(sample, Weight { samples: 1, ns }),
+                Some(ns) => profile.add_event(sample, Weight { samples: 1, ns }, capture.time_ns),
                 None => match self.pending.get_mut(&tid) {
                     Some(pending) if pending.start_ns == capture.time_ns => pending.tasks.push(StoredStack::from_sample(&sample)),
                     _ => {}
