@@ -297,7 +297,13 @@ fn check_process(requests: &[Export], traces: &[Trace], workload: &Workload, ser
         assert_eq!(sample.thread_id, Some(serde_json::json!(pid)), "{label}: thread.id of the main thread");
         assert_eq!(sample.thread_name.as_deref(), Some(workload.comm.as_str()), "{label}: thread.name");
         // In cpu mode each event is one sample: a timestamp for each.
-        assert!(sample.timestamps_ok && sample.events == sample.value(), "{label}: {} timestamps for {} samples, in order: {}", sample.events, sample.value(), sample.timestamps_ok);
+        assert!(
+            sample.timestamps_ok && sample.events == sample.value(),
+            "{label}: {} timestamps for {} samples, in order: {}",
+            sample.events,
+            sample.value(),
+            sample.timestamps_ok
+        );
     }
     let (sink_total, sink_with) = sink_counts(requests, pid);
     let (pprof_total, pprof_with) = pprof_counts(traces, pid);
