@@ -95,10 +95,11 @@ impl Workload {
     }
 }
 
-/// The three interpreters of the acceptance: pyenv's 3.11, Debian's 3.13 and 3.15; each with
-/// `PYEBPF_TEST_SERVICE=svc-VERSION` in its environment.
+/// The three interpreters of the acceptance: pyenv's 3.11 and 3.13 (whose `_PyRuntime` is in
+/// `libpython3.13.so`), Debian's 3.15; each with `PYEBPF_TEST_SERVICE=svc-VERSION` in its
+/// environment.
 fn three_workloads() -> Vec<Workload> {
-    [pyenv_python("3.11.7"), debian_python("3.13"), debian_python("3.15")]
+    [pyenv_python("3.11.7"), pyenv_python("3.13.0"), debian_python("3.15")]
         .iter()
         .map(|python| {
             let service = format!("svc-{}", python.file_name().unwrap().to_string_lossy());
