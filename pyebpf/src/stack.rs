@@ -519,10 +519,16 @@ impl Profile {
             self.start_unix_ns = other.start_unix_ns;
         }
         self.duration_ns = self.duration_ns.saturating_add(other.duration_ns);
+        self.add_counts_of(other, Frame::clone);
+    }
+
+    /// Adds every stack of `other` with its weight, each frame made by `frame_of` from `other`'s
+    /// and interned here.
+    fn add_counts_of(&mut self, other: &Profile, mut frame_of: impl FnMut(&Frame) -> Frame) {
         let mut ids = Vec::new();
         for (stored, &weight) in &other.counts {
             ids.clear();
-            ids.extend(stored.frames.iter().map(|&id| self.frames.intern(other.frames.frame(id).clone())));
+            ids.extend(stored.frames.iter().map(|&id| self.frames.intern(frame_of(other.frames.frame(id)))));
             self.add_sample(SampleStack { frames: &ids, ..stored.as_sample() }, weight);
         }
     }
@@ -538,18 +544,13 @@ impl Profile {
             mode: self.mode,
             ..Default::default()
         };
-        let mut ids = Vec::new();
-        for (stored, &weight) in &self.counts {
-            ids.clear();
-            for &id in &stored.frames {
-                let mut frame = self.frames.frame(id).clone();
-                if let Frame::Python(python) = &mut frame {
-                    python.line = 0;
-                }
-                ids.push(merged.frames.intern(frame));
+        merged.add_counts_of(self, |frame| {
+            let mut frame = frame.clone();
+            if let Frame::Python(python) = &mut frame {
+                python.line = 0;
             }
-            merged.add_sample(SampleStack { frames: &ids, ..stored.as_sample() }, weight);
-        }
+            frame
+        });
         merged
     }
 }
