@@ -29,7 +29,7 @@ pub const RATES: [u32; 3] = [19, 49, 99];
 pub const WORKLOADS: [usize; 3] = [0, 20, 50];
 /// After the profiler has started (the OpenTelemetry profiler: once it logs `ATTACHED`), before
 /// the window: its first scan of the host's processes is start-up, not steady state.
-pub const WARMUP_S: u64 = 8;
+pub const WARMUP_S: u64 = 6;
 /// The measured window.
 pub const MEASURE_S: u64 = 40;
 /// The busy processes' interpreters, in turn (3.11 and 3.12 pyenv's, the others Debian's).
@@ -43,6 +43,9 @@ const OTEL_DEFAULT: &str = "../shared/peers/otel-ebpf-profiler/ebpf-profiler";
 const ATTACHED: &str = "Attached sched monitor";
 const TRACEFS: &str = "/sys/kernel/tracing";
 const BUSY_SCRIPT: &str = "always_busy.py";
+/// How long pyebpf waits at its stop for its last period to be delivered, and the collector for
+/// the sink to take it.
+const FLUSH_TIMEOUT_S: &str = "120";
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Agent {
@@ -90,7 +93,12 @@ impl Agents {
     /// `endpoint` (`HOST:PORT`).
     fn command(&self, agent: Agent, hz: &str, endpoint: &str) -> (PathBuf, Vec<String>) {
         match agent {
-            Agent::Pyebpf => (self.pyebpf.clone(), ["record", "-a", "-F", hz, "--otlp", &format!("grpc://{endpoint}")].map(String::from).to_vec()),
+            // At the stop pyebpf sends its one period, which the sink decodes before the collector
+            // answers: on a loaded host that takes longer than the default 10 s of waiting for it.
+            Agent::Pyebpf => (
+                self.pyebpf.clone(),
+                ["record", "-a", "-F", hz, "--otlp", &format!("grpc://{endpoint}"), "--otlp-flush-timeout", FLUSH_TIMEOUT_S].map(String::from).to_vec(),
+            ),
             Agent::Otel => (self.otel.clone(), ["-samples-per-second", hz, "-collection-agent", endpoint, "-disable-tls"].map(String::from).to_vec()),
         }
     }
@@ -238,10 +246,10 @@ impl Running {
     fn stop(&mut self) -> Result<()> {
         // SAFETY: kill takes a pid and a signal; the child is ours and not reaped yet.
         unsafe { libc::kill(self.pid() as libc::pid_t, libc::SIGINT) };
-        match wait_for(|| self.child.try_wait().ok().flatten(), Duration::from_secs(60)) {
+        match wait_for(|| self.child.try_wait().ok().flatten(), Duration::from_secs(180)) {
             Some(status) if status.success() => Ok(()),
             Some(status) => bail!("{} after SIGINT:\n{}", status, self.log_tail()),
-            None => bail!("still running 60 s after SIGINT:\n{}", self.log_tail()),
+            None => bail!("still running 180 s after SIGINT:\n{}", self.log_tail()),
         }
     }
 }
@@ -305,7 +313,7 @@ pub fn table(results: &Value) -> String {
         "Always on: each profiler alone, host-wide, on the same workload, {warmup} s after its start (the OpenTelemetry profiler's: after it logs `{ATTACHED}`), for {measure} s: \
          the CPU all its threads ran (per-thread `schedstat`) as a share of one core, and its peak RSS (`VmHWM`). Both send OTLP profiles over gRPC to an OpenTelemetry Collector, \
          whose sink decodes each request; \"Python frames from\" counts the busy processes with samples carrying Python frames. \
-         pyebpf is `{build}`; its default 60 s OTLP period ends after the window, so the window holds no export of its (the `export` table has that cost), \
+         pyebpf is `{build}`; its default 60 s OTLP period ends after the window (it sends at its stop), so the window holds no export of its (the `export` table has that cost), \
          while the OpenTelemetry profiler reports every 5 s (its default). The busy processes are `tests/scripts/{BUSY_SCRIPT}` (a loop four frames deep) on {versions} in turn; \
          the OpenTelemetry profiler does not read CPython 3.15, so its 3.15 processes have native frames only. \"Idle\" runs nothing of the bench's: the host's 1-minute load average shows what else ran.\n\n\
          - pyebpf: `{pyebpf}`\n- OpenTelemetry eBPF profiler: `{otel}`\n\n\

@@ -13,6 +13,8 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
 
+use super::FLUSH_TIMEOUT_S;
+
 pub struct Receiver {
     sink: Child,
     collector: Child,
@@ -123,7 +125,7 @@ impl Drop for Receiver {
 fn collector_config(grpc_port: u16, sink_port: u16) -> String {
     format!(
         "receivers:\n  otlp:\n    protocols:\n      grpc:\n        endpoint: 127.0.0.1:{grpc_port}\n\
-         exporters:\n  otlphttp:\n    endpoint: http://127.0.0.1:{sink_port}\n    compression: gzip\n    retry_on_failure:\n      enabled: false\n    sending_queue:\n      enabled: false\n\
+         exporters:\n  otlphttp:\n    endpoint: http://127.0.0.1:{sink_port}\n    compression: gzip\n    timeout: {FLUSH_TIMEOUT_S}s\n    retry_on_failure:\n      enabled: false\n    sending_queue:\n      enabled: false\n\
          service:\n  telemetry:\n    metrics:\n      level: none\n  pipelines:\n    profiles:\n      receivers: [otlp]\n      exporters: [otlphttp]\n"
     )
 }
