@@ -155,6 +155,7 @@ pub fn always_on(bench: &Bench) -> Result<Value> {
 /// RSS, and what reached the collector.
 fn measure(bench: &Bench, agents: &Agents, agent: Agent, hz: u32, receiver: &Receiver, targets: &[(Target, &str)]) -> Result<Value> {
     let mark = receiver.mark();
+    let since_ns = u64::try_from(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_nanos())?;
     let endpoint = format!("127.0.0.1:{}", receiver.grpc_port);
     let (program, args) = agents.command(agent, &hz.to_string(), &endpoint);
     let mut running = Running::start(&program, &args, &bench.out.join(format!("always_on-{}.log", agent.key())))?;
@@ -172,7 +173,7 @@ fn measure(bench: &Bench, agents: &Agents, agent: Agent, hz: u32, receiver: &Rec
     let load_1m = std::fs::read_to_string("/proc/loadavg").ok().and_then(|l| l.split_whitespace().next()?.parse::<f64>().ok());
     running.stop()?;
     let pids: Vec<u32> = targets.iter().map(|(target, _)| target.pid()).collect();
-    let delivered = receiver.delivered_since(mark, &pids)?;
+    let delivered = receiver.delivered_since(mark, since_ns, &pids)?;
     let readable = targets.iter().filter(|(_, version)| agent == Agent::Pyebpf || *version != OTEL_UNREAD).count();
     let problem = check(agent, &delivered, readable, &running, receiver);
     Ok(json!({

@@ -90,13 +90,19 @@ impl Receiver {
         std::fs::metadata(&self.requests).map(|m| m.len()).unwrap_or(0)
     }
 
-    /// What arrived after `mark`, counting Python frames of the processes `pids` only.
-    pub fn delivered_since(&self, mark: u64, pids: &[u32]) -> Result<Delivered> {
+    /// What arrived after `mark` of profiles that began at `since_ns` (Unix time) or later,
+    /// counting Python frames of the processes `pids` only. A request the sink was slow to take
+    /// can land in the next run's part of the file (its sender gave up and retried, or exited):
+    /// its profiles' time says whose it is.
+    pub fn delivered_since(&self, mark: u64, since_ns: u64, pids: &[u32]) -> Result<Delivered> {
         let bytes = std::fs::read(&self.requests).context("read the sink's requests")?;
         let text = String::from_utf8_lossy(bytes.get(usize::try_from(mark)?..).unwrap_or_default());
         let mut delivered = Delivered::default();
         for line in text.lines().filter(|line| !line.trim().is_empty()) {
             let request: Value = serde_json::from_str(line).with_context(|| format!("sink line {line:.200}"))?;
+            if began_before(&request, since_ns) {
+                continue;
+            }
             delivered.requests += 1;
             if request["status"] != 200 || !request["error"].is_null() {
                 delivered.refused += 1;
@@ -150,6 +156,13 @@ fn count_resource(resource: &Value, pids: &[u32], delivered: &mut Delivered) {
     }
 }
 
+/// Whether any profile of the sink's `request` began before `since_ns`.
+fn began_before(request: &Value, since_ns: u64) -> bool {
+    let resources = request["resources"].as_array().into_iter().flatten();
+    let profiles = resources.flat_map(|resource| resource["profiles"].as_array().into_iter().flatten());
+    profiles.filter_map(|profile| profile["time_unix_nano"].as_u64()).any(|start| start < since_ns)
+}
+
 /// Polls `probe` every 50 ms for up to `limit`.
 pub fn wait_for<T>(mut probe: impl FnMut() -> Option<T>, limit: Duration) -> Option<T> {
     let started = Instant::now();
@@ -173,7 +186,7 @@ mod tests {
         let python = json!([{ "type": "native" }, { "type": "cpython", "name": "compute" }]);
         let resource = json!({
             "attributes": { "process.pid": 7 },
-            "profiles": [{ "samples": [
+            "profiles": [{ "time_unix_nano": 10, "samples": [
                 { "values": [3], "events": 3, "stack": python },
                 { "values": [0], "events": 2, "stack": python },
                 { "values": [0], "events": 4, "stack": [{ "type": "native" }] },
@@ -183,6 +196,8 @@ mod tests {
         count_resource(&resource, &[7, 8], &mut delivered);
         assert_eq!((delivered.samples, delivered.python_samples), (9, 5));
         assert_eq!(delivered.python_pids.into_iter().collect::<Vec<_>>(), vec![7]);
+        let request = json!({ "resources": [resource] });
+        assert!(began_before(&request, 11) && !began_before(&request, 10));
         let mut other = Delivered::default();
         count_resource(&resource, &[8], &mut other);
         assert!(other.python_pids.is_empty());
