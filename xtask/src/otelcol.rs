@@ -13,7 +13,7 @@ use crate::run;
 use crate::toolchain::ensure_apt_packages;
 
 /// The collector binary, under the prefix.
-const BINARY: &str = "bin/otelcol-profiles";
+pub const BINARY: &str = "bin/otelcol-profiles";
 /// The release of `opentelemetry-proto` whose profiles messages are opentelemetry-proto v1.10.0's
 /// (`ProfilesDictionary.stack_table`, `Sample.stack_index`), the version pyebpf exports.
 const PROTO_PACKAGE: &str = "opentelemetry-proto==1.44.0";

@@ -157,7 +157,8 @@ fn measure(bench: &Bench, agents: &Agents, agent: Agent, hz: u32, receiver: &Rec
     let mark = receiver.mark();
     let since_ns = u64::try_from(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_nanos())?;
     let endpoint = format!("127.0.0.1:{}", receiver.grpc_port);
-    let (program, args) = agents.command(agent, &hz.to_string(), &endpoint);
+    let hz = hz.to_string();
+    let (program, args) = agents.command(agent, &hz, &endpoint);
     let mut running = Running::start(&program, &args, &bench.out.join(format!("always_on-{}.log", agent.key())))?;
     if agent == Agent::Otel {
         running.wait_for_line(ATTACHED, Duration::from_secs(300))?;
@@ -179,7 +180,7 @@ fn measure(bench: &Bench, agents: &Agents, agent: Agent, hz: u32, receiver: &Rec
     Ok(json!({
         "problem": problem,
         "share_of_one_core": share, "max_rss_mb": max_rss_mb, "load_1m": load_1m,
-        "command": format!("{} {}", program.display(), args.join(" ")),
+        "command": agents.command_line(agent, &hz, &endpoint),
         "delivered": delivered.to_json(), "readable_processes": readable,
     }))
 }

@@ -70,7 +70,7 @@ impl Receiver {
         std::fs::write(&config, collector_config(grpc_port, sink_port))?;
         let collector_log = out.join("always_on-collector.log");
         let log = std::fs::File::create(&collector_log)?;
-        let collector = Command::new(prefix.join("bin/otelcol-profiles"))
+        let collector = Command::new(prefix.join(crate::otelcol::BINARY))
             .arg(format!("--config={}", config.display()))
             .arg("--feature-gates=+service.profilesSupport")
             .stdin(Stdio::null())
