@@ -59,8 +59,25 @@ pub mod maps {
     pub const OFF_CPU: &str = "OFF_CPU";
     pub const SHORT_WAITS: &str = "SHORT_WAITS";
     pub const WAITING_SCRATCH: &str = "WAITING_SCRATCH";
-    pub const ALL: [&str; 13] =
-        [SAMPLES, LOST, CONFIG, TARGETS, PY_PROCS, PY_THREADS, PY_MARKERS, SCRATCH, SNAPSHOT_PROCS, WAIT_PROCS, OFF_CPU, SHORT_WAITS, WAITING_SCRATCH];
+    pub const KNOWN_PROCS: &str = "KNOWN_PROCS";
+    pub const LAST_WAKEUP: &str = "LAST_WAKEUP";
+    pub const ALL: [&str; 15] = [
+        SAMPLES,
+        LOST,
+        CONFIG,
+        TARGETS,
+        PY_PROCS,
+        PY_THREADS,
+        PY_MARKERS,
+        SCRATCH,
+        SNAPSHOT_PROCS,
+        WAIT_PROCS,
+        OFF_CPU,
+        SHORT_WAITS,
+        WAITING_SCRATCH,
+        KNOWN_PROCS,
+        LAST_WAKEUP,
+    ];
 }
 
 /// Program names: the eBPF crate's program functions are named so, and the loader takes them by
@@ -126,8 +143,7 @@ pub struct Config {
     /// pyebpf's own tgid: its samples are dropped in the kernel.
     pub own_tgid: u32,
     pub flags: u32,
-    /// Pending bytes in the ring buffer from which a sample wakes the reader; below, the reader
-    /// polls on its own timer.
+    /// Pending bytes in the ring buffer from which a record wakes the reader at once.
     pub wakeup_bytes: u32,
     /// SCRATCH entries per origin: the CPU count (an off-CPU capture uses the second half, so it
     /// never shares a record with a sample on its CPU).
@@ -135,6 +151,14 @@ pub struct Config {
     /// A thread's stacks are captured as it leaves the CPU at most once per this many nanoseconds;
     /// intervals that begin without a capture are only summed in `SHORT_WAITS`.
     pub off_cpu_min_ns: u64,
+    /// Below `wakeup_bytes`, a record wakes the reader only when the last wakeup is at least this
+    /// old: records wait about this long at most while more keep coming, and an idle host wakes
+    /// no one.
+    pub wakeup_latency_ns: u64,
+    /// The same for a record userspace must see soon: of a process it does not know yet (not in
+    /// `KNOWN_PROCS`: its Python state is read while it lives), or of a thread of a Python
+    /// process it has not registered (a new thread, whose next samples need its thread state).
+    pub urgent_latency_ns: u64,
 }
 
 /// Bits of [`PyCapture::status`].

@@ -9,13 +9,13 @@ use aya_ebpf::{
     helpers::{bpf_get_current_comm, bpf_get_smp_processor_id, bpf_get_stack, bpf_ktime_get_ns},
     EbpfContext,
 };
-use pyebpf_common::{config_flags, py_proc_flags, record_kind, task_status, user_status, Config, PyCapture, SampleRecord, MAX_KERNEL_FRAMES, MAX_PY_FRAMES};
+use pyebpf_common::{config_flags, py_proc_flags, py_status, record_kind, task_status, user_status, Config, PyCapture, SampleRecord, MAX_KERNEL_FRAMES, MAX_PY_FRAMES};
 
 use crate::asyncio::{capture_tasks, clear_tasks, emit_waiting_tasks};
-use crate::emit::emit_or_count;
+use crate::emit::{emit_or_count, wakeup_flags};
 use crate::python::{capture_python, registered};
 use crate::user_stack::{copy_stack, stack_len, user_regs, walk_user_stack, wants_snapshot};
-use crate::{BPF_RB_AVAIL_DATA, BPF_RB_FORCE_WAKEUP, BPF_RB_NO_WAKEUP, LOST_SAMPLES, SAMPLES, SCRATCH};
+use crate::{KNOWN_PROCS, LOST_SAMPLES, PY_PROCS, SCRATCH};
 
 /// What a capture stands for: its [`pyebpf_common::origin`], when it is (0: now) and, off CPU,
 /// the state the thread left the CPU in. A capture's weight is a period (a sample) or comes later
@@ -145,8 +145,13 @@ fn emit_sample(config: &Config, record: &SampleRecord, frames: usize, stack_len:
     let len = SampleRecord::sent_len(frames, stack_len);
     // SAFETY: `len` is at most the record's size.
     let bytes = unsafe { core::slice::from_raw_parts(record as *const SampleRecord as *const u8, len) };
-    // Waking the reader costs more than the rest of the capture (an interrupt, a VM exit in a
-    // guest): it is woken only once a batch is pending, and otherwise polls on a short timer.
-    let flags = if SAMPLES.query(BPF_RB_AVAIL_DATA) >= config.wakeup_bytes as u64 { BPF_RB_FORCE_WAKEUP } else { BPF_RB_NO_WAKEUP };
-    emit_or_count::<[u8]>(bytes, flags, LOST_SAMPLES);
+    emit_or_count::<[u8]>(bytes, wakeup_flags(config, urgent(record)), LOST_SAMPLES);
+}
+
+/// Whether userspace must see the record soon: its process is not known yet (its Python state is
+/// read from the live process), or it is a Python process's thread not registered yet (a new
+/// thread: its samples have Python frames once it is).
+#[inline(always)]
+fn urgent(record: &SampleRecord) -> bool {
+    KNOWN_PROCS.get_ptr(record.tgid).is_none() || (record.py.status & py_status::THREAD_KNOWN == 0 && PY_PROCS.get_ptr(record.tgid).is_some())
 }

@@ -83,6 +83,16 @@ static OFF_CPU: HashMap<u32, OffCpuStart> = HashMap::with_max_entries(65536, 0);
 #[map]
 static SHORT_WAITS: PerCpuArray<u64> = PerCpuArray::with_max_entries(2, 0);
 
+/// Processes userspace knows (it set what their samples need, or found they need nothing): a
+/// sample of any other wakes the reader soon (`Config::urgent_latency_ns`). The exec and exit
+/// hooks take a process out.
+#[map]
+static KNOWN_PROCS: HashMap<u32, u8> = HashMap::with_max_entries(65536, 0);
+
+/// When a record last woke the reader (`bpf_ktime_get_ns`).
+#[map]
+static LAST_WAKEUP: Array<u64> = Array::with_max_entries(1, 0);
+
 const BPF_F_NO_PREALLOC: u32 = 1;
 const BPF_RB_NO_WAKEUP: u64 = 1;
 const BPF_RB_FORCE_WAKEUP: u64 = 2;

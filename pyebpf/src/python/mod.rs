@@ -174,6 +174,12 @@ impl<M: Memory> Pythons<M> {
         self.processes.contains_key(&pid)
     }
 
+    /// Whether what `pid` is was settled: a CPython attached to, or a process that will not be
+    /// checked again (until it execs). One still checked must have its samples soon.
+    pub fn classified(&self, pid: u32) -> bool {
+        self.processes.contains_key(&pid) || self.others.get(&pid).is_some_and(|other| other.settled || other.checks >= RECHECKS)
+    }
+
     /// Whether `pid` is a free-threaded CPython attached to: it has no GIL to hold.
     pub fn is_free_threaded(&self, pid: u32) -> bool {
         self.processes.get(&pid).is_some_and(|process| process.resolver.py.offsets().free_threaded)
@@ -238,15 +244,16 @@ impl<M: Memory> Pythons<M> {
         }
     }
 
-    /// Re-reads thread lists now and then; forgets processes that have exited.
+    /// Looks for asyncio tables still pending; re-reads thread lists now and then (a new thread
+    /// is registered at its first sample; this drops dead ones); forgets processes that have exited.
     pub fn upkeep(&mut self, kernel: &mut dyn KernelMaps, maps: &mut MapsCache) {
         let mut exited = Vec::new();
         for (&pid, process) in &mut self.processes {
-            if process.threads_read.elapsed() < THREAD_REFRESH {
-                continue;
-            }
             if let Err(problem) = process.find_tasks(kernel, maps) {
                 self.unreadable_tasks.add(problem);
+            }
+            if process.threads_read.elapsed() < THREAD_REFRESH {
+                continue;
             }
             if !process.refresh_threads(kernel) {
                 exited.push(pid);
@@ -255,6 +262,11 @@ impl<M: Memory> Pythons<M> {
         for pid in exited {
             self.forget(pid, kernel);
         }
+    }
+
+    /// Whether some process's asyncio table is still looked for.
+    pub fn tasks_pending(&self) -> bool {
+        self.processes.values().any(|process| process.tasks.pending())
     }
 
     /// Drops everything known of `pid` (it exited or replaced its program), its eBPF map entries

@@ -13,8 +13,9 @@ use crate::kernel_maps::KernelMaps;
 use crate::maps::MapsCache;
 use crate::stack::FrameCarry;
 
-/// How often thread lists are re-read to register new threads and drop dead ones.
-pub(super) const THREAD_REFRESH: Duration = Duration::from_millis(500);
+/// How often thread lists are re-read to drop dead threads (a new thread is registered when a
+/// sample of it finds it unknown, which the eBPF program hands over soon).
+pub(super) const THREAD_REFRESH: Duration = Duration::from_secs(6);
 /// A sample from an unregistered thread re-reads its process's threads at most this often.
 const UNKNOWN_THREAD_REFRESH: Duration = Duration::from_millis(20);
 /// Threads remembered per process as running no Python, at most (then forgotten all at once).

@@ -14,7 +14,7 @@ mod processes;
 mod tests;
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::Result;
 use pyebpf_common::{origin, py_status, OffCpuEnd, OffCpuStart, ProcessEvent, SampleRecord, WaitingTasks};
@@ -34,8 +34,18 @@ use off_cpu::{monotonic_ns, OffCpu};
 pub use processes::DetailsWanted;
 use processes::ProcessTable;
 
-/// How often lost samples are checked and periodic upkeep runs.
-pub const TICK: Duration = Duration::from_millis(250);
+/// How often the safety upkeep runs: thread lists re-read now and then, unmapped code expired,
+/// lost events looked for. What needs to be prompt is driven by records instead: a sample of an
+/// unknown process or thread (the eBPF program wakes the reader soon for it), exec and exit events.
+pub const UPKEEP: Duration = Duration::from_secs(2);
+
+/// Upkeep while a process's asyncio table is looked for (`--async-aware`, 3.14+ before it imports
+/// asyncio): its tasks are read from the upkeep after the import.
+const UPKEEP_TASKS_PENDING: Duration = Duration::from_millis(500);
+
+/// Processes gone without an event are looked for at least this often, and at the next upkeep
+/// whenever events were lost (otherwise every exit came as an event).
+const STALE_CHECK: Duration = Duration::from_secs(30);
 
 /// What a session resolves, and how.
 #[derive(Clone, Debug)]
@@ -70,6 +80,8 @@ pub struct Session {
     scratch: Scratch,
     /// The frame table the cached frame ids belong to.
     frames_generation: u64,
+    /// When processes gone without an event were last looked for, and the events lost by then.
+    stale_checked: (Instant, u64),
 }
 
 impl Session {
@@ -81,6 +93,7 @@ impl Session {
             off_cpu: OffCpu::new(options.mode.counts_waits()),
             scratch: Scratch::default(),
             frames_generation: 0,
+            stale_checked: (Instant::now(), 0),
             options,
         }
     }
@@ -171,9 +184,13 @@ impl Session {
         let comm = self.processes.name(record.tgid, &record.comm);
         let filter = &self.options.filter;
         if !filter.keeps_process(&comm) {
+            self.processes.known(record.tgid, kernel);
             return None;
         }
         self.python.discover(record.tgid, kernel, self.processes.maps(), stats);
+        if self.python.classified(record.tgid) {
+            self.processes.known(record.tgid, kernel);
+        }
         let python = &self.python;
         let labels = self.processes.sampled(record.tgid, || python.version(record.tgid).map(|version| version.to_string()));
         if filter.python_only && !self.python.is_python(record.tgid) {
@@ -252,12 +269,27 @@ impl Session {
         }
     }
 
-    /// Periodic upkeep: thread lists re-read, and processes gone without an event forgotten.
-    pub fn upkeep(&mut self, kernel: &mut dyn KernelMaps) {
+    /// Periodic upkeep: thread lists re-read, and processes gone without an event forgotten
+    /// (`lost_events`: exec and exit events lost so far).
+    pub fn upkeep(&mut self, kernel: &mut dyn KernelMaps, lost_events: u64) {
         self.python.upkeep(kernel, self.processes.maps());
         self.native.expire_unmapped();
+        let (checked, lost) = self.stale_checked;
+        if lost_events == lost && checked.elapsed() < STALE_CHECK {
+            return;
+        }
+        self.stale_checked = (Instant::now(), lost_events);
         for pid in self.processes.stale() {
             self.forget(pid, kernel);
+        }
+    }
+
+    /// When [`Self::upkeep`] is due next.
+    pub fn upkeep_interval(&self) -> Duration {
+        if self.python.tasks_pending() {
+            UPKEEP_TASKS_PENDING
+        } else {
+            UPKEEP
         }
     }
 
@@ -271,7 +303,7 @@ impl Session {
     /// Forgets everything known of `pid`, in every holder.
     fn forget(&mut self, pid: u32, kernel: &mut dyn KernelMaps) {
         self.off_cpu.forget(pid, kernel);
-        self.processes.forget(pid);
+        self.processes.forget(pid, kernel);
         self.python.forget(pid, kernel);
         self.native.forget(pid, kernel);
     }

@@ -1,6 +1,7 @@
 //! The session's off-CPU accounting with the kernel's maps faked: what each capture counts, in
 //! nanoseconds, when its interval ends, when it began before the recording, and when it is still
-//! open at the end; and that forgetting a process drops its open captures.
+//! open at the end; and that forgetting a process drops its open captures. Also which processes
+//! the kernel is told userspace knows.
 
 use std::process::{Child, Command, Stdio};
 
@@ -114,4 +115,26 @@ fn waits_still_open_at_the_end_count_up_to_then_and_go_with_their_process() {
     assert!(!kernel.watching.contains(&pid), "the exited process is still watched");
     session.end_wait(&end(tid, left + 1, 7 * MS, 0), &mut stats, &mut profile);
     assert_eq!(profile.total_ns(), 0);
+}
+
+/// The eBPF program hands over samples of processes userspace does not know yet soon: a process
+/// still checked for a late `libpython` stays unknown to it, one the filter drops is known at its
+/// first sample, and an exit forgets it (its PID may name another process next).
+#[test]
+fn the_kernel_is_told_which_processes_are_known_until_they_exit() {
+    let sleeper = Sleeper::start();
+    let pid = sleeper.pid();
+    let (mut kernel, mut stats, mut profile) = (FakeKernel::default(), Stats::default(), Profile::new(100));
+    let mut session = wall_session();
+    session.resolve(&record(pid, pid, origin::ON_CPU, monotonic_ns(), 0), &mut kernel, &mut stats, &mut profile);
+    assert!(!kernel.known.contains(&pid), "a process checked again later is known already");
+
+    let sampling = SamplingOptions { marker: false, read_only: true, max_frames: 512, async_aware: false };
+    let filter = crate::filter::SampleFilter { comm: Some(regex::Regex::new("^no-such-process$").unwrap()), python_only: false };
+    let mut session =
+        Session::new(SessionOptions { sampling, no_native: false, filter, unwind: UnwindMode::Fp, mode: Mode::Cpu, kernel: false, details: None });
+    assert!(!session.resolve(&record(pid, pid, origin::ON_CPU, monotonic_ns(), 0), &mut kernel, &mut stats, &mut profile));
+    assert!(kernel.known.contains(&pid), "a process the filter drops is not known");
+    session.process_event(&ProcessEvent { kind: 0, tgid: pid, time_ns: 0, comm: [0; pyebpf_common::COMM_LEN] }, &mut kernel);
+    assert!(!kernel.known.contains(&pid), "an exited process is still known");
 }
