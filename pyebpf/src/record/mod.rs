@@ -135,16 +135,16 @@ fn files(args: &RecordArgs) -> Files {
     }
 }
 
-/// Ends the current piece of the recording (a `--rotate` or `--otlp-period` boundary) and
-/// returns it; the next starts in the recording's profile, with only the frames the session's
-/// caches still use.
-fn cut(run: &mut Recording) -> Profile {
+/// Ends the current piece of the recording (a `--rotate` or `--otlp-period` boundary, at `at` and
+/// `at_unix_ns`: before the ring buffer was drained into it) and returns it; the next starts in the
+/// recording's profile, with only the frames the session's caches still use.
+fn cut(run: &mut Recording, at: Instant, at_unix_ns: i64) -> Profile {
     let next = run.profile.next_period();
     let mut finished = std::mem::replace(&mut run.profile, next);
     run.session.carry_frames(&mut FrameCarry::new(&finished.frames, &mut run.profile.frames));
-    finished.duration_ns = run.started.elapsed().as_nanos() as i64;
-    run.started = Instant::now();
-    run.profile.start_unix_ns = unix_now_ns();
+    finished.duration_ns = at.duration_since(run.started).as_nanos() as i64;
+    run.started = at;
+    run.profile.start_unix_ns = at_unix_ns;
     finished
 }
 
@@ -243,10 +243,7 @@ async fn record(args: &RecordArgs, watched: &Watched, mut periods: Periods) -> R
                     // The recording ends now: its end sends this period, not a near-empty one after.
                     break;
                 }
-                // The period holds what was sampled up to its end.
-                run.sampler.drain_samples(&mut batch).await?;
-                run.add(&mut batch);
-                let piece = cut(&mut run);
+                let piece = run.cut_now(&mut batch).await?;
                 if let (Boundary::Export, Some(timeline)) = (boundary, &mut run.profile.timeline) {
                     timeline.restart_bound();
                 }
@@ -264,6 +261,7 @@ async fn record(args: &RecordArgs, watched: &Watched, mut periods: Periods) -> R
             _ = tick(&mut status) => progress.update(&run.stats, lost_reported),
         }
     }
+    let ended = Instant::now();
     // What the kernel sent before the stop is still in the ring buffer or the reader's queue; a
     // reader that stopped has handed over what it could, and the profile is written all the same.
     if let Err(err) = run.sampler.drain_samples(&mut batch).await {
@@ -272,7 +270,7 @@ async fn record(args: &RecordArgs, watched: &Watched, mut periods: Periods) -> R
     run.add(&mut batch);
     run.session.count_open_waits(&mut run.sampler, &mut run.stats, &mut run.profile);
     progress.finish();
-    let (last, stats) = run.finish(args.mode.mode);
+    let (last, stats) = run.finish(args.mode.mode, ended);
     periods.hand_over(last, None, stats.lost_samples);
     Ok((periods.finish(), stats))
 }
@@ -292,6 +290,14 @@ impl Recording {
         add_samples(batch, &mut self.session, &mut self.sampler, &mut self.profile, &mut self.stats);
     }
 
+    /// Ends the current piece now, with what was sampled up to now (drained into it).
+    async fn cut_now(&mut self, batch: &mut RecordBatch) -> Result<Profile> {
+        let (at, at_unix_ns) = (Instant::now(), unix_now_ns());
+        self.sampler.drain_samples(batch).await?;
+        self.add(batch);
+        Ok(cut(self, at, at_unix_ns))
+    }
+
     /// The slow upkeep: lost samples and the exporter's complaints said, the session's safety
     /// checks; returns the lost samples reported so far.
     fn upkeep(&mut self, periods: &Periods, progress: &Progress, lost_reported: u64) -> u64 {
@@ -304,8 +310,8 @@ impl Recording {
         lost_reported
     }
 
-    /// The last profile and the run's counts.
-    fn finish(mut self, mode: Mode) -> (Profile, Stats) {
+    /// The last profile, ended at `ended`, and the run's counts.
+    fn finish(mut self, mode: Mode, ended: Instant) -> (Profile, Stats) {
         let (sampler, stats) = (&self.sampler, &mut self.stats);
         self.session.finish(stats);
         stats.lost_samples = sampler.lost_samples();
@@ -319,7 +325,7 @@ impl Recording {
         let (short_intervals, short_ns) = sampler.short_waits();
         stats.off_cpu.short_intervals += short_intervals;
         stats.off_cpu.short_ns += short_ns;
-        self.profile.duration_ns = self.started.elapsed().as_nanos() as i64;
+        self.profile.duration_ns = ended.duration_since(self.started).as_nanos() as i64;
         (self.profile, self.stats)
     }
 }
