@@ -125,6 +125,10 @@ pub mod config_flags {
     /// With a process's `py_proc_flags::TASKS`: send the thread's waiting tasks after each capture
     /// (`--mode wall|off-cpu --async-aware`).
     pub const WAITING_TASKS: u32 = 1 << 5;
+    /// Copy the user stack where the frame-pointer walk broke and the process is not in
+    /// `KNOWN_PROCS` (`--unwind auto`): until userspace has seen the process and decided, its
+    /// samples keep their native part.
+    pub const SNAPSHOT_UNKNOWN: u32 = 1 << 6;
 }
 
 /// Bits of [`SampleRecord::user_status`].

@@ -45,7 +45,7 @@ pub fn capture_and_emit<C: EbpfContext, const TASKS: bool>(ctx: &C, config: &Con
     capture_interpreter::<C, TASKS>(ctx, config, tgid, tid, record);
     let (ip, sp) = capture_native(ctx, origin, kernel_stack, record);
     let frames = sent_frames(record);
-    let stack_len = if ip != 0 && wants_snapshot(config, tgid) { snapshot_stack(sp, frames, record) } else { 0 };
+    let stack_len = if ip != 0 && wants_snapshot(config, tgid, record.user_status) { snapshot_stack(sp, frames, record) } else { 0 };
     record.stack_len = stack_len as u32;
     emit_sample(config, record, frames, stack_len);
     if TASKS && record.tasks.status & task_status::WAITING_FOLLOWS != 0 {

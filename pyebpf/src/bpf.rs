@@ -83,9 +83,10 @@ pub struct SamplerOptions {
     pub ring_buffer_kb: u32,
     /// Have the kernel account the sampler's run time (for `--stats`; costs a little per run).
     pub program_stats: bool,
-    /// Copy every sampled user stack for CFI unwinding (`--unwind dwarf`); otherwise only the
-    /// stacks of processes added with [`Sampler::copy_stacks_of`].
-    pub snapshot_all: bool,
+    /// Which user stacks are copied for CFI unwinding: every one (`--unwind dwarf`), or those of
+    /// processes added with [`Sampler::copy_stacks_of`] and (`--unwind auto`) of processes not
+    /// known yet whose frame-pointer walk broke.
+    pub unwind: UnwindMode,
     /// Read at each sample whether the thread holds the GIL (`--mode gil`).
     pub gil: bool,
     /// Load the programs that read asyncio tasks (`--async-aware`).
@@ -224,7 +225,8 @@ fn load_object(kb: u32, log_level: u8) -> Result<(Ebpf, aya::Btf, u32), BpfError
 fn flags_for(options: &SamplerOptions) -> u32 {
     let wanted = [
         (options.kernel_stacks, config_flags::KERNEL_STACK),
-        (options.snapshot_all, config_flags::SNAPSHOT_ALL),
+        (options.unwind == UnwindMode::Dwarf, config_flags::SNAPSHOT_ALL),
+        (options.unwind == UnwindMode::Auto, config_flags::SNAPSHOT_UNKNOWN),
         (options.gil, config_flags::GIL),
         (options.waiting_tasks, config_flags::WAITING_TASKS),
         (options.targets.is_some(), config_flags::FILTER_TARGETS),

@@ -147,7 +147,7 @@ fn replay(marker: bool, keep: impl Fn(&SampleRecord) -> bool) -> (u64, usize, Pr
                 follow_forks: false,
                 ring_buffer_kb: 4096,
                 program_stats: false,
-                snapshot_all: false,
+                unwind: UnwindMode::Auto,
                 gil: false,
                 tasks: false,
                 waiting_tasks: false,

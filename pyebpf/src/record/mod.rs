@@ -12,7 +12,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Context, Result};
 
-use crate::bpf::{check_privileges, Sampler, SamplerOptions, UnwindMode};
+use crate::bpf::{check_privileges, Sampler, SamplerOptions};
 use crate::cli::{GroupBy, RecordArgs};
 use crate::mode::Mode;
 use crate::otlp::{self, Exporter, Headers, OtlpOptions, TlsFiles};
@@ -180,7 +180,7 @@ fn sampler_options(args: &RecordArgs) -> SamplerOptions {
         follow_forks: !args.command.is_empty() || args.subprocesses,
         ring_buffer_kb: args.ring_buffer_kb,
         program_stats: args.stats,
-        snapshot_all: args.unwind == UnwindMode::Dwarf,
+        unwind: args.unwind,
         gil: mode == Mode::Gil,
         tasks: args.mode.async_aware,
         waiting_tasks: mode.counts_waits() && args.mode.async_aware,

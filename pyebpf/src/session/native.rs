@@ -78,7 +78,13 @@ impl NativeStacks {
         };
         self.ids.user_levels(&mut self.symbolizer, maps, table, record.tgid, addrs, &mut self.levels);
         let stack = NativeStack { levels: &self.levels, frame_bases: bases, sp: record.user_sp };
-        if unwound.is_none() && needs_copies(self.unwind, record, &stack, addrs) && self.copying.insert(record.tgid) {
+        let walk_breaks = match &unwound {
+            None => breaks_before_start(self.unwind, record, &stack, addrs),
+            // Copied because the process was not known yet: the walk sent beside the copy is
+            // judged by what the copy unwinds to.
+            Some(unwound) => self.unwind == UnwindMode::Auto && !self.copying.contains(&record.tgid) && walk_falls_short(record, &unwound.addrs),
+        };
+        if walk_breaks && self.copying.insert(record.tgid) {
             if let Err(err) = kernel.copy_stacks_of(record.tgid) {
                 log::debug!("process {}: stacks stay frame-pointer unwound: {err}", record.tgid);
             }
@@ -127,8 +133,15 @@ impl NativeStacks {
 
 /// `--unwind auto`: a frame-pointer walk that reached neither a zero frame pointer nor the C
 /// library's start code has the process's later samples carry stack copies.
-fn needs_copies(unwind: UnwindMode, record: &SampleRecord, stack: &NativeStack<'_, IdLevel>, addrs: &[u64]) -> bool {
+fn breaks_before_start(unwind: UnwindMode, record: &SampleRecord, stack: &NativeStack<'_, IdLevel>, addrs: &[u64]) -> bool {
     unwind == UnwindMode::Auto && !addrs.is_empty() && record.user_status & user_status::FP_COMPLETE == 0 && !stack.reaches_start_code()
+}
+
+/// Whether the frame-pointer walk sent beside a sample's copy differs from the copy's unwind, or
+/// stops short of it before its own depth limit: the process needs copies.
+fn walk_falls_short(record: &SampleRecord, unwound: &[u64]) -> bool {
+    let walk = &record.user_stack[..(record.user_len as usize).min(record.user_stack.len())];
+    !unwound.starts_with(walk) || (walk.len() < unwound.len() && walk.len() < record.user_stack.len())
 }
 
 /// A sample's user stack unwound from its copy, with what it cost counted in `stats`.

@@ -127,7 +127,7 @@ fn sampler_options(args: &TopArgs, mode: Mode) -> SamplerOptions {
         follow_forks: false,
         ring_buffer_kb: DEFAULT_RING_BUFFER_KB,
         program_stats: false,
-        snapshot_all: false,
+        unwind: UnwindMode::Auto,
         gil: mode == Mode::Gil,
         tasks: args.mode.async_aware,
         waiting_tasks: mode.counts_waits() && args.mode.async_aware,
