@@ -112,8 +112,14 @@ impl NativeStacks {
         self.copying.clear();
     }
 
-    pub fn expire_unmapped(&mut self) {
-        self.ids.expire_unmapped();
+    /// Forgets unmapped entries due for another look-up; returns the processes that had some.
+    pub fn expire_unmapped(&mut self) -> Vec<u32> {
+        self.ids.expire_unmapped()
+    }
+
+    /// Changes with every drop of all processes' entries at once.
+    pub fn resets(&self) -> u64 {
+        self.ids.resets()
     }
 
     pub fn carry_frames(&mut self, carry: &mut FrameCarry<'_>) {
