@@ -157,6 +157,7 @@ impl Session {
         let Some((comm, labels)) = self.admit(record, kernel, stats) else { return false };
         // `comm` is the process's name (as pprof labels it); OTLP's `thread.name` is the thread's.
         profile.name_thread(record.tgid, record.tid, &record.comm);
+        self.native.unwind_ahead(record, self.processes.maps(), stats);
         let Some(slot) = self.count_repeat(record, &comm, &labels, kernel, stats, profile) else { return true };
         let before = SampleCounts::of(stats);
         let python = &mut self.scratch.python;
@@ -164,7 +165,7 @@ impl Session {
         let frames = self.native.stack(record, outcome.is_python().then_some(&python[..]), self.processes.maps(), kernel, stats, &mut profile.frames);
         let state = thread_state(record, frames, self.options.kernel, profile);
         if let Some(slot) = slot {
-            self.repeats.keep(slot, record, frames, outcome.is_cut(), before.since(stats));
+            self.repeats.keep(slot, frames, outcome.is_cut(), before.since(stats));
         }
         let sample = SampleStack { pid: record.tgid, tid: record.tid, comm: &comm, frames, truncated: outcome.is_cut(), labels: Some(&labels), state };
         self.off_cpu.count(record, sample, stats, profile);
@@ -186,7 +187,7 @@ impl Session {
             self.repeats.clear();
             self.native_resets = self.native.resets();
         }
-        let resolved = match self.repeats.look_up(record, self.python.state(record.tgid)) {
+        let resolved = match self.repeats.look_up(record, self.native.unwound(), self.python.state(record.tgid)) {
             Ok(resolved) => resolved,
             Err(slot) => return Some(slot),
         };

@@ -7,8 +7,9 @@
 //! time (each Python frame's code identity) stays in it. What resolution reads outside the
 //! record is covered by invalidation: the frame table (the whole cache goes with it), a process
 //! forgotten or whose Python state changed (its entries go, through its epoch), native entries
-//! looked up again. Records resolved with a stack copy, asyncio tasks, or off CPU bypass the
-//! cache: their resolution reads more than the key holds, or keeps state of its own.
+//! looked up again. A record with a stack copy is keyed by what the copy unwound to (unwinding
+//! reads nothing else of it), so only unwinding is done again. Records with asyncio tasks, or off
+//! CPU, bypass the cache: their resolution keeps state of its own.
 
 use std::hash::{BuildHasher, Hasher};
 
@@ -17,6 +18,7 @@ use pyebpf_common::{origin, PyFrameRecord, SampleRecord};
 
 use crate::stack::FrameId;
 use crate::stats::SampleCounts;
+use crate::unwind::Unwound;
 
 /// Entries kept at most, and the bytes of their keys and stacks: past either, the cache starts
 /// afresh (a loop that fills it in one period gains little from it).
@@ -60,16 +62,25 @@ struct Identity<'r> {
     parts: [&'r [u8]; 4],
 }
 
-/// tgid, tid, user_len, kernel_len, frame_bases_len, user_status, origin, stack_len, user_sp,
-/// comm, and the Python capture's tstate, frame, marker_gen, marker_position, status, frames_len.
+/// tgid, tid, the user stack's and frame bases' lengths, kernel_len, user_status, origin, whether
+/// the user stack was unwound from a copy, user_sp, comm, and the Python capture's tstate, frame,
+/// marker_gen, marker_position, status, frames_len.
 const FIXED_LEN: usize = 8 * 4 + 8 + 16 + 3 * 8 + 3 * 4;
 
 impl<'r> Identity<'r> {
-    fn of(record: &'r SampleRecord) -> Identity<'r> {
+    /// `unwound`: the user stack as unwound from the record's copy.
+    fn of(record: &'r SampleRecord, unwound: Option<&'r Unwound>) -> Identity<'r> {
         let mut fixed = [0u8; FIXED_LEN];
         let py = &record.py;
-        let words32 =
-            [record.tgid, record.tid, record.user_len, record.kernel_len, record.frame_bases_len, record.user_status, record.origin, record.stack_len];
+        let (user, bases) = match unwound {
+            Some(unwound) => (&unwound.addrs[..], &unwound.frame_bases[..]),
+            None => (
+                &record.user_stack[..(record.user_len as usize).min(record.user_stack.len())],
+                &record.user_frame_bases[..(record.frame_bases_len as usize).min(record.user_frame_bases.len())],
+            ),
+        };
+        let copied = u32::from(unwound.is_some());
+        let words32 = [record.tgid, record.tid, user.len() as u32, bases.len() as u32, record.kernel_len, record.user_status, record.origin, copied];
         let words64 = [record.user_sp, py.tstate, py.frame, py.marker_gen];
         let tail32 = [py.marker_position, py.status, py.frames_len];
         let bytes = words32
@@ -81,8 +92,6 @@ impl<'r> Identity<'r> {
         for (slot, byte) in fixed.iter_mut().zip(bytes) {
             *slot = byte;
         }
-        let user = &record.user_stack[..(record.user_len as usize).min(record.user_stack.len())];
-        let bases = &record.user_frame_bases[..(record.frame_bases_len as usize).min(record.user_frame_bases.len())];
         let kernel = &record.kernel_stack[..(record.kernel_len as usize).min(record.kernel_stack.len())];
         let python = &record.py_frames[..(py.frames_len as usize).min(record.py_frames.len())];
         Identity { fixed, parts: [words_bytes(user), words_bytes(bases), words_bytes(kernel), frames_bytes(python)] }
@@ -139,6 +148,7 @@ pub struct Slot {
     hash: u64,
     epoch: u32,
     python_state: u64,
+    key: Box<[u8]>,
 }
 
 impl Repeats {
@@ -154,19 +164,21 @@ impl Repeats {
         Repeats { enabled: false, ..Repeats::new() }
     }
 
-    /// Whether the record's resolution reads nothing but its identity and state kept per process.
-    fn cacheable(&self, record: &SampleRecord) -> bool {
+    /// Whether the record's resolution reads nothing but its identity (with its copy's unwinding,
+    /// where it has one) and state kept per process.
+    fn cacheable(&self, record: &SampleRecord, unwound: Option<&Unwound>) -> bool {
         let tasks = &record.tasks;
-        self.enabled && record.origin == origin::ON_CPU && record.stack_len == 0 && tasks.len == 0 && tasks.status == 0 && tasks.frames_len == 0
+        let copy_unwound = record.stack_len == 0 || unwound.is_some();
+        self.enabled && record.origin == origin::ON_CPU && copy_unwound && tasks.len == 0 && tasks.status == 0 && tasks.frames_len == 0
     }
 
     /// The stack resolved for an identical record, or where this one's goes once resolved (None:
     /// it bypasses the cache).
-    pub fn look_up(&self, record: &SampleRecord, python_state: u64) -> Result<Resolved<'_>, Option<Slot>> {
-        if !self.cacheable(record) {
+    pub fn look_up(&self, record: &SampleRecord, unwound: Option<&Unwound>, python_state: u64) -> Result<Resolved<'_>, Option<Slot>> {
+        if !self.cacheable(record, unwound) {
             return Err(None);
         }
-        let identity = Identity::of(record);
+        let identity = Identity::of(record, unwound);
         let hash = identity.hash(&self.hasher);
         let epoch = self.epoch(record.tgid);
         let found = self.entries.find(hash, |entry| entry.hash == hash && identity.matches(&entry.key));
@@ -174,27 +186,25 @@ impl Repeats {
             Some(entry) if entry.epoch == epoch && entry.python_state == python_state => {
                 Ok(Resolved { frames: &entry.frames, truncated: entry.truncated, counts: entry.counts })
             }
-            _ => Err(Some(Slot { hash, epoch, python_state })),
+            _ => Err(Some(Slot { hash, epoch, python_state, key: identity.to_key() })),
         }
     }
 
     /// Keeps a record's resolution for its repeats.
-    pub fn keep(&mut self, slot: Slot, record: &SampleRecord, frames: &[FrameId], truncated: bool, counts: SampleCounts) {
-        let identity = Identity::of(record);
-        let bytes = identity.len() + size_of_val(frames);
+    pub fn keep(&mut self, slot: Slot, frames: &[FrameId], truncated: bool, counts: SampleCounts) {
+        let bytes = slot.key.len() + size_of_val(frames);
         if self.entries.len() >= MAX_ENTRIES || self.bytes + bytes > MAX_BYTES {
             self.clear();
         }
-        let entry =
-            Entry { hash: slot.hash, epoch: slot.epoch, python_state: slot.python_state, key: identity.to_key(), frames: frames.into(), truncated, counts };
+        let entry = Entry { hash: slot.hash, epoch: slot.epoch, python_state: slot.python_state, key: slot.key, frames: frames.into(), truncated, counts };
         // A stale entry of the same identity is replaced.
-        match self.entries.find_entry(slot.hash, |old| old.hash == slot.hash && identity.matches(&old.key)) {
+        match self.entries.find_entry(entry.hash, |old| old.hash == entry.hash && old.key == entry.key) {
             Ok(mut old) => {
                 self.bytes -= old.get().key.len() + size_of_val(&old.get().frames[..]);
                 *old.get_mut() = entry;
             }
             Err(_) => {
-                self.entries.insert_unique(slot.hash, entry, |entry| entry.hash);
+                self.entries.insert_unique(entry.hash, entry, |entry| entry.hash);
             }
         }
         self.bytes += bytes;
