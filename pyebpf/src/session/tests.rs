@@ -165,8 +165,10 @@ fn varied_records(session: &mut Session, kernel: &mut FakeKernel, pid: u32) -> V
     let mut in_kernel = bases[0].clone();
     in_kernel.kernel_stack[..2].copy_from_slice(&[0xffff_ffff_8100_0000, 0xffff_ffff_8100_1000]);
     in_kernel.kernel_len = 2;
-    let order = [0, 1, 0, 0, 2, 1, 0, 3, 3, 1, 4, 4, 0, 2, 0];
-    let variants = [&bases[0], &bases[1], &leaf_moved, &native, &in_kernel];
+    let mut copied = bases[1].clone();
+    copy_stack(pid, tids[1], &mut copied);
+    let order = [0, 1, 0, 0, 2, 1, 0, 3, 3, 1, 4, 4, 0, 2, 0, 5, 5, 1, 5];
+    let variants = [&bases[0], &bases[1], &leaf_moved, &native, &in_kernel, &copied];
     let mut records = Vec::new();
     for (n, &which) in order.iter().chain(&order).enumerate() {
         let mut sample = variants[which].clone();
@@ -174,6 +176,26 @@ fn varied_records(session: &mut Session, kernel: &mut FakeKernel, pid: u32) -> V
         records.push(sample);
     }
     records
+}
+
+/// The thread's user stack copied as the eBPF program copies it (page by page from its stack
+/// pointer up, while it waits in a system call), with its instruction and stack pointers.
+fn copy_stack(pid: u32, tid: u32, record: &mut SampleRecord) {
+    use crate::cpython::memory::{ProcessMemory, ReadMemory};
+    let syscall = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/syscall")).unwrap();
+    let fields: Vec<u64> = syscall.split_whitespace().skip(7).map(|field| u64::from_str_radix(field.trim_start_matches("0x"), 16).unwrap()).collect();
+    let (sp, ip) = (fields[0], fields[1]);
+    let memory = ProcessMemory::new(pid);
+    let mut len = 0;
+    while len < pyebpf_common::STACK_SNAPSHOT_MAX {
+        let chunk = pyebpf_common::STACK_CHUNK.min(pyebpf_common::STACK_SNAPSHOT_MAX - len) - if len == 0 { (sp % 4096) as usize } else { 0 };
+        if memory.read(sp + len as u64, &mut record.stack_tail[len..len + chunk]).is_err() {
+            break;
+        }
+        len += chunk;
+    }
+    assert!(len > 0, "thread {tid}: no stack read at {sp:#x}");
+    (record.stack_len, record.user_sp, record.user_bp, record.user_stack[0], record.user_len) = (len as u32, sp, 0, ip, 1);
 }
 
 #[test]
@@ -199,12 +221,14 @@ fn repeats_count_as_resolving_each_sample_would() {
         (stats, profile)
     };
     let (mut cached, cached_profile) = run(Repeats::new());
-    let (resolved, resolved_profile) = run(Repeats::disabled());
-    // 30 samples, 5 distinct records before the exec and 5 after: 20 repeats.
-    assert_eq!((cached.repeats, resolved.repeats), (20, 0));
-    assert!(cached.python_samples == 30 && cached.kernel_frames > 0, "{cached}");
-    cached.repeats = 0;
+    let (mut resolved, resolved_profile) = run(Repeats::disabled());
+    // 38 samples, 6 distinct records before the exec and 6 after: 26 repeats.
+    assert_eq!((cached.repeats, resolved.repeats), (26, 0));
+    assert!(cached.python_samples == 38 && cached.kernel_frames > 0, "{cached}");
+    assert!(cached.unwound_samples == 6 && cached.unwind_truncated == 0, "{cached}");
+    // Counts, not the CPU time they took.
+    (cached.repeats, cached.unwind_ns, resolved.unwind_ns) = (0, 0, 0);
     assert_eq!(cached.to_string(), resolved.to_string());
     assert_eq!(rendered(&cached_profile), rendered(&resolved_profile));
-    assert_eq!(cached_profile.total_samples(), 30);
+    assert_eq!(cached_profile.total_samples(), 38);
 }
