@@ -5,11 +5,13 @@
 //! ([`processes`]), has [`Pythons`] turn the frames the kernel walked into a proven Python stack,
 //! has [`native::NativeStacks`] unwind, symbolize and merge the native frames around it, and has
 //! [`off_cpu::OffCpu`] count it for what it stands for (a period, or an interval off CPU).
-//! What is known of a process is forgotten in one place, [`Session::forget`].
+//! A sample identical to one resolved before skips the middle: [`repeats`] keeps what that one
+//! resolved to. What is known of a process is forgotten in one place, [`Session::forget`].
 
 mod native;
 mod off_cpu;
 mod processes;
+mod repeats;
 #[cfg(test)]
 mod tests;
 
@@ -27,12 +29,13 @@ use crate::process;
 use crate::python::{PyItem, Pythons, SamplingOptions, TaskStack};
 use crate::reader::{Record, RecordBatch};
 use crate::stack::{Frame, FrameCarry, FrameId, ProcessLabels, Profile, SampleStack, ThreadState, Weight};
-use crate::stats::Stats;
+use crate::stats::{SampleCounts, Stats};
 use crate::waits::{wait_reason, waiting_record, KernelSymbols};
 use native::NativeStacks;
 use off_cpu::{monotonic_ns, OffCpu};
 pub use processes::DetailsWanted;
 use processes::ProcessTable;
+use repeats::{Repeats, Slot};
 
 /// How often the safety upkeep runs: thread lists re-read now and then, unmapped code expired,
 /// lost events looked for. What needs to be prompt is driven by records instead: a sample of an
@@ -78,6 +81,9 @@ pub struct Session {
     native: NativeStacks,
     off_cpu: OffCpu,
     scratch: Scratch,
+    repeats: Repeats,
+    /// The native entries' resets the repeats were resolved after.
+    native_resets: u64,
     /// The frame table the cached frame ids belong to.
     frames_generation: u64,
     /// When processes gone without an event were last looked for, and the events lost by then.
@@ -92,6 +98,8 @@ impl Session {
             native: NativeStacks::new(options.unwind, options.no_native),
             off_cpu: OffCpu::new(options.mode.counts_waits()),
             scratch: Scratch::default(),
+            repeats: Repeats::new(),
+            native_resets: 0,
             frames_generation: 0,
             stale_checked: (Instant::now(), 0),
             options,
@@ -137,6 +145,7 @@ impl Session {
         self.off_cpu = OffCpu::new(mode.counts_waits());
         self.native.forget_copying();
         self.python.forget_registrations();
+        self.repeats.clear();
     }
 
     /// The recording starts now: off-CPU time before is not its.
@@ -150,6 +159,8 @@ impl Session {
         self.python.carry_frames(carry);
         self.off_cpu.carry_frames(carry);
         self.frames_generation = carry.new_generation();
+        // Stacks are resolved once per period: the next one starts without repeats.
+        self.repeats.clear();
     }
 
     /// Resolves the sample's stack and counts it in `profile`; false when the filter drops it
@@ -159,13 +170,47 @@ impl Session {
         let Some((comm, labels)) = self.admit(record, kernel, stats) else { return false };
         // `comm` is the process's name (as pprof labels it); OTLP's `thread.name` is the thread's.
         profile.name_thread(record.tgid, record.tid, &record.comm);
+        self.native.unwind_ahead(record, self.processes.maps(), stats);
+        let Some(slot) = self.count_repeat(record, &comm, &labels, kernel, stats, profile) else { return true };
+        let before = SampleCounts::of(stats);
         let python = &mut self.scratch.python;
         let outcome = self.python.python_stack(record, kernel, stats, &mut profile.frames, python);
         let frames = self.native.stack(record, outcome.is_python().then_some(&python[..]), self.processes.maps(), kernel, stats, &mut profile.frames);
         let state = thread_state(record, frames, self.options.kernel, profile);
+        if let Some(slot) = slot {
+            self.repeats.keep(slot, frames, outcome.is_cut(), before.since(stats));
+        }
         let sample = SampleStack { pid: record.tgid, tid: record.tid, comm: &comm, frames, truncated: outcome.is_cut(), labels: Some(&labels), state };
         self.off_cpu.count(record, sample, stats, profile);
         true
+    }
+
+    /// Counts a sample identical to one resolved before with that one's stack, and the counters
+    /// its resolution added; otherwise (`Some`) where its resolution is kept, if anywhere.
+    fn count_repeat(
+        &mut self,
+        record: &SampleRecord,
+        comm: &Arc<str>,
+        labels: &Arc<ProcessLabels>,
+        kernel: &mut dyn KernelMaps,
+        stats: &mut Stats,
+        profile: &mut Profile,
+    ) -> Option<Option<Slot>> {
+        if self.native.resets() != self.native_resets {
+            self.repeats.clear();
+            self.native_resets = self.native.resets();
+        }
+        let resolved = match self.repeats.look_up(record, self.native.unwound(), self.python.state(record.tgid)) {
+            Ok(resolved) => resolved,
+            Err(slot) => return Some(slot),
+        };
+        stats.repeats += 1;
+        resolved.counts.add_to(stats);
+        self.python.repeat(record, kernel, stats, &mut profile.frames);
+        let (frames, truncated) = (resolved.frames, resolved.truncated);
+        let sample = SampleStack { pid: record.tgid, tid: record.tid, comm, frames, truncated, labels: Some(labels), state: ThreadState::OnCpu };
+        self.off_cpu.count(record, sample, stats, profile);
+        None
     }
 
     /// A table the caches were not carried into: their ids would name other frames there.
@@ -174,6 +219,7 @@ impl Session {
             self.native.clear_frame_ids();
             self.python.clear_frame_ids();
             self.off_cpu.clear_captures();
+            self.repeats.clear();
             self.frames_generation = profile.frames.generation();
         }
     }
@@ -273,7 +319,9 @@ impl Session {
     /// (`lost_events`: exec and exit events lost so far).
     pub fn upkeep(&mut self, kernel: &mut dyn KernelMaps, lost_events: u64) {
         self.python.upkeep(kernel, self.processes.maps());
-        self.native.expire_unmapped();
+        for pid in self.native.expire_unmapped() {
+            self.repeats.invalidate(pid);
+        }
         let (checked, lost) = self.stale_checked;
         if lost_events == lost && checked.elapsed() < STALE_CHECK {
             return;
@@ -302,6 +350,7 @@ impl Session {
 
     /// Forgets everything known of `pid`, in every holder.
     fn forget(&mut self, pid: u32, kernel: &mut dyn KernelMaps) {
+        self.repeats.invalidate(pid);
         self.off_cpu.forget(pid, kernel);
         self.processes.forget(pid, kernel);
         self.python.forget(pid, kernel);

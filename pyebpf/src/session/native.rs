@@ -30,6 +30,8 @@ pub struct NativeStacks {
     merger: Merger,
     /// The stack being built, innermost first.
     frames: Vec<FrameId>,
+    /// The sample's user stack unwound from its copy ahead of the rest ([`Self::unwind_ahead`]).
+    unwound: Option<Unwound>,
 }
 
 impl NativeStacks {
@@ -44,11 +46,24 @@ impl NativeStacks {
             levels: Vec::new(),
             merger: Merger::default(),
             frames: Vec::new(),
+            unwound: None,
         }
     }
 
+    /// Unwinds the sample's stack copy, if it has one, before the rest of its resolution: what it
+    /// unwinds to, not the copy's bytes (which change with every local), keys its repeats. Not
+    /// with `--no-native`, which unwinds only samples without a Python stack.
+    pub fn unwind_ahead(&mut self, record: &SampleRecord, maps: &mut MapsCache, stats: &mut Stats) {
+        self.unwound = (record.stack_len > 0 && !self.no_native).then(|| unwind_copy(&mut self.unwinder, maps, record, stats));
+    }
+
+    /// The user stack [`Self::unwind_ahead`] unwound for the sample.
+    pub fn unwound(&self) -> Option<&Unwound> {
+        self.unwound.as_ref()
+    }
+
     /// The sample's whole stack, innermost first: kernel frames, then user frames with the Python
-    /// stack merged in, where the sample has one.
+    /// stack merged in, where the sample has one. After [`Self::unwind_ahead`] for the sample.
     pub fn stack(
         &mut self,
         record: &SampleRecord,
@@ -66,9 +81,13 @@ impl NativeStacks {
         }
         let kernel_len = (record.kernel_len as usize).min(record.kernel_stack.len());
         self.ids.kernel_frames(&mut self.symbolizer, table, &record.kernel_stack[..kernel_len], out);
-        // Unwound from the stack copy where the sample has one, else the kernel's frame-pointer walk.
-        let unwound = (record.stack_len > 0).then(|| unwind_copy(&mut self.unwinder, maps, record, stats));
-        let (addrs, bases) = match &unwound {
+        // Unwound from the stack copy where the sample has one (done ahead, but with --no-native),
+        // else the kernel's frame-pointer walk.
+        if self.unwound.is_none() && record.stack_len > 0 {
+            self.unwound = Some(unwind_copy(&mut self.unwinder, maps, record, stats));
+        }
+        let unwound = self.unwound.as_ref();
+        let (addrs, bases) = match unwound {
             Some(unwound) => (&unwound.addrs[..], &unwound.frame_bases[..]),
             None => {
                 let user_len = (record.user_len as usize).min(record.user_stack.len());
@@ -118,8 +137,14 @@ impl NativeStacks {
         self.copying.clear();
     }
 
-    pub fn expire_unmapped(&mut self) {
-        self.ids.expire_unmapped();
+    /// Forgets unmapped entries due for another look-up; returns the processes that had some.
+    pub fn expire_unmapped(&mut self) -> Vec<u32> {
+        self.ids.expire_unmapped()
+    }
+
+    /// Changes with every drop of all processes' entries at once.
+    pub fn resets(&self) -> u64 {
+        self.ids.resets()
     }
 
     pub fn carry_frames(&mut self, carry: &mut FrameCarry<'_>) {
