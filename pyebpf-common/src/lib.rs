@@ -59,8 +59,9 @@ pub mod maps {
     pub const OFF_CPU: &str = "OFF_CPU";
     pub const SHORT_WAITS: &str = "SHORT_WAITS";
     pub const WAITING_SCRATCH: &str = "WAITING_SCRATCH";
-    pub const ALL: [&str; 13] =
-        [SAMPLES, LOST, CONFIG, TARGETS, PY_PROCS, PY_THREADS, PY_MARKERS, SCRATCH, SNAPSHOT_PROCS, WAIT_PROCS, OFF_CPU, SHORT_WAITS, WAITING_SCRATCH];
+    pub const CLOCK: &str = "CLOCK";
+    pub const ALL: [&str; 14] =
+        [SAMPLES, LOST, CONFIG, TARGETS, PY_PROCS, PY_THREADS, PY_MARKERS, SCRATCH, SNAPSHOT_PROCS, WAIT_PROCS, OFF_CPU, SHORT_WAITS, WAITING_SCRATCH, CLOCK];
 }
 
 /// Program names: the eBPF crate's program functions are named so, and the loader takes them by
@@ -135,6 +136,43 @@ pub struct Config {
     /// A thread's stacks are captured as it leaves the CPU at most once per this many nanoseconds;
     /// intervals that begin without a capture are only summed in `SHORT_WAITS`.
     pub off_cpu_min_ns: u64,
+    /// Ticks of the sampling clock per sampling slot: one tick of each slot samples (see
+    /// [`ClockSlot`]); 0 counts as 1.
+    pub ticks_per_slot: u32,
+    pub _pad: u32,
+}
+
+/// One CPU's place in its sampling clock. The perf event ticks `Config::ticks_per_slot` times per
+/// period asked for (a slot), and the eBPF program samples at one tick of each slot, chosen along
+/// a Kronecker sequence (the slot's index times the golden ratio, from a random start): the
+/// instants sampled are spread over every phase of any cycle the sampled code has, rather than
+/// repeating one phase of it as a clock at exact multiples of its period does.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ClockSlot {
+    /// Ticks seen in the current slot.
+    pub tick: u32,
+    /// The tick of the current slot that samples.
+    pub target: u32,
+    /// Where the sequence is: a fraction of one, in units of 2^-32.
+    pub phase: u32,
+    pub _pad: u32,
+    /// When the current slot's first tick came (0 before the first tick).
+    pub slot_start_ns: u64,
+    /// How long the last whole slot lasted: what a sample stands for (0 until one ended).
+    pub last_slot_ns: u64,
+    /// Samples this CPU has taken: the clock thread moves only the clocks of CPUs that sample.
+    pub taken: u64,
+}
+
+impl ClockSlot {
+    /// The golden ratio's fractional part, in units of 2^-32: the step from slot to slot.
+    pub const STEP: u32 = 0x9E37_79B9;
+
+    /// The tick, of `ticks_per_slot`, that samples at `phase`.
+    pub fn target(phase: u32, ticks_per_slot: u32) -> u32 {
+        ((u64::from(phase) * u64::from(ticks_per_slot)) >> 32) as u32
+    }
 }
 
 /// Bits of [`PyCapture::status`].
@@ -339,8 +377,9 @@ pub struct SampleRecord {
     pub stack_len: u32,
     /// [`origin`] constant.
     pub origin: u32,
-    /// Nanoseconds the record stands for, where known when it is sent: 0 for a sample (it stands
-    /// for a period) and for a capture as a thread leaves the CPU (its [`OffCpuEnd`] says).
+    /// Nanoseconds the record stands for, where known when it is sent: for a sample, the time since
+    /// its CPU's previous tick (0 on a CPU's first); 0 for a capture as a thread leaves the CPU (its
+    /// [`OffCpuEnd`] says).
     pub weight_ns: u64,
     /// Off CPU: the task state the thread left the CPU in (0: preempted, still runnable).
     pub wait_state: u32,
@@ -602,6 +641,8 @@ pub mod type_flags {
 mod pod {
     // SAFETY: repr(C) plain data with explicit padding and no invalid bit patterns.
     unsafe impl aya::Pod for super::Config {}
+    // SAFETY: repr(C) plain data, no padding beyond the explicit field.
+    unsafe impl aya::Pod for super::ClockSlot {}
     // SAFETY: repr(C) plain data with explicit padding and no invalid bit patterns.
     unsafe impl aya::Pod for super::PyProcConfig {}
     // SAFETY: repr(C) plain data with explicit padding and no invalid bit patterns.
