@@ -9,9 +9,11 @@
 //! after slot, the sampled tick walks evenly over the slot. The ticks are still a regular grid,
 //! which a cycle of a whole number of ticks would see at a few phases only; so every few slots a
 //! thread moves the grid of every sampling CPU (`PERF_EVENT_IOC_PERIOD` starts a new tick from the
-//! moment it is made). The moves come after a random number of ticks, each at the phase of the
-//! tick that another Kronecker sequence (an irrational step) has reached, so the grids of
-//! successive stretches lie at phases spread evenly over the tick, and no two stretches repeat.
+//! moment it is made), after a time drawn uniformly over a span longer than the cycles of interest,
+//! so that each stretch's grid lies at a random phase of any such cycle. (Moves at phases that
+//! walk evenly over the tick spread the grid more evenly still, but their mean spacing is a
+//! multiple of the period asked for, and cycles of twice the period then met the same phases
+//! stretch after stretch.)
 //!
 //! The mean rate stays the one asked for: the tick period is shortened by what the moves add (each
 //! lengthens one tick, by half a tick on average). Each sample stands for the length of its CPU's
@@ -33,15 +35,14 @@ use pyebpf_common::ClockSlot;
 const TICK_BUDGET_HZ: f64 = 400.0;
 /// Ticks per slot at most (at low rates).
 const MAX_TICKS_PER_SLOT: u32 = 16;
-/// Slots between moves of a clock, on average (within ±2): each stretch between moves samples a few
-/// phases of a cycle of a whole number of ticks, so the fewer slots, the more evenly such a cycle is
-/// seen; the more, the less the moves cost.
-const SLOTS_PER_MOVE: u32 = 8;
-/// How much a move lengthens the tick it cuts, on average, as a fraction of a tick.
+/// Slots between moves of a clock, on average: each stretch between moves samples a few phases of
+/// a cycle of a whole number of ticks, so the fewer slots, the more evenly such a cycle is seen;
+/// the more, the less the moves cost. The time between moves is drawn from half to one and a half
+/// times this many slots.
+const SLOTS_PER_MOVE: u32 = 4;
+/// How much a move lengthens the tick it cuts, on average, as a fraction of a tick (a move comes
+/// at a random point of a tick).
 const MOVE_FRACTION: f64 = 0.5;
-/// The step of the phases the moves come at, as a fraction of a tick: irrational, so the phases
-/// walk evenly over the tick.
-const MOVE_PHASE_STEP: f64 = std::f64::consts::SQRT_2 - 1.0;
 /// When no CPU has sampled since the last look, the thread looks again only this much later.
 const IDLE_WAIT: Duration = Duration::from_secs(1);
 
@@ -51,6 +52,8 @@ pub struct ClockPlan {
     pub ticks_per_slot: u32,
     /// The perf event's period.
     pub tick_ns: u64,
+    /// The period asked for.
+    slot_ns: f64,
 }
 
 impl ClockPlan {
@@ -60,24 +63,14 @@ impl ClockPlan {
         let ticks_per_move = f64::from(ticks_per_slot * SLOTS_PER_MOVE);
         // The ticks between moves plus the tick a move lengthens fill the slots they stand for.
         let tick_ns = 1e9 / hz * f64::from(SLOTS_PER_MOVE) / (ticks_per_move + MOVE_FRACTION);
-        ClockPlan { ticks_per_slot, tick_ns: tick_ns as u64 }
+        ClockPlan { ticks_per_slot, tick_ns: tick_ns as u64, slot_ns: 1e9 / hz }
     }
 
-    /// When the `index`th move is due, the last having come at `last_ns` (CLOCK_MONOTONIC): after
-    /// a number of ticks drawn within ±25% of SLOTS_PER_MOVE slots' worth, at the phase of the tick
-    /// that the sequence from `start` (a fraction of one) has reached. Phases are of absolute
-    /// time, so a late move does not shift the ones after it.
-    fn next_move(&self, last_ns: u64, index: u64, start: f64) -> u64 {
-        let average = f64::from(self.ticks_per_slot * SLOTS_PER_MOVE);
-        let ticks = (average * (0.75 + 0.5 * fastrand::f64())).round().max(1.0);
-        let tick = self.tick_ns as f64;
-        let earliest = last_ns as f64 + ticks * tick;
-        let phase = (start + index as f64 * MOVE_PHASE_STEP).fract() * tick;
-        let mut at = earliest - earliest % tick + phase;
-        if at < earliest {
-            at += tick;
-        }
-        at as u64
+    /// How long to wait before the next move: uniformly from half to one and a half times
+    /// SLOTS_PER_MOVE slots.
+    fn next_move(&self) -> Duration {
+        let slots = f64::from(SLOTS_PER_MOVE) * (0.5 + fastrand::f64());
+        Duration::from_nanos((slots * self.slot_ns) as u64)
     }
 }
 
@@ -118,28 +111,15 @@ struct Mover {
 }
 
 impl Mover {
-    /// Moves the clocks of the CPUs that sampled since the last move until told to stop. The
-    /// thread wakes a little before each move is due, by as much as waking has lately been late.
+    /// Moves the clocks of the CPUs that sampled since the last move until told to stop.
     fn run(mut self, stopped: &mpsc::Receiver<()>) {
-        let start = fastrand::f64();
-        let (mut index, mut last, mut lateness) = (0, monotonic_ns(), 0u64);
         loop {
-            index += 1;
-            let due = self.plan.next_move(last, index, start);
-            let wait = Duration::from_nanos(due.saturating_sub(lateness).saturating_sub(monotonic_ns()));
-            if !matches!(stopped.recv_timeout(wait), Err(mpsc::RecvTimeoutError::Timeout)) {
+            if !matches!(stopped.recv_timeout(self.plan.next_move()), Err(mpsc::RecvTimeoutError::Timeout)) {
                 return;
             }
-            last = monotonic_ns();
-            // How late this move is, smoothed (a late wake-up, now and then, is not the rule).
-            let late = (last + lateness).saturating_sub(due).min(self.plan.tick_ns);
-            lateness = (lateness * 7 + late) / 8;
-            if !self.move_sampling_clocks() {
-                // Nothing sampled: look again later, not at every move.
-                if !matches!(stopped.recv_timeout(IDLE_WAIT), Err(mpsc::RecvTimeoutError::Timeout)) {
-                    return;
-                }
-                last = monotonic_ns();
+            // Nothing sampled: look again later, not at every move.
+            if !self.move_sampling_clocks() && !matches!(stopped.recv_timeout(IDLE_WAIT), Err(mpsc::RecvTimeoutError::Timeout)) {
+                return;
             }
         }
     }
@@ -186,14 +166,6 @@ fn open_event(program: BorrowedFd<'_>, cpu: u32, period_ns: u64) -> io::Result<O
     Ok(event)
 }
 
-/// CLOCK_MONOTONIC, in nanoseconds: the clock `bpf_ktime_get_ns` and the sampled programs read.
-fn monotonic_ns() -> u64 {
-    let mut now = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-    // SAFETY: clock_gettime fills the timespec it is given.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut now) };
-    now.tv_sec as u64 * 1_000_000_000 + now.tv_nsec as u64
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -217,23 +189,13 @@ mod tests {
     }
 
     #[test]
-    fn moves_come_every_few_slots_at_phases_spread_over_the_tick() {
+    fn moves_come_every_few_slots_on_average() {
         let plan = ClockPlan::new(99);
-        let (tick, slot) = (plan.tick_ns as f64, f64::from(plan.ticks_per_slot) * plan.tick_ns as f64);
-        let (mut last, mut phases) = (1_000_000_000u64, Vec::new());
-        for index in 1..=1000 {
-            let next = plan.next_move(last, index, 0.25);
-            let slots = (next - last) as f64 / slot;
-            let per_move = f64::from(SLOTS_PER_MOVE);
-            assert!((0.75 * per_move - 0.1..=1.25 * per_move + 0.5).contains(&slots), "{slots} slots");
-            phases.push((next as f64 % tick) / tick);
-            last = next;
-        }
-        // Every tenth of the tick gets a tenth of the moves, give or take a few.
-        for tenth in 0..10 {
-            let n = phases.iter().filter(|&&p| (p * 10.0) as usize == tenth).count();
-            assert!(n.abs_diff(100) <= 4, "{n} moves in tenth {tenth}");
-        }
+        let waits: Vec<f64> = (0..10_000).map(|_| plan.next_move().as_nanos() as f64 / plan.slot_ns).collect();
+        let per_move = f64::from(SLOTS_PER_MOVE);
+        assert!(waits.iter().all(|&slots| (0.5 * per_move..=1.5 * per_move).contains(&slots)));
+        let mean = waits.iter().sum::<f64>() / waits.len() as f64;
+        assert!((mean / per_move - 1.0).abs() < 0.02, "{mean} slots between moves on average");
     }
 
     #[test]

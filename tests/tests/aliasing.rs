@@ -68,12 +68,14 @@ fn check_split(python: &Path, hz: &str, cycle_ms: &str, (run_points, mean_points
 
 fn check_both_clocks(python: &Path) {
     // 199 Hz's period is half the 10 ms cycle: about 800 samples a run, whose chance spread alone
-    // is ±1.7 points.
-    check_split(python, "199", "10", (3.0, 1.0));
+    // is ±1.7 points. Runs here were within 2.5 points, their means within 0.6; the bounds leave
+    // room for a loaded machine.
+    check_split(python, "199", "10", (4.0, 1.5));
     // 99 Hz's period is within 0.01 ms of a 10.1 ms loop (a regular clock samples one phase of it
-    // for the whole run). About 400 samples a run: ±2.5 points by chance alone, less with samples
-    // spread evenly over the cycle.
-    check_split(python, "99", "10.1", (3.0, 1.0));
+    // for the whole run). About 400 samples a run: ±2.5 points by chance alone, about half that
+    // with the samples spread over the cycle as the clock spreads them; runs here were within 3.3
+    // points, their means within 0.6.
+    check_split(python, "99", "10.1", (5.0, 2.0));
 }
 
 #[test]
