@@ -156,11 +156,8 @@ pub struct ClockSlot {
     pub target: u32,
     /// Where the sequence is: a fraction of one, in units of 2^-32.
     pub phase: u32,
-    pub _pad: u32,
-    /// When the current slot's first tick came (0 before the first tick).
-    pub slot_start_ns: u64,
-    /// How long the last whole slot lasted: what a sample stands for (0 until one ended).
-    pub last_slot_ns: u64,
+    /// Set at the CPU's first tick, which draws where the sequence starts.
+    pub started: u32,
     /// Samples this CPU has taken: the clock thread moves only the clocks of CPUs that sample.
     pub taken: u64,
 }
@@ -377,9 +374,8 @@ pub struct SampleRecord {
     pub stack_len: u32,
     /// [`origin`] constant.
     pub origin: u32,
-    /// Nanoseconds the record stands for, where known when it is sent: for a sample, the time since
-    /// its CPU's previous tick (0 on a CPU's first); 0 for a capture as a thread leaves the CPU (its
-    /// [`OffCpuEnd`] says).
+    /// Nanoseconds the record stands for, where known when it is sent: 0 for a sample (it stands
+    /// for a period) and for a capture as a thread leaves the CPU (its [`OffCpuEnd`] says).
     pub weight_ns: u64,
     /// Off CPU: the task state the thread left the CPU in (0: preempted, still runnable).
     pub wait_state: u32,

@@ -23,8 +23,6 @@ use crate::{BPF_RB_AVAIL_DATA, BPF_RB_FORCE_WAKEUP, BPF_RB_NO_WAKEUP, LOST_SAMPL
 pub struct Origin {
     pub origin: u32,
     pub time_ns: u64,
-    /// Nanoseconds the record stands for where known now (a sample: since its CPU's last tick).
-    pub weight_ns: u64,
     pub wait_state: u32,
     /// Which half of `SCRATCH` the capture builds its record in: 0 for samples, 1 for switches,
     /// so neither overwrites the other's record on one CPU.
@@ -66,7 +64,7 @@ fn start_record(record: &mut SampleRecord, cpu: u32, tgid: u32, tid: u32, origin
     record.time_ns = if origin.time_ns == 0 { unsafe { bpf_ktime_get_ns() } } else { origin.time_ns };
     record.comm = bpf_get_current_comm().unwrap_or([0; 16]);
     record.origin = origin.origin;
-    record.weight_ns = origin.weight_ns;
+    record.weight_ns = 0;
     record.wait_state = origin.wait_state;
 }
 

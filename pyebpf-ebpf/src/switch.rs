@@ -128,6 +128,6 @@ fn leaves<const TASKS: bool>(ctx: &BtfTracePointContext, config: &Config, tgid: 
     if !capture {
         return;
     }
-    let leaving = Origin { origin: origin::OFF_CPU, time_ns: now, weight_ns: 0, wait_state: state, scratch_half: 1, interrupted_regs: false };
+    let leaving = Origin { origin: origin::OFF_CPU, time_ns: now, wait_state: state, scratch_half: 1, interrupted_regs: false };
     capture_and_emit::<_, TASKS>(ctx, config, tgid, tid, &leaving, true);
 }

@@ -16,8 +16,7 @@
 //! stretch after stretch.)
 //!
 //! The mean rate stays the one asked for: the tick period is shortened by what the moves add (each
-//! lengthens one tick, by half a tick on average). Each sample stands for the length of its CPU's
-//! last whole slot, which the eBPF program measures.
+//! lengthens one tick, by half a tick on average), and each sample stands for one period asked for.
 
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};

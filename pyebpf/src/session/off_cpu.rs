@@ -89,9 +89,8 @@ impl OffCpu {
     /// open) nothing until its thread is back. A capture whose waiting tasks follow is kept for them.
     pub fn count(&mut self, record: &SampleRecord, sample: SampleStack<'_>, stats: &mut Stats, profile: &mut Profile) {
         let ns = if record.origin != origin::OFF_CPU {
-            let ns = sample_ns(record.weight_ns, profile.period_ns());
-            profile.add_event(sample, Weight { samples: 1, ns }, record.time_ns);
-            Some(ns)
+            profile.add_event(sample, Weight { samples: 1, ns: profile.period_ns() }, record.time_ns);
+            Some(profile.period_ns())
         } else if record.weight_ns != 0 {
             stats.off_cpu.intervals += 1;
             profile.add_event(sample, Weight { samples: 1, ns: record.weight_ns }, record.time_ns);
@@ -230,28 +229,4 @@ pub fn monotonic_ns() -> u64 {
         return 0;
     }
     now.tv_sec as u64 * 1_000_000_000 + now.tv_nsec as u64
-}
-
-/// What a sample on CPU stands for: the time since its CPU's clock last ticked (the clock's rate
-/// moves, see `sampling_clock`), or one period on a CPU's first tick and past a gap no rate drawn
-/// makes (the CPU was offline, the kernel throttled the clock).
-fn sample_ns(since_last_tick: u64, period_ns: u64) -> u64 {
-    if since_last_tick == 0 || since_last_tick > 4 * period_ns {
-        period_ns
-    } else {
-        since_last_tick
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::sample_ns;
-
-    #[test]
-    fn a_sample_stands_for_the_time_since_its_cpus_last_tick() {
-        assert_eq!(sample_ns(7_000_000, 10_000_000), 7_000_000);
-        assert_eq!(sample_ns(13_000_000, 10_000_000), 13_000_000);
-        assert_eq!(sample_ns(0, 10_000_000), 10_000_000, "a CPU's first tick");
-        assert_eq!(sample_ns(41_000_000, 10_000_000), 10_000_000, "a gap no rate makes");
-    }
 }
