@@ -61,7 +61,8 @@ pub mod maps {
     pub const WAITING_SCRATCH: &str = "WAITING_SCRATCH";
     pub const KNOWN_PROCS: &str = "KNOWN_PROCS";
     pub const LAST_WAKEUP: &str = "LAST_WAKEUP";
-    pub const ALL: [&str; 15] = [
+    pub const CLOCK: &str = "CLOCK";
+    pub const ALL: [&str; 16] = [
         SAMPLES,
         LOST,
         CONFIG,
@@ -77,6 +78,7 @@ pub mod maps {
         WAITING_SCRATCH,
         KNOWN_PROCS,
         LAST_WAKEUP,
+        CLOCK,
     ];
 }
 
@@ -163,6 +165,40 @@ pub struct Config {
     /// `KNOWN_PROCS`: its Python state is read while it lives), or of a thread of a Python
     /// process it has not registered (a new thread, whose next samples need its thread state).
     pub urgent_latency_ns: u64,
+    /// Ticks of the sampling clock per sampling slot: one tick of each slot samples (see
+    /// [`ClockSlot`]); 0 counts as 1.
+    pub ticks_per_slot: u32,
+    pub _pad: u32,
+}
+
+/// One CPU's place in its sampling clock. The perf event ticks `Config::ticks_per_slot` times per
+/// period asked for (a slot), and the eBPF program samples at one tick of each slot, chosen along
+/// a Kronecker sequence (the slot's index times the golden ratio, from a random start): the
+/// instants sampled are spread over every phase of any cycle the sampled code has, rather than
+/// repeating one phase of it as a clock at exact multiples of its period does.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ClockSlot {
+    /// Ticks seen in the current slot.
+    pub tick: u32,
+    /// The tick of the current slot that samples.
+    pub target: u32,
+    /// Where the sequence is: a fraction of one, in units of 2^-32.
+    pub phase: u32,
+    /// Set at the CPU's first tick, which draws where the sequence starts.
+    pub started: u32,
+    /// Samples this CPU has taken: the clock thread moves only the clocks of CPUs that sample.
+    pub taken: u64,
+}
+
+impl ClockSlot {
+    /// The golden ratio's fractional part, in units of 2^-32: the step from slot to slot.
+    pub const STEP: u32 = 0x9E37_79B9;
+
+    /// The tick, of `ticks_per_slot`, that samples at `phase`.
+    pub fn target(phase: u32, ticks_per_slot: u32) -> u32 {
+        ((u64::from(phase) * u64::from(ticks_per_slot)) >> 32) as u32
+    }
 }
 
 /// Bits of [`PyCapture::status`].
@@ -630,6 +666,8 @@ pub mod type_flags {
 mod pod {
     // SAFETY: repr(C) plain data with explicit padding and no invalid bit patterns.
     unsafe impl aya::Pod for super::Config {}
+    // SAFETY: repr(C) plain data, no padding beyond the explicit field.
+    unsafe impl aya::Pod for super::ClockSlot {}
     // SAFETY: repr(C) plain data with explicit padding and no invalid bit patterns.
     unsafe impl aya::Pod for super::PyProcConfig {}
     // SAFETY: repr(C) plain data with explicit padding and no invalid bit patterns.

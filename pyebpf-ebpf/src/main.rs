@@ -21,7 +21,7 @@ use aya_ebpf::{
     macros::map,
     maps::{Array, HashMap, PerCpuArray, RingBuf},
 };
-use pyebpf_common::{Config, MarkerChain, OffCpuStart, PyProcConfig, PyThreadEntry, SampleRecord, WaitingTasks, MAX_SNAPSHOT_PROCS, WAIT_PROCS_WORDS};
+use pyebpf_common::{ClockSlot, Config, MarkerChain, OffCpuStart, PyProcConfig, PyThreadEntry, SampleRecord, WaitingTasks, MAX_SNAPSHOT_PROCS, WAIT_PROCS_WORDS};
 
 /// Userspace sets the real size at load time (`--ring-buffer-kb`).
 #[map]
@@ -36,6 +36,10 @@ const LOST_EVENTS: u32 = 1;
 
 #[map]
 static CONFIG: Array<Config> = Array::with_max_entries(1, 0);
+
+/// Per CPU, where its sampling clock is within the current slot.
+#[map]
+static CLOCK: PerCpuArray<ClockSlot> = PerCpuArray::with_max_entries(1, 0);
 
 #[map]
 static TARGETS: HashMap<u32, u8> = HashMap::with_max_entries(65536, 0);

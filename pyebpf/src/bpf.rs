@@ -1,16 +1,17 @@
 //! Loading the embedded eBPF sampler, attaching it to every CPU, and reading its samples.
 
 use crate::kernel_btf::{Btf, VMLINUX_BTF};
+use std::os::fd::AsFd;
 use std::time::Duration;
 
 use aya::maps::{Array, HashMap, MapData, PerCpuArray, RingBuf};
-use aya::programs::perf_event::{PerfEventConfig, PerfEventScope, SamplePolicy, SoftwareEvent};
 use aya::programs::tp_btf::BtfTracePointLinkId;
 use aya::programs::{BtfTracePoint, PerfEvent};
 use aya::{Ebpf, EbpfLoader};
 use pyebpf_common::{config_flags, globals, maps, programs, Config, MarkerChain, OffCpuStart, PyProcConfig, PyThreadEntry};
 
 use crate::reader::{RecordBatch, RingReader, URGENT_LATENCY, WAKEUP_LATENCY};
+use crate::sampling_clock::{ClockPlan, SamplingClock};
 
 /// The object built by `cargo xtask build`; empty when the crate was built without it.
 static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/pyebpf-ebpf.o"));
@@ -35,6 +36,8 @@ pub enum BpfError {
     Map { name: &'static str, cause: aya::maps::MapError },
     #[error("cannot list online CPUs: {0}")]
     Cpus(std::io::Error),
+    #[error("cannot start the sampling clock on every CPU: {0}")]
+    Clock(std::io::Error),
     #[error(transparent)]
     KernelBtf(#[from] crate::kernel_btf::BtfError),
     #[error("cannot parse the kernel's BTF ({VMLINUX_BTF}): {0}")]
@@ -118,6 +121,8 @@ impl Programs {
 
 /// The running sampler. Dropping it detaches the programs.
 pub struct Sampler {
+    /// The clock sampling every CPU, once started; dropped first, so sampling stops first.
+    clock: Option<SamplingClock>,
     ebpf: Ebpf,
     frequency_hz: u64,
     /// The sampler and switch hook loaded (with or without asyncio tasks).
@@ -253,6 +258,8 @@ fn configure(ebpf: &mut Ebpf, options: &SamplerOptions, cpus: u32) -> Result<Has
         off_cpu_min_ns,
         wakeup_latency_ns: WAKEUP_LATENCY.as_nanos() as u64,
         urgent_latency_ns: URGENT_LATENCY.as_nanos() as u64,
+        ticks_per_slot: ClockPlan::new(options.frequency_hz).ticks_per_slot,
+        _pad: 0,
     };
     let mut config_map: Array<_, Config> =
         Array::try_from(ebpf.map_mut(maps::CONFIG).ok_or(BpfError::StaleObject(maps::CONFIG))?).map_err(map_error(maps::CONFIG))?;
@@ -333,6 +340,7 @@ impl Sampler {
         let off_cpu = HashMap::try_from(take_map(&mut ebpf, maps::OFF_CPU)?).map_err(map_error(maps::OFF_CPU))?;
         let short_waits = PerCpuArray::try_from(take_map(&mut ebpf, maps::SHORT_WAITS)?).map_err(map_error(maps::SHORT_WAITS))?;
         Ok(Sampler {
+            clock: None,
             ebpf,
             frequency_hz: options.frequency_hz,
             programs,
@@ -397,18 +405,15 @@ impl Sampler {
     /// so the processes attached beforehand are registered first and their first samples
     /// already carry Python frames.
     pub fn start_sampling(&mut self) -> Result<(), BpfError> {
-        let program: &mut PerfEvent = program_mut(&mut self.ebpf, self.programs.sample)?;
         let cpus = aya::util::online_cpus().map_err(|(_, err)| BpfError::Cpus(err))?;
-        for cpu in cpus {
-            program
-                .attach(
-                    PerfEventConfig::Software(SoftwareEvent::CpuClock),
-                    PerfEventScope::AllProcessesOneCpu { cpu },
-                    SamplePolicy::Frequency(self.frequency_hz),
-                    false,
-                )
-                .map_err(BpfError::Program)?;
-        }
+        let slots = PerCpuArray::try_from(take_map(&mut self.ebpf, maps::CLOCK)?).map_err(map_error(maps::CLOCK))?;
+        let program: &mut PerfEvent = program_mut(&mut self.ebpf, self.programs.sample)?;
+        let program = program.fd().map_err(BpfError::Program)?.as_fd();
+        let clock = SamplingClock::start(program, &cpus, ClockPlan::new(self.frequency_hz), slots).map_err(|err| match err.kind() {
+            std::io::ErrorKind::PermissionDenied => BpfError::NotPermitted,
+            _ => BpfError::Clock(err),
+        })?;
+        self.clock = Some(clock);
         Ok(())
     }
 

@@ -212,8 +212,7 @@ fn wall_mode_profiles_are_weighted_in_nanoseconds_in_pprof() {
     let workload = Workload::start(&debian_python("3.15"), &[]);
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("wall.pb.gz");
-    // Not the default 99 Hz: its period is the workload's cycle, and a clock locked to the cycle
-    // can sample only its sleeps (aliasing), leaving `cpu` empty.
+    // Not the default 99 Hz, whose period is the workload's cycle: 199 Hz samples each cycle twice.
     let status = Command::new(pyebpf()).args(["record", "-p", &workload.pid(), "--mode", "wall", "-F", "199", "-d", "2", "-o"]).arg(&out).status().unwrap();
     assert!(status.success());
     let top = |index: &str| {

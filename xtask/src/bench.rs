@@ -11,7 +11,10 @@
 //! - Fidelity: a known 60/30/10 split and two alternating call paths.
 //! - Scale: 1, 10 and 50 Python processes under `record -a`.
 //! - Export: what `record --otlp` costs per period, 20 busy processes at 99 Hz.
+//! - Always on: `record -a --otlp` beside the OpenTelemetry eBPF profiler, idle and with 20 and 50
+//!   busy processes, at 19, 49 and 99 Hz: steady CPU and peak RSS.
 
+mod always_on;
 mod export;
 mod fidelity;
 mod measure;
@@ -87,7 +90,7 @@ struct Bench {
 }
 
 /// The parts of a bench run, by the name `--only` takes and the key of their figures.
-pub const SECTIONS: [&str; 8] = ["cpu_per_sample", "profile", "kernel_and_reads", "slowdown", "fidelity", "scale", "export", "waits"];
+pub const SECTIONS: [&str; 9] = ["cpu_per_sample", "profile", "kernel_and_reads", "slowdown", "fidelity", "scale", "export", "waits", "always_on"];
 
 /// What to measure: every section and version, or (`--only`, `--versions`) some of them, whose
 /// figures replace theirs in the last run's.
@@ -170,6 +173,7 @@ impl Bench {
             "scale" => self.scale(),
             "export" => export::export(self),
             "waits" => waits::waits(self),
+            "always_on" => always_on::always_on(self),
             other => bail!("no bench section {other}"),
         }
     }

@@ -80,7 +80,7 @@ pub fn run_measured(command: &mut Command, window: Option<(Duration, Duration)>)
 }
 
 /// The time all threads of `pid` have run, in ns (schedstat: exact, unlike clock ticks).
-fn threads_cpu_ns(pid: u32) -> Option<u64> {
+pub fn threads_cpu_ns(pid: u32) -> Option<u64> {
     let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).ok()?;
     let run_ns =
         |task: std::fs::DirEntry| -> Option<u64> { std::fs::read_to_string(task.path().join("schedstat")).ok()?.split_whitespace().next()?.parse().ok() };

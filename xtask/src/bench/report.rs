@@ -289,6 +289,7 @@ pub fn tables(results: &Value) -> String {
          Fidelity at 999 Hz on Python {fidelity_versions} (3.11 and 3.12 are pyenv's 3.11.7 and 3.12.1; 3.13t is the free-threaded 3.13 built from Debian's sources, which py-spy 0.4 cannot read; Tachyon attaches only to 3.15), {runs} runs of {secs} s per profiler: the largest error of the three functions' shares, and the share of samples of the alternating workload whose stack mixes both paths:\n\n{}\n\
          Host-wide: `record -a -d {secs_attach}` with N spinning Python processes ({versions} in turn), steady CPU measured as above:\n\n{}\n\
          Sending profiles (`record -a -F {export_hz} -d {export_s} --otlp http://... --otlp-period {export_period}` with {export_processes} busy Python processes, to a local sink that answers at once): the export thread's CPU (encoding, compressing, sending) per period, from the kernel's per-thread run time, beside the whole process's:\n\n{}\n\
+         {}\n\
          Off-CPU time (`--mode wall`): switch-heavy programs (`pingpong.py {pingpong_s}` on Python 3.15, two processes bouncing a byte over pipes, and `perf bench sched pipe -l {perf_loops}`) alone and under each profiler at {waits_hz} Hz, median of {waits_rounds} interleaved rounds \
          (\"profiling other processes\": `record -a --mode wall --comm` naming none, so every switch on the host runs the hook; \
          \"an empty BPF program\": the bench attaches a program that returns at once to `sched_switch`, what any hook run at every switch costs here, the floor under pyebpf's); \
@@ -304,6 +305,7 @@ pub fn tables(results: &Value) -> String {
         fidelity_table(results),
         scale_table(results),
         export_table(results),
+        super::always_on::table(results),
         waits_tables(results),
         targets_table(results),
         results["profile"].as_array().into_iter().flatten().filter_map(Value::as_str).collect::<Vec<_>>().join("\n"),
