@@ -39,6 +39,9 @@ const MAX_TICKS_PER_SLOT: u32 = 16;
 /// the more, the less the moves cost. The time between moves is drawn from half to one and a half
 /// times this many slots.
 const SLOTS_PER_MOVE: u32 = 4;
+/// Moves come no more often than this on average, so that the clock thread wakes at most 50 times
+/// a second; at high rates a stretch between moves holds more slots (and samples more phases).
+const MIN_MOVE_SPACING: Duration = Duration::from_millis(20);
 /// How much a move lengthens the tick it cuts, on average, as a fraction of a tick (a move comes
 /// at a random point of a tick).
 const MOVE_FRACTION: f64 = 0.5;
@@ -53,22 +56,26 @@ pub struct ClockPlan {
     pub tick_ns: u64,
     /// The period asked for.
     slot_ns: f64,
+    /// Slots between moves, on average.
+    slots_per_move: u32,
 }
 
 impl ClockPlan {
     pub fn new(frequency_hz: u64) -> ClockPlan {
         let hz = frequency_hz.max(1) as f64;
         let ticks_per_slot = ((TICK_BUDGET_HZ / hz).round() as u32).clamp(1, MAX_TICKS_PER_SLOT);
-        let ticks_per_move = f64::from(ticks_per_slot * SLOTS_PER_MOVE);
+        let slot_ns = 1e9 / hz;
+        let slots_per_move = SLOTS_PER_MOVE.max((MIN_MOVE_SPACING.as_nanos() as f64 / slot_ns).ceil() as u32);
+        let ticks_per_move = f64::from(ticks_per_slot * slots_per_move);
         // The ticks between moves plus the tick a move lengthens fill the slots they stand for.
-        let tick_ns = 1e9 / hz * f64::from(SLOTS_PER_MOVE) / (ticks_per_move + MOVE_FRACTION);
-        ClockPlan { ticks_per_slot, tick_ns: tick_ns as u64, slot_ns: 1e9 / hz }
+        let tick_ns = slot_ns * f64::from(slots_per_move) / (ticks_per_move + MOVE_FRACTION);
+        ClockPlan { ticks_per_slot, tick_ns: tick_ns as u64, slot_ns, slots_per_move }
     }
 
-    /// How long to wait before the next move: uniformly from half to one and a half times
-    /// SLOTS_PER_MOVE slots.
+    /// How long to wait before the next move: uniformly from half to one and a half times the
+    /// slots between moves.
     fn next_move(&self) -> Duration {
-        let slots = f64::from(SLOTS_PER_MOVE) * (0.5 + fastrand::f64());
+        let slots = f64::from(self.slots_per_move) * (0.5 + fastrand::f64());
         Duration::from_nanos((slots * self.slot_ns) as u64)
     }
 }
@@ -181,8 +188,8 @@ mod tests {
     fn ticks_and_moves_fill_the_slots_they_stand_for() {
         for hz in [19, 49, 99, 199, 999, 4999] {
             let plan = ClockPlan::new(hz);
-            let ticks = f64::from(plan.ticks_per_slot * SLOTS_PER_MOVE) + MOVE_FRACTION;
-            let slots_ns = 1e9 / hz as f64 * f64::from(SLOTS_PER_MOVE);
+            let ticks = f64::from(plan.ticks_per_slot * plan.slots_per_move) + MOVE_FRACTION;
+            let slots_ns = 1e9 / hz as f64 * f64::from(plan.slots_per_move);
             assert!((ticks * plan.tick_ns as f64 / slots_ns - 1.0).abs() < 1e-5, "{hz} Hz");
         }
     }
@@ -195,6 +202,16 @@ mod tests {
         assert!(waits.iter().all(|&slots| (0.5 * per_move..=1.5 * per_move).contains(&slots)));
         let mean = waits.iter().sum::<f64>() / waits.len() as f64;
         assert!((mean / per_move - 1.0).abs() < 0.02, "{mean} slots between moves on average");
+    }
+
+    #[test]
+    fn moves_are_spaced_at_high_rates() {
+        for hz in [999, 4999, 19_999] {
+            let plan = ClockPlan::new(hz);
+            let mean = f64::from(plan.slots_per_move) * plan.slot_ns;
+            assert!(mean >= MIN_MOVE_SPACING.as_nanos() as f64 && mean < 2.0 * MIN_MOVE_SPACING.as_nanos() as f64, "{hz} Hz: a move every {mean} ns");
+        }
+        assert_eq!(ClockPlan::new(99).slots_per_move, SLOTS_PER_MOVE);
     }
 
     #[test]
