@@ -16,6 +16,9 @@ pub const MAX_PY_FRAMES: usize = 512;
 pub const PY_FRAME_WINDOW: usize = 128;
 /// Positions of an established marker chain the eBPF program can check a moved marker against.
 pub const MARKER_POSITIONS: usize = 16;
+/// A 3.15 thread's marker chain is re-established from a sample whose walk went further than this
+/// many frames before joining one (or joined none).
+pub const MARKER_REESTABLISH_FRAMES: u32 = 4;
 /// Most bytes of the user stack (from the stack pointer up) copied per sample for unwinding from
 /// call frame information in userspace.
 pub const STACK_SNAPSHOT_MAX: usize = 16 * 1024;

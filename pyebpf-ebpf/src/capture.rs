@@ -9,7 +9,10 @@ use aya_ebpf::{
     helpers::{bpf_get_current_comm, bpf_get_smp_processor_id, bpf_get_stack, bpf_ktime_get_ns},
     EbpfContext,
 };
-use pyebpf_common::{config_flags, py_proc_flags, py_status, record_kind, task_status, user_status, Config, PyCapture, SampleRecord, MAX_KERNEL_FRAMES, MAX_PY_FRAMES};
+use pyebpf_common::{
+    config_flags, py_proc_flags, py_status, record_kind, task_status, user_status, Config, PyCapture, SampleRecord, MARKER_REESTABLISH_FRAMES,
+    MAX_KERNEL_FRAMES, MAX_PY_FRAMES,
+};
 
 use crate::asyncio::{capture_tasks, clear_tasks, emit_waiting_tasks};
 use crate::emit::{emit_or_count, wakeup_flags};
@@ -149,9 +152,20 @@ fn emit_sample(config: &Config, record: &SampleRecord, frames: usize, stack_len:
 }
 
 /// Whether userspace must see the record soon: its process is not known yet (its Python state is
-/// read from the live process), or it is a Python process's thread not registered yet (a new
-/// thread: its samples have Python frames once it is).
+/// read from the live process), it is a Python process's thread not registered yet (a new
+/// thread: its samples have Python frames once it is), or a 3.15 thread whose marker chain is to
+/// be re-established from it (its samples join a chain near their leaf once it is).
 #[inline(always)]
 fn urgent(record: &SampleRecord) -> bool {
-    KNOWN_PROCS.get_ptr(record.tgid).is_none() || (record.py.status & py_status::THREAD_KNOWN == 0 && PY_PROCS.get_ptr(record.tgid).is_some())
+    if KNOWN_PROCS.get_ptr(record.tgid).is_none() {
+        return true;
+    }
+    let Some(proc_config) = PY_PROCS.get_ptr(record.tgid) else { return false };
+    if record.py.status & py_status::THREAD_KNOWN == 0 {
+        return true;
+    }
+    // SAFETY: a map value, read once.
+    let uses_marker = unsafe { (*proc_config).flags } & py_proc_flags::USE_MARKER != 0;
+    let joined_near_leaf = record.py.status & py_status::JOINED != 0 && record.py.frames_len <= MARKER_REESTABLISH_FRAMES;
+    uses_marker && !joined_near_leaf && record.py.status & py_status::TOO_DEEP == 0
 }

@@ -21,7 +21,9 @@ use aya_ebpf::{
     macros::map,
     maps::{Array, HashMap, PerCpuArray, RingBuf},
 };
-use pyebpf_common::{ClockSlot, Config, MarkerChain, OffCpuStart, PyProcConfig, PyThreadEntry, SampleRecord, WaitingTasks, MAX_SNAPSHOT_PROCS, WAIT_PROCS_WORDS};
+use pyebpf_common::{
+    ClockSlot, Config, MarkerChain, OffCpuStart, PyProcConfig, PyThreadEntry, SampleRecord, WaitingTasks, MAX_SNAPSHOT_PROCS, WAIT_PROCS_WORDS,
+};
 
 /// Userspace sets the real size at load time (`--ring-buffer-kb`).
 #[map]

@@ -8,7 +8,7 @@ use aya::maps::{Array, HashMap, MapData, PerCpuArray, RingBuf};
 use aya::programs::tp_btf::BtfTracePointLinkId;
 use aya::programs::{BtfTracePoint, PerfEvent};
 use aya::{Ebpf, EbpfLoader};
-use pyebpf_common::{config_flags, globals, maps, programs, Config, MarkerChain, OffCpuStart, PyProcConfig, PyThreadEntry};
+use pyebpf_common::{config_flags, globals, maps, programs, Config, MarkerChain, OffCpuStart, PyProcConfig, PyThreadEntry, SampleRecord};
 
 use crate::reader::{RecordBatch, RingReader, URGENT_LATENCY, WAKEUP_LATENCY};
 use crate::sampling_clock::{ClockPlan, SamplingClock};
@@ -227,11 +227,17 @@ fn load_object(kb: u32, log_level: u8) -> Result<(Ebpf, aya::Btf, u32), BpfError
 }
 
 /// The configuration flags `options` ask for.
+/// Whether the ring buffer holds a few records with a whole stack copy: the copies of processes not
+/// known yet are a help, not worth losing those processes' samples for in a tiny buffer.
+fn copies_fit(ring_buffer_kb: u32) -> bool {
+    ring_buffer_kb as usize * 1024 >= 16 * std::mem::size_of::<SampleRecord>()
+}
+
 fn flags_for(options: &SamplerOptions) -> u32 {
     let wanted = [
         (options.kernel_stacks, config_flags::KERNEL_STACK),
         (options.unwind == UnwindMode::Dwarf, config_flags::SNAPSHOT_ALL),
-        (options.unwind == UnwindMode::Auto, config_flags::SNAPSHOT_UNKNOWN),
+        (options.unwind == UnwindMode::Auto && copies_fit(options.ring_buffer_kb), config_flags::SNAPSHOT_UNKNOWN),
         (options.gil, config_flags::GIL),
         (options.waiting_tasks, config_flags::WAITING_TASKS),
         (options.targets.is_some(), config_flags::FILTER_TARGETS),

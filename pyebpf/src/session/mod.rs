@@ -176,6 +176,9 @@ impl Session {
         let python = &mut self.scratch.python;
         let outcome = self.python.python_stack(record, kernel, stats, &mut profile.frames, python);
         let frames = self.native.stack(record, outcome.is_python().then_some(&python[..]), self.processes.maps(), kernel, stats, &mut profile.frames);
+        if self.python.classified(record.tgid) {
+            self.processes.known(record.tgid, kernel);
+        }
         let state = thread_state(record, frames, self.options.kernel, profile);
         if let Some(slot) = slot {
             self.repeats.keep(slot, frames, outcome.is_cut(), before.since(stats));
@@ -234,16 +237,28 @@ impl Session {
             return None;
         }
         self.python.discover(record.tgid, kernel, self.processes.maps(), stats);
-        if self.python.classified(record.tgid) {
-            self.processes.known(record.tgid, kernel);
-        }
         let python = &self.python;
         let labels = self.processes.sampled(record.tgid, || python.version(record.tgid).map(|version| version.to_string()));
         if filter.python_only && !self.python.is_python(record.tgid) {
+            self.known_once_classified(record.tgid, kernel);
             return None;
         }
         self.off_cpu.watch(record.tgid, kernel);
-        self.counts(record).then_some((comm, labels))
+        if !self.counts(record) {
+            self.known_once_classified(record.tgid, kernel);
+            return None;
+        }
+        Some((comm, labels))
+    }
+
+    /// Tells the eBPF program that the process's samples need not reach userspace soon, once what
+    /// they need of the live process is read. A sample resolved calls this only after its stack:
+    /// until then the program copies the process's stacks whose frame-pointer walk broke, and
+    /// whether they need copying is decided with that stack.
+    fn known_once_classified(&mut self, pid: u32, kernel: &mut dyn KernelMaps) {
+        if self.python.classified(pid) {
+            self.processes.known(pid, kernel);
+        }
     }
 
     /// Whether the mode counts this record: off-CPU mode only intervals, GIL mode only samples
