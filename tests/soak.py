@@ -43,20 +43,20 @@ def rss_kib(pid):
 
 
 def wait_until_sampling(recording):
-    """Until pyebpf holds its perf-event links on every CPU (sampling has started), at most 60 s."""
+    """Until pyebpf holds its sampling clock's perf events, one per CPU (sampling has started), at
+    most 60 s."""
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and recording.poll() is None:
-        links = 0
+        events = 0
         try:
-            for fd in os.listdir(f"/proc/{recording.pid}/fdinfo"):
+            for fd in os.listdir(f"/proc/{recording.pid}/fd"):
                 try:
-                    with open(f"/proc/{recording.pid}/fdinfo/{fd}") as info:
-                        links += "link_id:" in info.read()
+                    events += os.readlink(f"/proc/{recording.pid}/fd/{fd}") == "anon_inode:[perf_event]"
                 except OSError:
                     pass
         except OSError:
             pass
-        if links >= os.cpu_count() + 2:  # exec and exit hooks, then one per CPU
+        if events >= os.cpu_count():
             return
         time.sleep(0.05)
     sys.exit(f"pyebpf did not start sampling: exit status {recording.poll()}")

@@ -16,6 +16,9 @@ pub const MAX_PY_FRAMES: usize = 512;
 pub const PY_FRAME_WINDOW: usize = 128;
 /// Positions of an established marker chain the eBPF program can check a moved marker against.
 pub const MARKER_POSITIONS: usize = 16;
+/// A 3.15 thread's marker chain is re-established from a sample whose walk went further than this
+/// many frames before joining one (or joined none).
+pub const MARKER_REESTABLISH_FRAMES: u32 = 4;
 /// Most bytes of the user stack (from the stack pointer up) copied per sample for unwinding from
 /// call frame information in userspace.
 pub const STACK_SNAPSHOT_MAX: usize = 16 * 1024;
@@ -59,8 +62,27 @@ pub mod maps {
     pub const OFF_CPU: &str = "OFF_CPU";
     pub const SHORT_WAITS: &str = "SHORT_WAITS";
     pub const WAITING_SCRATCH: &str = "WAITING_SCRATCH";
-    pub const ALL: [&str; 13] =
-        [SAMPLES, LOST, CONFIG, TARGETS, PY_PROCS, PY_THREADS, PY_MARKERS, SCRATCH, SNAPSHOT_PROCS, WAIT_PROCS, OFF_CPU, SHORT_WAITS, WAITING_SCRATCH];
+    pub const KNOWN_PROCS: &str = "KNOWN_PROCS";
+    pub const LAST_WAKEUP: &str = "LAST_WAKEUP";
+    pub const CLOCK: &str = "CLOCK";
+    pub const ALL: [&str; 16] = [
+        SAMPLES,
+        LOST,
+        CONFIG,
+        TARGETS,
+        PY_PROCS,
+        PY_THREADS,
+        PY_MARKERS,
+        SCRATCH,
+        SNAPSHOT_PROCS,
+        WAIT_PROCS,
+        OFF_CPU,
+        SHORT_WAITS,
+        WAITING_SCRATCH,
+        KNOWN_PROCS,
+        LAST_WAKEUP,
+        CLOCK,
+    ];
 }
 
 /// Program names: the eBPF crate's program functions are named so, and the loader takes them by
@@ -108,6 +130,10 @@ pub mod config_flags {
     /// With a process's `py_proc_flags::TASKS`: send the thread's waiting tasks after each capture
     /// (`--mode wall|off-cpu --async-aware`).
     pub const WAITING_TASKS: u32 = 1 << 5;
+    /// Copy the user stack where the frame-pointer walk broke and the process is not in
+    /// `KNOWN_PROCS` (`--unwind auto`): until userspace has seen the process and decided, its
+    /// samples keep their native part.
+    pub const SNAPSHOT_UNKNOWN: u32 = 1 << 6;
 }
 
 /// Bits of [`SampleRecord::user_status`].
@@ -126,8 +152,7 @@ pub struct Config {
     /// pyebpf's own tgid: its samples are dropped in the kernel.
     pub own_tgid: u32,
     pub flags: u32,
-    /// Pending bytes in the ring buffer from which a sample wakes the reader; below, the reader
-    /// polls on its own timer.
+    /// Pending bytes in the ring buffer from which a record wakes the reader at once.
     pub wakeup_bytes: u32,
     /// SCRATCH entries per origin: the CPU count (an off-CPU capture uses the second half, so it
     /// never shares a record with a sample on its CPU).
@@ -135,6 +160,48 @@ pub struct Config {
     /// A thread's stacks are captured as it leaves the CPU at most once per this many nanoseconds;
     /// intervals that begin without a capture are only summed in `SHORT_WAITS`.
     pub off_cpu_min_ns: u64,
+    /// Below `wakeup_bytes`, a record wakes the reader only when the last wakeup is at least this
+    /// old: records wait about this long at most while more keep coming, and an idle host wakes
+    /// no one.
+    pub wakeup_latency_ns: u64,
+    /// The same for a record userspace must see soon: of a process it does not know yet (not in
+    /// `KNOWN_PROCS`: its Python state is read while it lives), or of a thread of a Python
+    /// process it has not registered (a new thread, whose next samples need its thread state).
+    pub urgent_latency_ns: u64,
+    /// Ticks of the sampling clock per sampling slot: one tick of each slot samples (see
+    /// [`ClockSlot`]); 0 counts as 1.
+    pub ticks_per_slot: u32,
+    pub _pad: u32,
+}
+
+/// One CPU's place in its sampling clock. The perf event ticks `Config::ticks_per_slot` times per
+/// period asked for (a slot), and the eBPF program samples at one tick of each slot, chosen along
+/// a Kronecker sequence (the slot's index times the golden ratio, from a random start): the
+/// instants sampled are spread over every phase of any cycle the sampled code has, rather than
+/// repeating one phase of it as a clock at exact multiples of its period does.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ClockSlot {
+    /// Ticks seen in the current slot.
+    pub tick: u32,
+    /// The tick of the current slot that samples.
+    pub target: u32,
+    /// Where the sequence is: a fraction of one, in units of 2^-32.
+    pub phase: u32,
+    /// Set at the CPU's first tick, which draws where the sequence starts.
+    pub started: u32,
+    /// Samples this CPU has taken: the clock thread moves only the clocks of CPUs that sample.
+    pub taken: u64,
+}
+
+impl ClockSlot {
+    /// The golden ratio's fractional part, in units of 2^-32: the step from slot to slot.
+    pub const STEP: u32 = 0x9E37_79B9;
+
+    /// The tick, of `ticks_per_slot`, that samples at `phase`.
+    pub fn target(phase: u32, ticks_per_slot: u32) -> u32 {
+        ((u64::from(phase) * u64::from(ticks_per_slot)) >> 32) as u32
+    }
 }
 
 /// Bits of [`PyCapture::status`].
@@ -602,6 +669,8 @@ pub mod type_flags {
 mod pod {
     // SAFETY: repr(C) plain data with explicit padding and no invalid bit patterns.
     unsafe impl aya::Pod for super::Config {}
+    // SAFETY: repr(C) plain data, no padding beyond the explicit field.
+    unsafe impl aya::Pod for super::ClockSlot {}
     // SAFETY: repr(C) plain data with explicit padding and no invalid bit patterns.
     unsafe impl aya::Pod for super::PyProcConfig {}
     // SAFETY: repr(C) plain data with explicit padding and no invalid bit patterns.

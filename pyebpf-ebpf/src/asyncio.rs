@@ -15,7 +15,7 @@ use pyebpf_common::{
 use crate::emit::emit_or_count;
 use crate::frame::frame_record;
 use crate::read::{read_u32, read_u64, read_u8};
-use crate::{LOST_SAMPLES, PY_PROCS, WAITING_SCRATCH};
+use crate::{BPF_RB_NO_WAKEUP, LOST_SAMPLES, PY_PROCS, WAITING_SCRATCH};
 
 /// A `_PyStackRef`'s tag bits.
 const STACKREF_TAG: u64 = 3;
@@ -272,7 +272,7 @@ pub fn emit_waiting_tasks(tgid: u32, tid: u32, time_ns: u64, tstate: u64, half: 
         return;
     }
     // SAFETY: the whole record, plain data.
-    emit_or_count::<WaitingTasks>(unsafe { &*out }, 0, LOST_SAMPLES);
+    emit_or_count::<WaitingTasks>(unsafe { &*out }, BPF_RB_NO_WAKEUP, LOST_SAMPLES);
 }
 
 /// One list node (a task, skipped unless suspended), or one frame of the last task's coroutine

@@ -9,13 +9,16 @@ use aya_ebpf::{
     helpers::{bpf_get_current_comm, bpf_get_smp_processor_id, bpf_get_stack, bpf_ktime_get_ns},
     EbpfContext,
 };
-use pyebpf_common::{config_flags, py_proc_flags, record_kind, task_status, user_status, Config, PyCapture, SampleRecord, MAX_KERNEL_FRAMES, MAX_PY_FRAMES};
+use pyebpf_common::{
+    config_flags, py_proc_flags, py_status, record_kind, task_status, user_status, Config, PyCapture, SampleRecord, MARKER_REESTABLISH_FRAMES,
+    MAX_KERNEL_FRAMES, MAX_PY_FRAMES,
+};
 
 use crate::asyncio::{capture_tasks, clear_tasks, emit_waiting_tasks};
-use crate::emit::emit_or_count;
+use crate::emit::{emit_or_count, wakeup_flags};
 use crate::python::{capture_python, registered};
 use crate::user_stack::{copy_stack, stack_len, user_regs, walk_user_stack, wants_snapshot};
-use crate::{BPF_RB_AVAIL_DATA, BPF_RB_FORCE_WAKEUP, BPF_RB_NO_WAKEUP, LOST_SAMPLES, SAMPLES, SCRATCH};
+use crate::{KNOWN_PROCS, LOST_SAMPLES, PY_PROCS, SCRATCH};
 
 /// What a capture stands for: its [`pyebpf_common::origin`], when it is (0: now) and, off CPU,
 /// the state the thread left the CPU in. A capture's weight is a period (a sample) or comes later
@@ -45,7 +48,7 @@ pub fn capture_and_emit<C: EbpfContext, const TASKS: bool>(ctx: &C, config: &Con
     capture_interpreter::<C, TASKS>(ctx, config, tgid, tid, record);
     let (ip, sp) = capture_native(ctx, origin, kernel_stack, record);
     let frames = sent_frames(record);
-    let stack_len = if ip != 0 && wants_snapshot(config, tgid) { snapshot_stack(sp, frames, record) } else { 0 };
+    let stack_len = if ip != 0 && wants_snapshot(config, tgid, record.user_status) { snapshot_stack(sp, frames, record) } else { 0 };
     record.stack_len = stack_len as u32;
     emit_sample(config, record, frames, stack_len);
     if TASKS && record.tasks.status & task_status::WAITING_FOLLOWS != 0 {
@@ -145,8 +148,24 @@ fn emit_sample(config: &Config, record: &SampleRecord, frames: usize, stack_len:
     let len = SampleRecord::sent_len(frames, stack_len);
     // SAFETY: `len` is at most the record's size.
     let bytes = unsafe { core::slice::from_raw_parts(record as *const SampleRecord as *const u8, len) };
-    // Waking the reader costs more than the rest of the capture (an interrupt, a VM exit in a
-    // guest): it is woken only once a batch is pending, and otherwise polls on a short timer.
-    let flags = if SAMPLES.query(BPF_RB_AVAIL_DATA) >= config.wakeup_bytes as u64 { BPF_RB_FORCE_WAKEUP } else { BPF_RB_NO_WAKEUP };
-    emit_or_count::<[u8]>(bytes, flags, LOST_SAMPLES);
+    emit_or_count::<[u8]>(bytes, wakeup_flags(config, urgent(record)), LOST_SAMPLES);
+}
+
+/// Whether userspace must see the record soon: its process is not known yet (its Python state is
+/// read from the live process), it is a Python process's thread not registered yet (a new
+/// thread: its samples have Python frames once it is), or a 3.15 thread whose marker chain is to
+/// be re-established from it (its samples join a chain near their leaf once it is).
+#[inline(always)]
+fn urgent(record: &SampleRecord) -> bool {
+    if KNOWN_PROCS.get_ptr(record.tgid).is_none() {
+        return true;
+    }
+    let Some(proc_config) = PY_PROCS.get_ptr(record.tgid) else { return false };
+    if record.py.status & py_status::THREAD_KNOWN == 0 {
+        return true;
+    }
+    // SAFETY: a map value, read once.
+    let uses_marker = unsafe { (*proc_config).flags } & py_proc_flags::USE_MARKER != 0;
+    let joined_near_leaf = record.py.status & py_status::JOINED != 0 && record.py.frames_len <= MARKER_REESTABLISH_FRAMES;
+    uses_marker && !joined_near_leaf && record.py.status & py_status::TOO_DEEP == 0
 }

@@ -9,8 +9,8 @@ use aya_ebpf::{
 use aya_log_ebpf::debug;
 use pyebpf_common::{config_flags, record_kind, ProcessEvent};
 
-use crate::emit::emit_or_count;
-use crate::{task, BPF_RB_FORCE_WAKEUP, CONFIG, LOST_EVENTS, TARGETS};
+use crate::emit::{emit_or_count, wakeup_flags};
+use crate::{task, CONFIG, KNOWN_PROCS, LOST_EVENTS, TARGETS};
 
 /// `sched_process_fork`: with `FOLLOW_FORKS`, a child of a target becomes a target. Its arguments are the parent's and the child's `task_struct`.
 #[btf_tracepoint(function = "sched_process_fork")]
@@ -63,11 +63,14 @@ fn send_process_event(ctx: &BtfTracePointContext, kind: u32, leader_only: bool) 
             let _ = TARGETS.remove(tgid);
         }
     }
+    // Its next samples are of a new program (or of another process reusing the PID later).
+    let _ = KNOWN_PROCS.remove(tgid);
     // SAFETY: bpf_ktime_get_ns has no preconditions.
     let time_ns = unsafe { bpf_ktime_get_ns() };
     let event = ProcessEvent { kind, tgid, time_ns, comm: bpf_get_current_comm().unwrap_or([0; 16]) };
+    // Not urgent: the samples after an exec are of an unknown process, and urgent themselves.
     // Its own slot: the sampler may interrupt this program on its CPU and count samples lost.
-    if !emit_or_count::<ProcessEvent>(&event, BPF_RB_FORCE_WAKEUP, LOST_EVENTS) {
+    if !emit_or_count::<ProcessEvent>(&event, wakeup_flags(config, false), LOST_EVENTS) {
         debug!(ctx, "ring buffer full: event {} of process {} dropped", kind, tgid);
     }
 }

@@ -21,7 +21,9 @@ use aya_ebpf::{
     macros::map,
     maps::{Array, HashMap, PerCpuArray, RingBuf},
 };
-use pyebpf_common::{Config, MarkerChain, OffCpuStart, PyProcConfig, PyThreadEntry, SampleRecord, WaitingTasks, MAX_SNAPSHOT_PROCS, WAIT_PROCS_WORDS};
+use pyebpf_common::{
+    ClockSlot, Config, MarkerChain, OffCpuStart, PyProcConfig, PyThreadEntry, SampleRecord, WaitingTasks, MAX_SNAPSHOT_PROCS, WAIT_PROCS_WORDS,
+};
 
 /// Userspace sets the real size at load time (`--ring-buffer-kb`).
 #[map]
@@ -36,6 +38,10 @@ const LOST_EVENTS: u32 = 1;
 
 #[map]
 static CONFIG: Array<Config> = Array::with_max_entries(1, 0);
+
+/// Per CPU, where its sampling clock is within the current slot.
+#[map]
+static CLOCK: PerCpuArray<ClockSlot> = PerCpuArray::with_max_entries(1, 0);
 
 #[map]
 static TARGETS: HashMap<u32, u8> = HashMap::with_max_entries(65536, 0);
@@ -82,6 +88,16 @@ static OFF_CPU: HashMap<u32, OffCpuStart> = HashMap::with_max_entries(65536, 0);
 /// `--off-cpu-min`): slot 0 sums their nanoseconds, slot 1 counts them.
 #[map]
 static SHORT_WAITS: PerCpuArray<u64> = PerCpuArray::with_max_entries(2, 0);
+
+/// Processes userspace knows (it set what their samples need, or found they need nothing): a
+/// sample of any other wakes the reader soon (`Config::urgent_latency_ns`). The exec and exit
+/// hooks take a process out.
+#[map]
+static KNOWN_PROCS: HashMap<u32, u8> = HashMap::with_max_entries(65536, 0);
+
+/// When a record last woke the reader (`bpf_ktime_get_ns`).
+#[map]
+static LAST_WAKEUP: Array<u64> = Array::with_max_entries(1, 0);
 
 const BPF_F_NO_PREALLOC: u32 = 1;
 const BPF_RB_NO_WAKEUP: u64 = 1;

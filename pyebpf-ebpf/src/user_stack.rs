@@ -8,12 +8,17 @@ use aya_ebpf::{
     helpers::{bpf_get_current_task_btf, bpf_probe_read_kernel, bpf_probe_read_user, bpf_task_pt_regs, generated},
     EbpfContext,
 };
-use pyebpf_common::{config_flags, Config, MAX_USER_FRAMES, STACK_CHUNK, STACK_SNAPSHOT_MAX};
+use pyebpf_common::{config_flags, user_status, Config, MAX_USER_FRAMES, STACK_CHUNK, STACK_SNAPSHOT_MAX};
 
-use crate::SNAPSHOT_PROCS;
+use crate::{KNOWN_PROCS, SNAPSHOT_PROCS};
 
-pub fn wants_snapshot(config: &Config, tgid: u32) -> bool {
-    config.flags & config_flags::SNAPSHOT_ALL != 0 || SNAPSHOT_PROCS.get_ptr(tgid).is_some()
+/// Whether the sample carries a copy of its user stack: every sample's, a process's that
+/// userspace asked for, or one whose frame-pointer walk broke in a process userspace has not
+/// decided for yet.
+pub fn wants_snapshot(config: &Config, tgid: u32, status: u32) -> bool {
+    config.flags & config_flags::SNAPSHOT_ALL != 0
+        || SNAPSHOT_PROCS.get_ptr(tgid).is_some()
+        || (config.flags & config_flags::SNAPSHOT_UNKNOWN != 0 && status & user_status::FP_COMPLETE == 0 && KNOWN_PROCS.get_ptr(tgid).is_none())
 }
 
 /// Copies the user stack from `sp` up into `tail`, in chunks that end at page boundaries, until

@@ -1,15 +1,17 @@
 //! Loading the embedded eBPF sampler, attaching it to every CPU, and reading its samples.
 
 use crate::kernel_btf::{Btf, VMLINUX_BTF};
+use std::os::fd::AsFd;
 use std::time::Duration;
 
 use aya::maps::{Array, HashMap, MapData, PerCpuArray, RingBuf};
-use aya::programs::perf_event::{PerfEventConfig, PerfEventScope, SamplePolicy, SoftwareEvent};
+use aya::programs::tp_btf::BtfTracePointLinkId;
 use aya::programs::{BtfTracePoint, PerfEvent};
 use aya::{Ebpf, EbpfLoader};
-use pyebpf_common::{config_flags, globals, maps, programs, Config, MarkerChain, OffCpuStart, PyProcConfig, PyThreadEntry};
+use pyebpf_common::{config_flags, globals, maps, programs, Config, MarkerChain, OffCpuStart, PyProcConfig, PyThreadEntry, SampleRecord};
 
-use crate::reader::{RecordBatch, RingReader};
+use crate::reader::{RecordBatch, RingReader, URGENT_LATENCY, WAKEUP_LATENCY};
+use crate::sampling_clock::{ClockPlan, SamplingClock};
 
 /// The object built by `cargo xtask build`; empty when the crate was built without it.
 static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/pyebpf-ebpf.o"));
@@ -34,6 +36,8 @@ pub enum BpfError {
     Map { name: &'static str, cause: aya::maps::MapError },
     #[error("cannot list online CPUs: {0}")]
     Cpus(std::io::Error),
+    #[error("cannot start the sampling clock on every CPU: {0}")]
+    Clock(std::io::Error),
     #[error(transparent)]
     KernelBtf(#[from] crate::kernel_btf::BtfError),
     #[error("cannot parse the kernel's BTF ({VMLINUX_BTF}): {0}")]
@@ -82,9 +86,10 @@ pub struct SamplerOptions {
     pub ring_buffer_kb: u32,
     /// Have the kernel account the sampler's run time (for `--stats`; costs a little per run).
     pub program_stats: bool,
-    /// Copy every sampled user stack for CFI unwinding (`--unwind dwarf`); otherwise only the
-    /// stacks of processes added with [`Sampler::copy_stacks_of`].
-    pub snapshot_all: bool,
+    /// Which user stacks are copied for CFI unwinding: every one (`--unwind dwarf`), or those of
+    /// processes added with [`Sampler::copy_stacks_of`] and (`--unwind auto`) of processes not
+    /// known yet whose frame-pointer walk broke.
+    pub unwind: UnwindMode,
     /// Read at each sample whether the thread holds the GIL (`--mode gil`).
     pub gil: bool,
     /// Load the programs that read asyncio tasks (`--async-aware`).
@@ -116,6 +121,8 @@ impl Programs {
 
 /// The running sampler. Dropping it detaches the programs.
 pub struct Sampler {
+    /// The clock sampling every CPU, once started; dropped first, so sampling stops first.
+    clock: Option<SamplingClock>,
     ebpf: Ebpf,
     frequency_hz: u64,
     /// The sampler and switch hook loaded (with or without asyncio tasks).
@@ -131,7 +138,11 @@ pub struct Sampler {
     py_threads: HashMap<MapData, u32, PyThreadEntry>,
     py_markers: HashMap<MapData, u32, MarkerChain>,
     snapshot_procs: HashMap<MapData, u32, u8>,
+    known_procs: HashMap<MapData, u32, u8>,
     wait_procs: Array<MapData, u64>,
+    /// Processes in `WAIT_PROCS`; the switch hook is attached while there are some.
+    waits_watched: std::collections::HashSet<u32>,
+    switch_link: Option<BtfTracePointLinkId>,
     off_cpu: HashMap<MapData, u32, OffCpuStart>,
     short_waits: PerCpuArray<MapData, u64>,
 }
@@ -216,10 +227,17 @@ fn load_object(kb: u32, log_level: u8) -> Result<(Ebpf, aya::Btf, u32), BpfError
 }
 
 /// The configuration flags `options` ask for.
+/// Whether the ring buffer holds a few records with a whole stack copy: the copies of processes not
+/// known yet are a help, not worth losing those processes' samples for in a tiny buffer.
+fn copies_fit(ring_buffer_kb: u32) -> bool {
+    ring_buffer_kb as usize * 1024 >= 16 * std::mem::size_of::<SampleRecord>()
+}
+
 fn flags_for(options: &SamplerOptions) -> u32 {
     let wanted = [
         (options.kernel_stacks, config_flags::KERNEL_STACK),
-        (options.snapshot_all, config_flags::SNAPSHOT_ALL),
+        (options.unwind == UnwindMode::Dwarf, config_flags::SNAPSHOT_ALL),
+        (options.unwind == UnwindMode::Auto && copies_fit(options.ring_buffer_kb), config_flags::SNAPSHOT_UNKNOWN),
         (options.gil, config_flags::GIL),
         (options.waiting_tasks, config_flags::WAITING_TASKS),
         (options.targets.is_some(), config_flags::FILTER_TARGETS),
@@ -236,7 +254,19 @@ fn configure(ebpf: &mut Ebpf, options: &SamplerOptions, cpus: u32) -> Result<Has
     }
     let off_cpu_min_ns = options.off_cpu_min.map_or(0, |min| min.as_nanos().try_into().unwrap_or(u64::MAX));
     let kb = options.ring_buffer_kb;
-    let config = Config { own_tgid: std::process::id(), flags: flags_for(options), wakeup_bytes: kb * 1024 / 4, cpus, off_cpu_min_ns };
+    let config = Config {
+        own_tgid: std::process::id(),
+        flags: flags_for(options),
+        // A sixteenth: woken at once, the reader still has most of the buffer to spare while it
+        // gets a CPU (a deep stack at 999 Hz fills 4 MiB in a quarter of a second).
+        wakeup_bytes: kb * 1024 / 16,
+        cpus,
+        off_cpu_min_ns,
+        wakeup_latency_ns: WAKEUP_LATENCY.as_nanos() as u64,
+        urgent_latency_ns: URGENT_LATENCY.as_nanos() as u64,
+        ticks_per_slot: ClockPlan::new(options.frequency_hz).ticks_per_slot,
+        _pad: 0,
+    };
     let mut config_map: Array<_, Config> =
         Array::try_from(ebpf.map_mut(maps::CONFIG).ok_or(BpfError::StaleObject(maps::CONFIG))?).map_err(map_error(maps::CONFIG))?;
     config_map.set(0, config, 0).map_err(map_error(maps::CONFIG))?;
@@ -251,8 +281,8 @@ fn attach_tracepoint(ebpf: &mut Ebpf, name: &'static str, tracepoint: &str, btf:
     Ok(())
 }
 
-/// Attaches the fork, exec and exit hooks and, for off-CPU intervals, the switch hook; returns
-/// the programs `options` choose.
+/// Attaches the fork, exec and exit hooks and, for off-CPU intervals, loads the switch hook;
+/// returns the programs `options` choose.
 fn attach_hooks(ebpf: &mut Ebpf, options: &SamplerOptions, btf: &aya::Btf) -> Result<Programs, BpfError> {
     if options.follow_forks {
         attach_tracepoint(ebpf, programs::FOLLOW_FORK, "sched_process_fork", btf)?;
@@ -263,8 +293,11 @@ fn attach_hooks(ebpf: &mut Ebpf, options: &SamplerOptions, btf: &aya::Btf) -> Re
     }
     let loaded = Programs::for_options(options);
     if options.off_cpu_min.is_some() {
-        // BTF-typed: no kprobes (these kernels have none) or tracefs are needed.
-        attach_tracepoint(ebpf, loaded.switch, "sched_switch", btf)?;
+        // BTF-typed: no kprobes (these kernels have none) or tracefs are needed. Attached only
+        // while some process is watched (see `Sampler::watch_waits`): it would run at every
+        // context switch on the host.
+        let program: &mut BtfTracePoint = program_mut(ebpf, loaded.switch)?;
+        program.load("sched_switch", btf).map_err(BpfError::Program)?;
     }
     Ok(loaded)
 }
@@ -308,10 +341,12 @@ impl Sampler {
         let py_threads = HashMap::try_from(take_map(&mut ebpf, maps::PY_THREADS)?).map_err(map_error(maps::PY_THREADS))?;
         let py_markers = HashMap::try_from(take_map(&mut ebpf, maps::PY_MARKERS)?).map_err(map_error(maps::PY_MARKERS))?;
         let snapshot_procs = HashMap::try_from(take_map(&mut ebpf, maps::SNAPSHOT_PROCS)?).map_err(map_error(maps::SNAPSHOT_PROCS))?;
+        let known_procs = HashMap::try_from(take_map(&mut ebpf, maps::KNOWN_PROCS)?).map_err(map_error(maps::KNOWN_PROCS))?;
         let wait_procs = Array::try_from(take_map(&mut ebpf, maps::WAIT_PROCS)?).map_err(map_error(maps::WAIT_PROCS))?;
         let off_cpu = HashMap::try_from(take_map(&mut ebpf, maps::OFF_CPU)?).map_err(map_error(maps::OFF_CPU))?;
         let short_waits = PerCpuArray::try_from(take_map(&mut ebpf, maps::SHORT_WAITS)?).map_err(map_error(maps::SHORT_WAITS))?;
         Ok(Sampler {
+            clock: None,
             ebpf,
             frequency_hz: options.frequency_hz,
             programs,
@@ -324,7 +359,10 @@ impl Sampler {
             py_threads,
             py_markers,
             snapshot_procs,
+            known_procs,
             wait_procs,
+            waits_watched: std::collections::HashSet::new(),
+            switch_link: None,
             off_cpu,
             short_waits,
         })
@@ -337,6 +375,16 @@ impl Sampler {
             kernel_log.flush();
         }
         if self.samples.read(out).await {
+            Ok(())
+        } else {
+            Err(BpfError::ReaderStopped)
+        }
+    }
+
+    /// Takes every record the kernel has sent so far into `out`, at once (see
+    /// [`RingReader::drain`]).
+    pub async fn drain_samples(&mut self, out: &mut RecordBatch) -> Result<(), BpfError> {
+        if self.samples.drain(out).await {
             Ok(())
         } else {
             Err(BpfError::ReaderStopped)
@@ -363,18 +411,15 @@ impl Sampler {
     /// so the processes attached beforehand are registered first and their first samples
     /// already carry Python frames.
     pub fn start_sampling(&mut self) -> Result<(), BpfError> {
-        let program: &mut PerfEvent = program_mut(&mut self.ebpf, self.programs.sample)?;
         let cpus = aya::util::online_cpus().map_err(|(_, err)| BpfError::Cpus(err))?;
-        for cpu in cpus {
-            program
-                .attach(
-                    PerfEventConfig::Software(SoftwareEvent::CpuClock),
-                    PerfEventScope::AllProcessesOneCpu { cpu },
-                    SamplePolicy::Frequency(self.frequency_hz),
-                    false,
-                )
-                .map_err(BpfError::Program)?;
-        }
+        let slots = PerCpuArray::try_from(take_map(&mut self.ebpf, maps::CLOCK)?).map_err(map_error(maps::CLOCK))?;
+        let program: &mut PerfEvent = program_mut(&mut self.ebpf, self.programs.sample)?;
+        let program = program.fd().map_err(BpfError::Program)?.as_fd();
+        let clock = SamplingClock::start(program, &cpus, ClockPlan::new(self.frequency_hz), slots).map_err(|err| match err.kind() {
+            std::io::ErrorKind::PermissionDenied => BpfError::NotPermitted,
+            _ => BpfError::Clock(err),
+        })?;
+        self.clock = Some(clock);
         Ok(())
     }
 
@@ -434,17 +479,40 @@ impl Sampler {
         let _ = self.snapshot_procs.remove(&tgid);
     }
 
+    /// Userspace knows `tgid`: its samples need not wake the reader soon.
+    pub fn set_known(&mut self, tgid: u32) {
+        // A full map only makes the process's samples wake the reader sooner.
+        let _ = self.known_procs.insert(tgid, 1, 0);
+    }
+
+    pub fn forget_known(&mut self, tgid: u32) {
+        let _ = self.known_procs.remove(&tgid);
+    }
+
     pub fn remove_marker_chain(&mut self, tid: u32) {
         let _ = self.py_markers.remove(&tid);
     }
 
-    /// Has the switch hooks capture the off-CPU intervals of `tgid`'s threads.
+    /// Has the switch hooks capture the off-CPU intervals of `tgid`'s threads; the first process
+    /// watched attaches them.
     pub fn watch_waits(&mut self, tgid: u32) -> Result<(), BpfError> {
-        self.set_wait_bit(tgid, true)
+        self.set_wait_bit(tgid, true)?;
+        self.waits_watched.insert(tgid);
+        if self.switch_link.is_none() {
+            let program: &mut BtfTracePoint = program_mut(&mut self.ebpf, self.programs.switch)?;
+            self.switch_link = Some(program.attach().map_err(BpfError::Program)?);
+        }
+        Ok(())
     }
 
+    /// The last process watched detaches the switch hooks.
     pub fn stop_watching_waits(&mut self, tgid: u32) {
         let _ = self.set_wait_bit(tgid, false);
+        if self.waits_watched.remove(&tgid) && self.waits_watched.is_empty() {
+            if let (Some(link), Ok(program)) = (self.switch_link.take(), program_mut::<BtfTracePoint>(&mut self.ebpf, self.programs.switch)) {
+                let _ = program.detach(link);
+            }
+        }
         let threads: Vec<u32> = self.off_cpu.iter().filter_map(Result::ok).filter(|(_, entry)| entry.tgid == tgid).map(|(tid, _)| tid).collect();
         for tid in threads {
             let _ = self.off_cpu.remove(&tid);

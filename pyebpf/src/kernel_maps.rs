@@ -26,6 +26,8 @@ pub trait KernelMaps {
     fn stop_watching_waits(&mut self, tgid: u32);
     /// Threads of watched processes the switch hook has seen leave the CPU.
     fn watched_threads(&self) -> Vec<(u32, OffCpuStart)>;
+    /// Userspace knows `tgid` (or forgot it): whether its samples must reach it soon.
+    fn set_known(&mut self, tgid: u32, known: bool);
 }
 
 impl KernelMaps for Sampler {
@@ -72,6 +74,14 @@ impl KernelMaps for Sampler {
     fn watched_threads(&self) -> Vec<(u32, OffCpuStart)> {
         Sampler::watched_threads(self)
     }
+
+    fn set_known(&mut self, tgid: u32, known: bool) {
+        if known {
+            Sampler::set_known(self, tgid)
+        } else {
+            Sampler::forget_known(self, tgid)
+        }
+    }
 }
 
 #[cfg(test)]
@@ -92,6 +102,8 @@ pub mod fake {
         pub off_cpu: Vec<(u32, OffCpuStart)>,
         /// `PY_PROCS` refuses new entries, as a full map does.
         pub processes_full: bool,
+        /// `KNOWN_PROCS`.
+        pub known: HashSet<u32>,
     }
 
     impl KernelMaps for FakeKernel {
@@ -147,6 +159,14 @@ pub mod fake {
 
         fn watched_threads(&self) -> Vec<(u32, OffCpuStart)> {
             self.off_cpu.clone()
+        }
+
+        fn set_known(&mut self, tgid: u32, known: bool) {
+            if known {
+                self.known.insert(tgid);
+            } else {
+                self.known.remove(&tgid);
+            }
         }
     }
 }

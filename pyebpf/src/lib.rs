@@ -20,6 +20,7 @@ pub mod python;
 pub mod reader;
 pub mod record;
 pub mod report;
+pub mod sampling_clock;
 pub mod session;
 pub mod stack;
 pub mod stats;

@@ -60,6 +60,9 @@ pub struct NativeIds {
     /// The frames of every level, back to back.
     level_ids: Vec<FrameId>,
     kernel: HashMap<u64, FrameId>,
+    /// Times every process's entries went at once (past the bound): what a sample resolved to
+    /// before may resolve otherwise since.
+    resets: u64,
 }
 
 impl NativeIds {
@@ -129,11 +132,22 @@ impl NativeIds {
     }
 
     /// Forgets entries found in no mapping more than [`UNMAPPED_RECHECK`] ago, so their next sample
-    /// looks them up again: periodic work, kept off the per-sample path.
-    pub fn expire_unmapped(&mut self) {
-        for levels in self.user.values_mut() {
+    /// looks them up again: periodic work, kept off the per-sample path. Returns the processes
+    /// that had such entries.
+    pub fn expire_unmapped(&mut self) -> Vec<u32> {
+        let mut expired = Vec::new();
+        for (&pid, levels) in &mut self.user {
+            let known = levels.len();
             levels.retain(|_, level| level.checked_at.is_none_or(|at| at.elapsed() < UNMAPPED_RECHECK));
+            if levels.len() != known {
+                expired.push(pid);
+            }
         }
+        expired
+    }
+
+    pub fn resets(&self) -> u64 {
+        self.resets
     }
 
     /// Drops what was resolved in `pid`'s address space (it exited or replaced its program).
@@ -169,9 +183,11 @@ impl NativeIds {
         if self.level_ids.len() > MAX_LEVEL_IDS {
             self.user.clear();
             self.level_ids.clear();
+            self.resets += 1;
         }
         if self.kernel.len() > MAX_LEVEL_IDS {
             self.kernel.clear();
+            self.resets += 1;
         }
     }
 }

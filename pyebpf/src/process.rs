@@ -2,7 +2,7 @@
 //! launched command.
 
 use std::collections::HashMap;
-use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, FromRawFd, OwnedFd};
 use std::process::{Child, Command, Stdio};
 
 #[derive(Debug, thiserror::Error)]
@@ -28,10 +28,32 @@ impl Watched {
         Ok(Watched { pidfds })
     }
 
-    /// Whether processes were given and all of them have exited.
-    pub fn all_exited(&self) -> bool {
-        !self.pidfds.is_empty() && self.pidfds.iter().all(has_exited)
+    /// Their pidfds, for [`exits`].
+    pub fn pidfds(&self) -> std::io::Result<Vec<OwnedFd>> {
+        self.pidfds.iter().map(OwnedFd::try_clone).collect()
     }
+}
+
+/// Completes once the launched command has exited, or every watched process has (each pidfd
+/// becomes readable when its process exits, also while it is an unreaped zombie); never without
+/// them. Nothing is polled meanwhile.
+pub async fn exits(command: Option<OwnedFd>, watched: Vec<OwnedFd>) -> std::io::Result<()> {
+    tokio::select! {
+        result = all_exited(command.into_iter().collect()) => result,
+        result = all_exited(watched) => result,
+    }
+}
+
+async fn all_exited(pidfds: Vec<OwnedFd>) -> std::io::Result<()> {
+    if pidfds.is_empty() {
+        return std::future::pending().await;
+    }
+    for pidfd in pidfds {
+        // SAFETY: `pidfd` is owned here, open, and moves into the AsyncFd, which closes it.
+        let pidfd = unsafe { tokio::io::unix::AsyncFd::register_with_interest(pidfd, tokio::io::Interest::READABLE) }?;
+        let _ = pidfd.readable().await?;
+    }
+    Ok(())
 }
 
 fn pidfd_open(pid: u32) -> Result<OwnedFd, TargetError> {
@@ -47,14 +69,6 @@ fn pidfd_open(pid: u32) -> Result<OwnedFd, TargetError> {
     }
     // SAFETY: the descriptor was just created and nothing else owns it.
     Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
-}
-
-/// A pidfd becomes readable when its process exits (also while it is an unreaped zombie).
-fn has_exited(pidfd: &OwnedFd) -> bool {
-    let mut poll = libc::pollfd { fd: pidfd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
-    // SAFETY: one valid pollfd, zero timeout.
-    let ready = unsafe { libc::poll(&mut poll, 1, 0) };
-    ready > 0 && poll.revents & libc::POLLIN != 0
 }
 
 /// Every process running now.
@@ -93,14 +107,15 @@ impl Launched {
             return false;
         }
         self.signalled = true;
-        // SAFETY: kill has no memory preconditions; the child is not reaped before `exited`
-        // says so, so its PID still names it.
+        // SAFETY: kill has no memory preconditions; pyebpf never reaps the child while it
+        // records, so its PID still names it.
         unsafe { libc::kill(self.child.id() as libc::pid_t, signal) == 0 }
     }
 
-    /// Whether the command has exited (it is reaped then).
-    pub fn exited(&mut self) -> bool {
-        !matches!(self.child.try_wait(), Ok(None))
+    /// A pidfd of the command, for [`exits`].
+    pub fn pidfd(&self) -> Result<OwnedFd, TargetError> {
+        // Its PID names it until it is reaped, which only pyebpf does.
+        pidfd_open(self.child.id())
     }
 }
 

@@ -23,6 +23,11 @@ impl Progress {
         Progress { bar, started: Instant::now() }
     }
 
+    /// Whether a status line is shown (standard error is a terminal).
+    pub fn shown(&self) -> bool {
+        self.bar.is_some()
+    }
+
     pub fn update(&self, stats: &Stats, lost: u64) {
         if let Some(bar) = &self.bar {
             bar.set_message(status(self.started.elapsed(), stats, lost));

@@ -2,12 +2,16 @@
 //! batches and hands them to the consumer (resolving, symbolizing, aggregating) through a channel,
 //! so a slow consumer step (a cold DWARF parse can take seconds) never leaves the ring buffer full.
 //!
+//! The thread sleeps until there is work: the eBPF program wakes it once a batch is pending or the
+//! last wakeup is older than a latency bound ([`WAKEUP_LATENCY`], [`URGENT_LATENCY`]), so an idle
+//! host never wakes it; the consumer wakes it (an eventfd) to drain at once or to stop.
+//!
 //! Batches are raw record bytes in buffers that travel back to the reader once consumed, so the
 //! steady state allocates nothing. What the consumer has not taken is bounded ([`MAX_QUEUED_BYTES`]
 //! or a few ring buffers' worth): beyond that the reader drops the batch and counts its records as
 //! lost, rather than block (which would let the ring buffer overflow silently) or grow unbounded.
 
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
@@ -16,9 +20,21 @@ use std::time::Duration;
 use aya::maps::{MapData, RingBuf};
 use pyebpf_common::{record_kind, OffCpuEnd, ProcessEvent, PyFrameRecord, SampleRecord, WaitingTasks, STACK_SNAPSHOT_MAX};
 
-/// How long samples may wait in the ring buffer before the reader looks: the kernel wakes the
-/// reader only once a quarter of the buffer is pending.
-const POLL_INTERVAL: Duration = Duration::from_millis(10);
+/// How long records wait in the ring buffer at most while more keep coming: the kernel wakes the
+/// reader at the first record this long after its last wakeup. Short enough that a process's
+/// samples are resolved while it runs (its code objects are read from it); long enough that busy
+/// hosts wake the reader ten times a second, not at every sample.
+pub const WAKEUP_LATENCY: Duration = Duration::from_millis(100);
+
+/// The same for a sample of a process userspace does not know yet, or of a Python thread it has
+/// not registered: a short-lived process must be attached, and a new thread registered, while they
+/// run.
+pub const URGENT_LATENCY: Duration = Duration::from_millis(10);
+
+/// Once records came, the reader looks again this long after unless woken before: the kernel wakes
+/// it only at a record, so the last records before a quiet spell would otherwise wait for the next.
+/// After a look that finds nothing, it sleeps until woken.
+const LOOK_AGAIN: Duration = Duration::from_millis(2 * WAKEUP_LATENCY.as_millis() as u64);
 
 /// Record bytes waiting for the consumer at most, unless four ring buffers' worth is more.
 const MAX_QUEUED_BYTES: usize = 64 << 20;
@@ -37,12 +53,15 @@ struct RawBatch {
     bytes: Vec<u8>,
     /// The end of each record in `bytes`.
     ends: Vec<usize>,
+    /// On an empty batch sent after a drain the consumer asked for: that request's number.
+    drained: u64,
 }
 
 impl RawBatch {
     fn clear(&mut self) {
         self.bytes.clear();
         self.ends.clear();
+        self.drained = 0;
     }
 
     fn records(&self) -> impl Iterator<Item = &[u8]> {
@@ -60,9 +79,12 @@ pub struct ReaderDrops {
 }
 
 /// State shared by the reader thread and the consumer.
-#[derive(Default)]
 struct Shared {
     stop: AtomicBool,
+    /// Wakes the reader thread: to drain now, or to stop.
+    wake: OwnedFd,
+    /// Drains asked for so far (see [`RingReader::drain`]).
+    drains: AtomicU64,
     queued_bytes: AtomicUsize,
     /// Buffers sent back for reuse and not yet taken.
     spare: AtomicUsize,
@@ -89,7 +111,21 @@ impl RingReader {
     pub fn start(ring: RingBuf<MapData>, ring_bytes: usize) -> std::io::Result<RingReader> {
         let (sender, batches) = tokio::sync::mpsc::channel(MAX_QUEUED_BATCHES);
         let (recycle, recycled) = mpsc::channel();
-        let shared = Arc::new(Shared::default());
+        // SAFETY: eventfd takes a count and flags and returns a new descriptor or -1.
+        let wake = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+        if wake < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: just created, owned by nothing else.
+        let wake = unsafe { OwnedFd::from_raw_fd(wake) };
+        let shared = Arc::new(Shared {
+            stop: AtomicBool::new(false),
+            wake,
+            drains: AtomicU64::new(0),
+            queued_bytes: AtomicUsize::new(0),
+            spare: AtomicUsize::new(0),
+            drops: ReaderDrops::default(),
+        });
         let reader = Reader { ring: OwnedRing(ring), sender, recycled, shared: shared.clone(), max_queued: MAX_QUEUED_BYTES.max(4 * ring_bytes) };
         let thread = std::thread::Builder::new().name("pyebpf-reader".into()).spawn(move || reader.run())?;
         Ok(RingReader { batches, recycle, shared, thread: Some(thread) })
@@ -105,6 +141,25 @@ impl RingReader {
             self.take(out, next);
         }
         true
+    }
+
+    /// Takes everything the kernel sent so far into `out` (as [`Self::read`]): the reader drains
+    /// the ring buffer now and marks where that drain ends. For the end of a run, and for a view
+    /// that must be current (a refresh of `top`, a period's end). False when the reader has stopped.
+    pub async fn drain(&mut self, out: &mut RecordBatch) -> bool {
+        self.give_back(out);
+        let asked = self.shared.drains.fetch_add(1, Ordering::AcqRel) + 1;
+        if signal(self.shared.wake.as_raw_fd()).is_err() {
+            return false;
+        }
+        loop {
+            let Some(raw) = self.batches.recv().await else { return false };
+            let drained = raw.drained;
+            self.take(out, raw);
+            if drained >= asked {
+                return true;
+            }
+        }
     }
 
     /// Batches waiting for the consumer.
@@ -141,6 +196,10 @@ impl Drop for RingReader {
     fn drop(&mut self) {
         self.shared.stop.store(true, Ordering::Relaxed);
         self.batches.close();
+        // A reader that cannot be woken polls on: it is not joined then.
+        if signal(self.shared.wake.as_raw_fd()).is_err() {
+            return;
+        }
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
         }
@@ -158,20 +217,35 @@ struct Reader {
 impl Reader {
     fn run(mut self) {
         let fd = self.ring.0.as_raw_fd();
+        let wake = self.shared.wake.as_raw_fd();
         let mut batch = RawBatch::default();
-        while !self.shared.stop.load(Ordering::Relaxed) {
-            if let Err(err) = wait_readable(fd, POLL_INTERVAL) {
+        let mut drained = 0;
+        let mut timeout = None;
+        loop {
+            if let Err(err) = wait_readable(fd, wake, timeout) {
                 log::warn!("cannot poll the sample ring buffer: {err}");
                 return;
             }
-            drain(&mut self.ring.0, &mut batch);
-            if batch.ends.is_empty() {
-                continue;
+            if self.shared.stop.load(Ordering::Relaxed) {
+                return;
             }
-            batch = match self.send(batch) {
-                Some(kept) => kept,
-                None => return,
-            };
+            // Read after the wakeup was taken: a drain asked for later wakes the thread again.
+            let asked = self.shared.drains.load(Ordering::Acquire);
+            drain(&mut self.ring.0, &mut batch);
+            timeout = (!batch.ends.is_empty()).then_some(LOOK_AGAIN);
+            if !batch.ends.is_empty() {
+                batch = match self.send(batch) {
+                    Some(kept) => kept,
+                    None => return,
+                };
+            }
+            if asked != drained {
+                drained = asked;
+                // After the batch, and never dropped: the consumer waits for it.
+                if self.sender.blocking_send(RawBatch { drained, ..RawBatch::default() }).is_err() {
+                    return;
+                }
+            }
         }
     }
 
@@ -222,18 +296,36 @@ impl Reader {
     }
 }
 
-/// Waits until the ring buffer's fd is readable or `timeout` passed.
-fn wait_readable(fd: RawFd, timeout: Duration) -> std::io::Result<()> {
-    let mut poll_fd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
-    // SAFETY: one valid pollfd for the duration of the call.
-    let result = unsafe { libc::poll(&mut poll_fd, 1, timeout.as_millis() as libc::c_int) };
+/// Waits until the ring buffer's fd or the eventfd `wake` is readable, or `timeout` passed (None:
+/// no timeout); takes the eventfd's count.
+fn wait_readable(fd: RawFd, wake: RawFd, timeout: Option<Duration>) -> std::io::Result<()> {
+    let mut poll_fds = [libc::pollfd { fd, events: libc::POLLIN, revents: 0 }, libc::pollfd { fd: wake, events: libc::POLLIN, revents: 0 }];
+    let timeout = timeout.map_or(-1, |timeout| timeout.as_millis() as libc::c_int);
+    // SAFETY: two valid pollfds for the duration of the call.
+    let result = unsafe { libc::poll(poll_fds.as_mut_ptr(), 2, timeout) };
     if result < 0 {
         let err = std::io::Error::last_os_error();
         if err.kind() != std::io::ErrorKind::Interrupted {
             return Err(err);
         }
     }
+    if poll_fds[1].revents & libc::POLLIN != 0 {
+        let mut count = 0u64;
+        // SAFETY: an eventfd is read 8 bytes at a time, into `count`; a failed read (EAGAIN) leaves it.
+        unsafe { libc::read(wake, &mut count as *mut u64 as *mut libc::c_void, 8) };
+    }
     Ok(())
+}
+
+/// Wakes the thread polling the eventfd `wake`.
+fn signal(wake: RawFd) -> std::io::Result<()> {
+    let one = 1u64;
+    // SAFETY: an eventfd is written 8 bytes at a time, from `one`.
+    if unsafe { libc::write(wake, &one as *const u64 as *const libc::c_void, 8) } == 8 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
 }
 
 fn drain(ring: &mut RingBuf<MapData>, batch: &mut RawBatch) {

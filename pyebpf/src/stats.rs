@@ -12,6 +12,8 @@ pub struct Stats {
     /// Batches (and their samples) the ring-buffer reader dropped because the consumer was behind.
     pub reader_dropped_batches: u64,
     pub reader_dropped_samples: u64,
+    /// Samples counted with the stack resolved for an identical one before (no resolution of their own).
+    pub repeats: u64,
     /// Samples that carried Python frames.
     pub python_samples: u64,
     /// Python samples cut at the first frame that could not be proven (depth limit, unreadable
@@ -135,6 +137,53 @@ pub struct OffCpuTotals {
 /// Processes of unsupported CPythons named in the summary at most.
 pub const MAX_NAMED_UNSUPPORTED: usize = 8;
 
+/// The counters resolving one sample adds to (those a sample resolved once and counted again for
+/// its repeats adds to each time): what a repeat adds is what its first resolution did.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct SampleCounts {
+    python_samples: u64,
+    truncated_samples: u64,
+    kernel_frames: u64,
+    frames_joined: u64,
+    marker_joins: u64,
+    tasks_unplaced: u64,
+}
+
+impl SampleCounts {
+    pub fn of(stats: &Stats) -> SampleCounts {
+        SampleCounts {
+            python_samples: stats.python_samples,
+            truncated_samples: stats.truncated_samples,
+            kernel_frames: stats.kernel_frames,
+            frames_joined: stats.frames_joined,
+            marker_joins: stats.marker_joins,
+            tasks_unplaced: stats.tasks.unplaced,
+        }
+    }
+
+    /// What `stats` gained since `self` was taken of them.
+    pub fn since(self, stats: &Stats) -> SampleCounts {
+        let now = SampleCounts::of(stats);
+        SampleCounts {
+            python_samples: now.python_samples - self.python_samples,
+            truncated_samples: now.truncated_samples - self.truncated_samples,
+            kernel_frames: now.kernel_frames - self.kernel_frames,
+            frames_joined: now.frames_joined - self.frames_joined,
+            marker_joins: now.marker_joins - self.marker_joins,
+            tasks_unplaced: now.tasks_unplaced - self.tasks_unplaced,
+        }
+    }
+
+    pub fn add_to(self, stats: &mut Stats) {
+        stats.python_samples += self.python_samples;
+        stats.truncated_samples += self.truncated_samples;
+        stats.kernel_frames += self.kernel_frames;
+        stats.frames_joined += self.frames_joined;
+        stats.marker_joins += self.marker_joins;
+        stats.tasks.unplaced += self.tasks_unplaced;
+    }
+}
+
 impl Stats {
     pub fn count_unwind(&mut self, unwound: &crate::unwind::Unwound, stack_bytes: usize, copy_full: bool, cpu_ns: u64) {
         self.unwound_samples += 1;
@@ -198,6 +247,12 @@ impl fmt::Display for Stats {
             percent(self.unwind_truncated, unwound),
             self.unwind_truncated_copy_full
         )?;
+        writeln!(
+            f,
+            "repeated samples:           {} ({:.1}%: counted with the stack resolved for an identical sample)",
+            self.repeats,
+            percent(self.repeats, self.samples)
+        )?;
         writeln!(f, "python processes:           {}", self.python_processes)?;
         writeln!(f, "python samples:             {py}")?;
         writeln!(f, "  truncated:                {} ({:.1}%)", self.truncated_samples, percent(self.truncated_samples, py))?;
@@ -207,16 +262,20 @@ impl fmt::Display for Stats {
         writeln!(f, "markers established:        {} ({} abandoned: the thread moved or a read failed)", self.markers_established, self.marker_races)?;
         writeln!(f, "remote reads:               {} ({:.2} per python sample)", self.remote_reads, per(self.remote_reads, py))?;
         writeln!(f, "remote bytes:               {} ({:.0} per python sample)", self.remote_bytes, per(self.remote_bytes, py))?;
-        let code = &self.code_cache;
-        let code_lookups = code.hits + code.misses;
-        writeln!(f, "code object cache hit rate: {:.1}% of {code_lookups}", percent(code.hits, code_lookups))?;
-        writeln!(f, "code objects cached:        {} ({:.1} MiB)", code.cached_entries, code.cached_bytes as f64 / (1 << 20) as f64)?;
-        writeln!(f, "  evicted (cache budget):   {}", code.evictions)?;
-        writeln!(f, "  line tables cut at 64 KiB: {}", code.truncated_linetables)?;
-        write!(f, "  names cut at 4 KiB:       {}", code.truncated_strings)?;
+        code_cache_lines(&self.code_cache, f)?;
         if let Some(otlp) = &self.otlp {
             write!(f, "\n{otlp}")?;
         }
         Ok(())
     }
+}
+
+/// `--stats`' lines on the code-object caches.
+fn code_cache_lines(code: &CodeCacheCounters, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+    let code_lookups = code.hits + code.misses;
+    writeln!(f, "code object cache hit rate: {:.1}% of {code_lookups}", percent(code.hits, code_lookups))?;
+    writeln!(f, "code objects cached:        {} ({:.1} MiB)", code.cached_entries, code.cached_bytes as f64 / (1 << 20) as f64)?;
+    writeln!(f, "  evicted (cache budget):   {}", code.evictions)?;
+    writeln!(f, "  line tables cut at 64 KiB: {}", code.truncated_linetables)?;
+    write!(f, "  names cut at 4 KiB:       {}", code.truncated_strings)
 }

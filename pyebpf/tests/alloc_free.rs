@@ -124,6 +124,8 @@ fn sample(session: &mut Session, sampler: &mut Sampler, profile: &mut Profile, s
 }
 
 /// Resolves already-seen samples again, counting allocations; returns (allocations, samples).
+/// Only frame-pointer samples are replayed: the first samples of a process pyebpf does not know
+/// yet carry a copy of the stack, and unwinding a copy builds its frames anew.
 fn replay(marker: bool, keep: impl Fn(&SampleRecord) -> bool) -> (u64, usize, Profile) {
     let deep = Deep::start();
     let pid = deep.child.id();
@@ -147,7 +149,7 @@ fn replay(marker: bool, keep: impl Fn(&SampleRecord) -> bool) -> (u64, usize, Pr
                 follow_forks: false,
                 ring_buffer_kb: 4096,
                 program_stats: false,
-                snapshot_all: false,
+                unwind: UnwindMode::Auto,
                 gil: false,
                 tasks: false,
                 waiting_tasks: false,
@@ -162,7 +164,7 @@ fn replay(marker: bool, keep: impl Fn(&SampleRecord) -> bool) -> (u64, usize, Pr
     // SAFETY: kill on the child's own pid.
     unsafe { libc::kill(pid as i32, libc::SIGSTOP) };
     std::thread::sleep(Duration::from_millis(50));
-    let replayed: Vec<&SampleRecord> = samples.iter().map(|s| &**s).filter(|s| keep(s)).collect();
+    let replayed: Vec<&SampleRecord> = samples.iter().map(|s| &**s).filter(|s| s.stack_len == 0 && keep(s)).collect();
     let before = profile.total_samples();
     let allocations = allocations_of(|| {
         for record in &replayed {

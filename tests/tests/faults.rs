@@ -193,6 +193,12 @@ fn bpf_ids(pid: u32, key: &str) -> Vec<u32> {
     ids
 }
 
+/// How many perf events the process holds open.
+fn perf_event_fds(pid: u32) -> usize {
+    let Ok(entries) = std::fs::read_dir(format!("/proc/{pid}/fd")) else { return 0 };
+    entries.filter_map(|entry| std::fs::read_link(entry.ok()?.path()).ok()).filter(|target| target.to_string_lossy() == "anon_inode:[perf_event]").count()
+}
+
 /// Whether the kernel still has a BPF object of this kind (`prog`, `map`, `link`) and id.
 fn still_loaded(kind: &str, id: u32) -> bool {
     let output = Command::new("bpftool").args([kind, "show", "id", &id.to_string()]).output().expect("bpftool must be installed");
@@ -207,13 +213,12 @@ fn sigkill_leaves_no_bpf_object_loaded() {
     let dir = tempfile::tempdir().unwrap();
     let mut child = Killed(pyebpf_command().args(["record", "-a", "-F", "999", "-o"]).arg(dir.path().join("p.pb.gz")).stderr(Stdio::null()).spawn().unwrap());
     let pid = child.pid();
-    // Sampling has started once the perf-event links exist (one per CPU).
+    // Sampling has started once the sampling clock's perf events exist (one per CPU).
     let started = Instant::now();
     let cpus = std::thread::available_parallelism().unwrap().get();
     let mut held = Vec::new();
     while started.elapsed() < Duration::from_secs(30) {
-        let links = bpf_ids(pid, "link_id");
-        if links.len() >= cpus + 2 {
+        if perf_event_fds(pid) >= cpus {
             std::thread::sleep(Duration::from_millis(500));
             held = ["prog", "map", "link"].iter().flat_map(|kind| bpf_ids(pid, &format!("{kind}_id")).into_iter().map(move |id| (*kind, id))).collect();
             break;

@@ -205,3 +205,26 @@ fn a_python_mapping_libpython_late_is_attached() {
         (0..10).filter(|&i| !stacks_of(&collapsed, pids[i]).iter().any(|(frames, _)| has_frame(frames, &format!("late_libpython_{i}")))).collect();
     assert!(missing.is_empty(), "processes without their function: {missing:?}\n{stderr}");
 }
+
+/// `record -- python app.py` ends when the command exits: the samples of its last moments, still
+/// in the ring buffer then (the kernel hands records over only every so often), are all counted.
+/// The command spins in `final_spin` for 0.2 s of its end, and says how much CPU time that took.
+#[test]
+fn a_commands_last_samples_are_counted_at_its_exit() {
+    let dir = tempfile::tempdir().unwrap();
+    let cpu_file = dir.path().join("cpu");
+    let script = dir.path().join("last.py");
+    let source = format!(
+        "import time\ndef spin(seconds):\n    end = time.monotonic() + seconds\n    while time.monotonic() < end:\n        pass\n\
+         def warm_up():\n    spin(0.3)\ndef final_spin():\n    start = time.process_time()\n    spin(0.2)\n    open({:?}, 'w').write(str(time.process_time() - start))\n\
+         warm_up()\nfinal_spin()\n",
+        cpu_file.to_str().unwrap()
+    );
+    std::fs::write(&script, source).unwrap();
+    let python = debian_python("3.13");
+    let (collapsed, stderr) = record_collapsed_without_tracefs(&["-F", "499", "--", python.to_str().unwrap(), script.to_str().unwrap()]);
+    let cpu_seconds: f64 = std::fs::read_to_string(&cpu_file).unwrap().parse().unwrap();
+    let samples: u64 = collapsed.lines().filter(|l| l.contains("final_spin (")).map(|l| l.rsplit_once(' ').unwrap().1.parse::<u64>().unwrap()).sum();
+    let expected = cpu_seconds * 499.0;
+    assert!(samples as f64 >= expected * 0.75, "{samples} samples in final_spin for {cpu_seconds:.3} s of CPU (about {expected:.0} expected)\n{stderr}");
+}

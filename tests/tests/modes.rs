@@ -82,8 +82,10 @@ fn measured_wait_share(before: (f64, f64), after: (f64, f64)) -> f64 {
 fn assert_split_as_measured(serve: &[Stack], serve_total: u64, true_wait: f64, context: &str) -> u64 {
     let wait_io = weight(serve, |frames| has_function(frames, "wait_io"));
     let compute = weight(serve, |frames| has_function(frames, "compute"));
+    // The waits after `wait_io`'s last capture (up to a millisecond of each 10 ms cycle) count with
+    // the next capture's stacks, often `compute`'s: wait_io reads up to 5 points low, not more.
     assert!(
-        (share(wait_io, serve_total) - true_wait).abs() <= 3.0,
+        (share(wait_io, serve_total) - true_wait).abs() <= 5.0,
         "wait_io {:.1}% of the serving thread, where it measured {true_wait:.1}%: {context}",
         share(wait_io, serve_total)
     );
@@ -134,7 +136,8 @@ fn check_wall_split(python: &std::path::Path) {
 
 /// A thread that waits 40 times per 10 ms cycle, for 0.15 ms each, is captured at most once per
 /// millisecond after its burst: most of its waits begin without a capture, and count with the
-/// next capture's stacks. Its split is what it measured of itself (its sleeps end late).
+/// next capture's stacks. Its split is what it measured of itself (its sleeps end late), within
+/// what counting a wait with the next capture moves.
 #[test]
 fn wall_mode_counts_waits_shorter_than_off_cpu_min() {
     let workload = Workload::start(&debian_python("3.15"), &["6", "4", "40"]);
@@ -146,8 +149,10 @@ fn wall_mode_counts_waits_shorter_than_off_cpu_min() {
     let serve_total = weight(&serve, |_| true);
     let wait_io = weight(&serve, |frames| has_function(frames, "wait_io"));
     assert!((3_600_000..=4_600_000).contains(&serve_total), "serving thread has {serve_total} us of a 4 s recording: {stderr}");
+    // The waits after `wait_io`'s last capture (up to a millisecond of each 10 ms cycle) count with
+    // the next capture's stacks, often `compute`'s: wait_io reads up to 5 points low, not more.
     assert!(
-        (share(wait_io, serve_total) - true_wait).abs() <= 3.0,
+        (share(wait_io, serve_total) - true_wait).abs() <= 5.0,
         "wait_io {:.1}% of the serving thread, where it measured {true_wait:.1}%: {stderr}",
         share(wait_io, serve_total)
     );
@@ -212,8 +217,7 @@ fn wall_mode_profiles_are_weighted_in_nanoseconds_in_pprof() {
     let workload = Workload::start(&debian_python("3.15"), &[]);
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("wall.pb.gz");
-    // Not the default 99 Hz: its period is the workload's cycle, and a clock locked to the cycle
-    // can sample only its sleeps (aliasing), leaving `cpu` empty.
+    // Not the default 99 Hz, whose period is the workload's cycle: 199 Hz samples each cycle twice.
     let status = Command::new(pyebpf()).args(["record", "-p", &workload.pid(), "--mode", "wall", "-F", "199", "-d", "2", "-o"]).arg(&out).status().unwrap();
     assert!(status.success());
     let top = |index: &str| {

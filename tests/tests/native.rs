@@ -327,7 +327,8 @@ fn a_kernel_without_btf_is_one_clear_line() {
 fn lost_samples_are_reported() {
     let dir = tempfile::tempdir().unwrap();
     let _spinners = [spin(dir.path(), &[]), spin(dir.path(), &[])];
-    let (_, stderr) = record_collapsed(&["-a", "-d", "2", "-F", "10000", "--ring-buffer-kb", "4"]);
+    // Lost samples are looked for every 2 s while recording: 3 s has one look at least.
+    let (_, stderr) = record_collapsed(&["-a", "-d", "3", "-F", "10000", "--ring-buffer-kb", "4"]);
     let lost: u64 = stderr
         .lines()
         .find_map(|l| l.strip_suffix(" lost)").and_then(|l| l.rsplit_once('(')).and_then(|(_, n)| n.parse().ok()))

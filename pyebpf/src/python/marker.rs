@@ -11,7 +11,7 @@
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use pyebpf_common::{py_status, MarkerChain, SampleRecord, MARKER_POSITIONS, MAX_PY_FRAMES};
+use pyebpf_common::{py_status, MarkerChain, SampleRecord, MARKER_POSITIONS, MARKER_REESTABLISH_FRAMES, MAX_PY_FRAMES};
 
 use super::frames::{Memory, PyItem, Resolver};
 use crate::chain::LinkReader;
@@ -21,8 +21,6 @@ use crate::merge::PyStackItem;
 use crate::stack::{FrameCarry, FrameTable};
 use crate::stats::Stats;
 
-/// A chain is re-established when the kernel walked more frames than this to reach the marker.
-const ESTABLISH_AFTER_FRAMES: u32 = 4;
 /// And at most this often per thread, so a thread whose calls come and go costs little.
 const ESTABLISH_INTERVAL: Duration = Duration::from_millis(10);
 /// A thread whose chain failed to read this many times in a row gets no more marker writes: its
@@ -65,7 +63,7 @@ impl Thread {
 
     /// Whether a sample that walked this far should have a new chain established now.
     fn due(&self, record: &SampleRecord) -> bool {
-        let joined_near_leaf = record.py.status & py_status::JOINED != 0 && record.py.frames_len <= ESTABLISH_AFTER_FRAMES;
+        let joined_near_leaf = record.py.status & py_status::JOINED != 0 && record.py.frames_len <= MARKER_REESTABLISH_FRAMES;
         // A chain deeper than the kernel walks could only be proven by reading all of it here.
         let too_deep = record.py.status & py_status::TOO_DEEP != 0;
         !joined_near_leaf && !too_deep && self.established_at.is_none_or(|at| at.elapsed() >= ESTABLISH_INTERVAL) && self.failures < MAX_ESTABLISH_FAILURES

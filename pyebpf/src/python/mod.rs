@@ -27,7 +27,7 @@ use process::{Process, THREAD_REFRESH};
 pub use tasks::TaskStack;
 use tasks::Tasks;
 
-use crate::cpython::memory::ProcessMemory;
+use crate::cpython::memory::{MemCounters, ProcessMemory};
 use crate::cpython::{CodeCacheCounters, PyError, PyProcess};
 use crate::kernel_maps::KernelMaps;
 use crate::maps::MapsCache;
@@ -102,6 +102,8 @@ pub struct Pythons<M = ProcessMemory> {
     others: HashMap<u32, Other>,
     options: SamplingOptions,
     next_gen: u64,
+    /// Numbers the processes attached to, so that a process attached again has another state.
+    next_serial: u64,
     /// Processes whose tasks cannot be read (`--async-aware`), for the summary.
     unreadable_tasks: NamedProcesses,
 }
@@ -165,13 +167,26 @@ impl<M: Memory> Pythons<M> {
             others: HashMap::new(),
             options,
             next_gen: 1,
+            next_serial: 0,
             unreadable_tasks: NamedProcesses::default(),
         }
+    }
+
+    /// What `pid`'s samples are resolved with besides the record: 0 while it is not attached to,
+    /// then another value each time its threads or their marker chains change.
+    pub fn state(&self, pid: u32) -> u64 {
+        self.processes.get(&pid).map_or(0, |process| process.serial << 32 ^ process.changes)
     }
 
     /// Whether `pid` is a CPython 3.8+ process attached to.
     pub fn is_python(&self, pid: u32) -> bool {
         self.processes.contains_key(&pid)
+    }
+
+    /// Whether what `pid` is was settled: a CPython attached to, or a process that will not be
+    /// checked again (until it execs). One still checked must have its samples soon.
+    pub fn classified(&self, pid: u32) -> bool {
+        self.processes.contains_key(&pid) || self.others.get(&pid).is_some_and(|other| other.settled || other.checks >= RECHECKS)
     }
 
     /// Whether `pid` is a free-threaded CPython attached to: it has no GIL to hold.
@@ -200,7 +215,8 @@ impl<M: Memory> Pythons<M> {
             }
             (true, Some(_)) => Tasks::Pending { interpreter_searched: false },
         };
-        self.processes.insert(pid, Process::new(frames::Resolver::new(py), tasks));
+        self.next_serial += 1;
+        self.processes.insert(pid, Process::new(frames::Resolver::new(py), tasks, self.next_serial));
     }
 
     fn not_python(&mut self, pid: u32, checks: u32, settled: bool) {
@@ -238,15 +254,16 @@ impl<M: Memory> Pythons<M> {
         }
     }
 
-    /// Re-reads thread lists now and then; forgets processes that have exited.
+    /// Looks for asyncio tables still pending; re-reads thread lists now and then (a new thread
+    /// is registered at its first sample; this drops dead ones); forgets processes that have exited.
     pub fn upkeep(&mut self, kernel: &mut dyn KernelMaps, maps: &mut MapsCache) {
         let mut exited = Vec::new();
         for (&pid, process) in &mut self.processes {
-            if process.threads_read.elapsed() < THREAD_REFRESH {
-                continue;
-            }
             if let Err(problem) = process.find_tasks(kernel, maps) {
                 self.unreadable_tasks.add(problem);
+            }
+            if process.threads_read.elapsed() < THREAD_REFRESH {
+                continue;
             }
             if !process.refresh_threads(kernel) {
                 exited.push(pid);
@@ -255,6 +272,11 @@ impl<M: Memory> Pythons<M> {
         for pid in exited {
             self.forget(pid, kernel);
         }
+    }
+
+    /// Whether some process's asyncio table is still looked for.
+    pub fn tasks_pending(&self) -> bool {
+        self.processes.values().any(|process| process.tasks.pending())
     }
 
     /// Drops everything known of `pid` (it exited or replaced its program), its eBPF map entries
@@ -296,33 +318,32 @@ impl<M: Memory> Pythons<M> {
     ) -> PythonStack {
         items.clear();
         let Some(process) = self.processes.get_mut(&record.tgid) else { return PythonStack::None };
-        let py = &record.py;
-        if py.status & py_status::THREAD_KNOWN == 0 {
-            process.unknown_thread_sampled(record.tid, kernel);
-            return PythonStack::None;
-        }
-        if py.status & py_status::FRAME_READ == 0 || py.frame == 0 {
+        if !has_frames(process, record, kernel) {
             return PythonStack::None;
         }
         let before = process.resolver.py.remote_counters();
         let truncated = process_stack(process, record, frames, items, stats);
         stats.truncated_samples += u64::from(truncated);
-        if self.options.writes_markers() {
-            if let Some(thread) = process.threads.get_mut(&record.tid) {
-                if marker::maybe_establish(&mut process.resolver, thread, record, self.next_gen, kernel, stats, frames) {
-                    self.next_gen += 1;
-                }
-            }
-        }
-        let after = process.resolver.py.remote_counters();
-        stats.remote_reads += after.reads - before.reads;
-        stats.remote_bytes += after.bytes - before.bytes;
         stats.python_samples += 1;
+        self.next_gen += u64::from(establish_marker(self.options, self.next_gen, process, record, kernel, stats, frames));
+        count_reads(process, before, stats);
         if truncated {
             PythonStack::Cut
         } else {
             PythonStack::Whole
         }
+    }
+
+    /// What a sample does besides its stack, for a repeat of one resolved before: a thread not
+    /// registered yet is looked for, and a marker chain established when due.
+    pub fn repeat(&mut self, record: &SampleRecord, kernel: &mut dyn KernelMaps, stats: &mut Stats, frames: &mut FrameTable) {
+        let Some(process) = self.processes.get_mut(&record.tgid) else { return };
+        if !has_frames(process, record, kernel) {
+            return;
+        }
+        let before = process.resolver.py.remote_counters();
+        self.next_gen += u64::from(establish_marker(self.options, self.next_gen, process, record, kernel, stats, frames));
+        count_reads(process, before, stats);
     }
 
     /// The stacks of the waiting tasks of process `pid` the eBPF program read at a capture, into
@@ -387,6 +408,39 @@ impl<M: Memory> Pythons<M> {
     pub fn code_cache_counters(&self) -> CodeCacheCounters {
         self.processes.values().map(|p| p.resolver.py.code_cache_counters()).sum::<CodeCacheCounters>() + self.retired_code_cache
     }
+}
+
+/// Whether the sample read frames of a registered thread (a thread not registered yet is looked for).
+fn has_frames<M: Memory>(process: &mut Process<M>, record: &SampleRecord, kernel: &mut dyn KernelMaps) -> bool {
+    let py = &record.py;
+    if py.status & py_status::THREAD_KNOWN == 0 {
+        process.unknown_thread_sampled(record.tid, kernel);
+        return false;
+    }
+    py.status & py_status::FRAME_READ != 0 && py.frame != 0
+}
+
+/// Establishes a marker chain for the sampled thread when due; true when `gen` was used.
+fn establish_marker<M: Memory>(
+    options: SamplingOptions,
+    gen: u64,
+    process: &mut Process<M>,
+    record: &SampleRecord,
+    kernel: &mut dyn KernelMaps,
+    stats: &mut Stats,
+    frames: &mut FrameTable,
+) -> bool {
+    let Some(thread) = process.threads.get_mut(&record.tid).filter(|_| options.writes_markers()) else { return false };
+    let established = marker::maybe_establish(&mut process.resolver, thread, record, gen, kernel, stats, frames);
+    process.changes += u64::from(established);
+    established
+}
+
+/// The remote reads made for a sample since `before`, into `stats`.
+fn count_reads<M: Memory>(process: &Process<M>, before: MemCounters, stats: &mut Stats) {
+    let after = process.resolver.py.remote_counters();
+    stats.remote_reads += after.reads - before.reads;
+    stats.remote_bytes += after.bytes - before.bytes;
 }
 
 /// A sample's stack from the frames the kernel walked and, past them, a marker chain's proven

@@ -13,8 +13,9 @@ use crate::kernel_maps::KernelMaps;
 use crate::maps::MapsCache;
 use crate::stack::FrameCarry;
 
-/// How often thread lists are re-read to register new threads and drop dead ones.
-pub(super) const THREAD_REFRESH: Duration = Duration::from_millis(500);
+/// How often thread lists are re-read to drop dead threads (a new thread is registered when a
+/// sample of it finds it unknown, which the eBPF program hands over soon).
+pub(super) const THREAD_REFRESH: Duration = Duration::from_secs(6);
 /// A sample from an unregistered thread re-reads its process's threads at most this often.
 const UNKNOWN_THREAD_REFRESH: Duration = Duration::from_millis(20);
 /// Threads remembered per process as running no Python, at most (then forgotten all at once).
@@ -30,11 +31,24 @@ pub(super) struct Process<M> {
     /// so their samples cost no re-reads until the thread list changes.
     not_python: HashSet<u32>,
     pub(super) tasks: Tasks,
+    /// Changes to what a sample's stack is resolved with (its threads, their marker chains):
+    /// with the process's serial, its [`super::Pythons::state`].
+    pub(super) changes: u64,
+    pub(super) serial: u64,
 }
 
 impl<M: Memory> Process<M> {
-    pub(super) fn new(resolver: Resolver<M>, tasks: Tasks) -> Self {
-        Process { config: resolver.py.bpf_config(), resolver, threads: HashMap::new(), threads_read: Instant::now(), not_python: HashSet::new(), tasks }
+    pub(super) fn new(resolver: Resolver<M>, tasks: Tasks, serial: u64) -> Self {
+        Process {
+            config: resolver.py.bpf_config(),
+            resolver,
+            threads: HashMap::new(),
+            threads_read: Instant::now(),
+            not_python: HashSet::new(),
+            tasks,
+            changes: 0,
+            serial,
+        }
     }
 
     fn pid(&self) -> u32 {
@@ -60,6 +74,7 @@ impl<M: Memory> Process<M> {
 
     /// Forgets the threads registered with a sampler that is gone.
     pub(super) fn forget_registrations(&mut self) {
+        self.changes += 1;
         self.threads.clear();
         self.not_python.clear();
     }
@@ -81,6 +96,7 @@ impl<M: Memory> Process<M> {
 
     /// Forgets every frame id and the chains that hold them.
     pub(super) fn clear_frame_ids(&mut self) {
+        self.changes += 1;
         self.resolver.clear_frame_ids();
         for thread in self.threads.values_mut() {
             thread.clear();
@@ -115,6 +131,7 @@ impl<M: Memory> Process<M> {
             // A thread that ran no Python may run it now.
             self.not_python.clear();
         }
+        let known = self.threads.len();
         self.threads.retain(|tid, _| {
             let keep = live.contains(tid);
             if !keep {
@@ -122,6 +139,7 @@ impl<M: Memory> Process<M> {
             }
             keep
         });
+        let mut changed = self.threads.len() != known;
         self.find_attached_states(kernel);
         for thread in threads {
             let known = self.threads.get(&thread.tid).is_some_and(|t| t.tstate == thread.tstate);
@@ -129,8 +147,10 @@ impl<M: Memory> Process<M> {
             if !known && kernel.set_py_thread(thread.tid, &entry).is_ok() {
                 kernel.remove_marker_chain(thread.tid);
                 self.threads.insert(thread.tid, Thread::new(thread.tstate));
+                changed = true;
             }
         }
+        self.changes += u64::from(changed);
         true
     }
 

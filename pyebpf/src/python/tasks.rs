@@ -24,8 +24,8 @@ pub(super) enum Tasks {
     /// Not asked for, or the version has no asyncio debug offsets (before 3.14).
     Off,
     /// Asked for; the `_asyncio` table is not mapped yet (3.14 maps it when asyncio is first
-    /// imported): looked for again at each refresh of the thread list, after the first look only
-    /// in `_asyncio` modules (the interpreter's own files do not change).
+    /// imported): looked for again at each upkeep, after the first look only in `_asyncio`
+    /// modules (the interpreter's own files do not change).
     Pending { interpreter_searched: bool },
     /// Told to the eBPF program (boxed: a process without tasks keeps a small entry).
     On(Box<(ObjectOffsets, AsyncioOffsets)>),
@@ -38,7 +38,7 @@ impl Tasks {
         let Tasks::Pending { interpreter_searched } = *self else { return Ok(false) };
         let py = &resolver.py;
         let pid = py.pid();
-        // Read now: a module loaded since the last look (one thread-list refresh ago) must show.
+        // Read now: a module loaded since the last look (one upkeep ago) must show.
         let maps = maps.newer_than(pid, Duration::ZERO).map_err(PyError::from);
         let table = match maps.and_then(|maps| find_asyncio_offsets(pid, maps, py.memory(), !interpreter_searched)) {
             Ok(Some(table)) => table,
@@ -59,6 +59,10 @@ impl Tasks {
         config.flags |= py_proc_flags::TASKS;
         *self = Tasks::On(Box::new((objects, table)));
         Ok(true)
+    }
+
+    pub(super) fn pending(&self) -> bool {
+        matches!(self, Tasks::Pending { .. })
     }
 
     /// The running task's coroutine frame at the capture, where tasks were read.

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Context, Result};
 
-use crate::bpf::{check_privileges, Sampler, SamplerOptions, UnwindMode};
+use crate::bpf::{check_privileges, Sampler, SamplerOptions};
 use crate::cli::{GroupBy, RecordArgs};
 use crate::mode::Mode;
 use crate::otlp::{self, Exporter, Headers, OtlpOptions, TlsFiles};
@@ -22,7 +22,7 @@ use crate::progress::Progress;
 use crate::python::SamplingOptions;
 use crate::reader::RecordBatch;
 use crate::report;
-use crate::session::{add_samples, DetailsWanted, Session, SessionOptions, TICK};
+use crate::session::{add_samples, DetailsWanted, Session, SessionOptions};
 use crate::stack::{FrameCarry, Profile, Timeline, MAX_EVENTS};
 use crate::stats::Stats;
 use crate::stop_signals::StopSignals;
@@ -32,6 +32,9 @@ use periods::{report_period, write_and_retain, Boundary, Ended, Periods, Written
 /// An export period that ends this close to `--duration`'s end is ended by it (the timers of
 /// both fire in the same instant, in either order).
 const END_SLACK: Duration = Duration::from_millis(100);
+
+/// How often the status line is redrawn, when standard error is a terminal.
+const STATUS_EVERY: Duration = Duration::from_millis(250);
 
 /// `-o` unless given (and without --otlp).
 const DEFAULT_OUTPUT: &str = "profile.pb.gz";
@@ -132,16 +135,16 @@ fn files(args: &RecordArgs) -> Files {
     }
 }
 
-/// Ends the current piece of the recording (a `--rotate` or `--otlp-period` boundary) and
-/// returns it; the next starts in the recording's profile, with only the frames the session's
-/// caches still use.
-fn cut(run: &mut Recording) -> Profile {
+/// Ends the current piece of the recording (a `--rotate` or `--otlp-period` boundary, at `at` and
+/// `at_unix_ns`: before the ring buffer was drained into it) and returns it; the next starts in the
+/// recording's profile, with only the frames the session's caches still use.
+fn cut(run: &mut Recording, at: Instant, at_unix_ns: i64) -> Profile {
     let next = run.profile.next_period();
     let mut finished = std::mem::replace(&mut run.profile, next);
     run.session.carry_frames(&mut FrameCarry::new(&finished.frames, &mut run.profile.frames));
-    finished.duration_ns = run.started.elapsed().as_nanos() as i64;
-    run.started = Instant::now();
-    run.profile.start_unix_ns = unix_now_ns();
+    finished.duration_ns = at.duration_since(run.started).as_nanos() as i64;
+    run.started = at;
+    run.profile.start_unix_ns = at_unix_ns;
     finished
 }
 
@@ -177,7 +180,7 @@ fn sampler_options(args: &RecordArgs) -> SamplerOptions {
         follow_forks: !args.command.is_empty() || args.subprocesses,
         ring_buffer_kb: args.ring_buffer_kb,
         program_stats: args.stats,
-        snapshot_all: args.unwind == UnwindMode::Dwarf,
+        unwind: args.unwind,
         gil: mode == Mode::Gil,
         tasks: args.mode.async_aware,
         waiting_tasks: mode.counts_waits() && args.mode.async_aware,
@@ -217,23 +220,22 @@ async fn record(args: &RecordArgs, watched: &Watched, mut periods: Periods) -> R
     let mut sampler = session.start_sampler(&sampler_options(args), &mut stats)?;
     let mut command = launch(args, &mut sampler)?;
     session.start_recording();
-    let mut profile = Profile::new(args.frequency);
-    profile.mode = args.mode.mode;
-    profile.group_by_container = args.group_by == GroupBy::Container;
-    profile.start_unix_ns = unix_now_ns();
-    profile.timeline = periods.exports().then(|| Box::new(Timeline::new(MAX_EVENTS)));
+    let profile = first_profile(args, &periods);
     let mut run = Recording { session, sampler, profile, stats, started: Instant::now() };
     let deadline = args.duration.map(|duration| tokio::time::Instant::now() + duration);
     periods.start_clocks();
-    let mut tick = tokio::time::interval(TICK);
     let mut batch = RecordBatch::default();
     let mut lost_reported = 0;
     let progress = Progress::start();
+    let mut status = progress.shown().then(|| tokio::time::interval(STATUS_EVERY));
+    let mut upkeep_at = tokio::time::Instant::now() + run.session.upkeep_interval();
+    let exits = process::exits(command.as_ref().map(Launched::pidfd).transpose()?, watched.pidfds().context("watch the processes")?);
+    tokio::pin!(exits);
     loop {
         tokio::select! {
             read = run.sampler.read_samples(&mut batch) => {
                 read?;
-                add_samples(&mut batch, &mut run.session, &mut run.sampler, &mut run.profile, &mut run.stats);
+                run.add(&mut batch);
             }
             signal = stops.next() => if !pass_to_command(&mut command, signal) { break },
             boundary = periods.next() => {
@@ -241,40 +243,75 @@ async fn record(args: &RecordArgs, watched: &Watched, mut periods: Periods) -> R
                     // The recording ends now: its end sends this period, not a near-empty one after.
                     break;
                 }
-                let piece = cut(&mut run);
+                let piece = run.cut_now(&mut batch).await?;
                 if let (Boundary::Export, Some(timeline)) = (boundary, &mut run.profile.timeline) {
                     timeline.restart_bound();
                 }
                 periods.hand_over(piece, Some(boundary), run.sampler.lost_samples());
             }
             _ = sleep_until(deadline) => break,
-            _ = tick.tick() => {
-                lost_reported = report_lost(&run.sampler, lost_reported, &progress);
-                for line in periods.exporter_lines() {
-                    progress.warn(&format!("pyebpf: {line}"));
-                }
-                progress.update(&run.stats, lost_reported);
-                run.session.upkeep(&mut run.sampler);
-                if command.as_mut().is_some_and(Launched::exited) || watched.all_exited() {
-                    break;
-                }
+            exited = &mut exits => {
+                exited.context("watch the processes")?;
+                break;
             }
+            _ = tokio::time::sleep_until(upkeep_at) => {
+                lost_reported = run.upkeep(&periods, &progress, lost_reported);
+                upkeep_at = tokio::time::Instant::now() + run.session.upkeep_interval();
+            }
+            _ = tick(&mut status) => progress.update(&run.stats, lost_reported),
         }
     }
-    // What the kernel sent before the stop is still in the ring buffer or the reader's queue.
-    if tokio::time::timeout(Duration::from_millis(20), run.sampler.read_samples(&mut batch)).await.is_ok() {
-        add_samples(&mut batch, &mut run.session, &mut run.sampler, &mut run.profile, &mut run.stats);
+    let ended = Instant::now();
+    // What the kernel sent before the stop is still in the ring buffer or the reader's queue; a
+    // reader that stopped has handed over what it could, and the profile is written all the same.
+    if let Err(err) = run.sampler.drain_samples(&mut batch).await {
+        log::warn!("{err}");
     }
+    run.add(&mut batch);
     run.session.count_open_waits(&mut run.sampler, &mut run.stats, &mut run.profile);
     progress.finish();
-    let (last, stats) = run.finish(args.mode.mode);
+    let (last, stats) = run.finish(args.mode.mode, ended);
     periods.hand_over(last, None, stats.lost_samples);
     Ok((periods.finish(), stats))
 }
 
+/// The profile the recording starts with.
+fn first_profile(args: &RecordArgs, periods: &Periods) -> Profile {
+    let mut profile = Profile::new(args.frequency);
+    profile.mode = args.mode.mode;
+    profile.group_by_container = args.group_by == GroupBy::Container;
+    profile.start_unix_ns = unix_now_ns();
+    profile.timeline = periods.exports().then(|| Box::new(Timeline::new(MAX_EVENTS)));
+    profile
+}
+
 impl Recording {
-    /// The last profile and the run's counts.
-    fn finish(mut self, mode: Mode) -> (Profile, Stats) {
+    fn add(&mut self, batch: &mut RecordBatch) {
+        add_samples(batch, &mut self.session, &mut self.sampler, &mut self.profile, &mut self.stats);
+    }
+
+    /// Ends the current piece now, with what was sampled up to now (drained into it).
+    async fn cut_now(&mut self, batch: &mut RecordBatch) -> Result<Profile> {
+        let (at, at_unix_ns) = (Instant::now(), unix_now_ns());
+        self.sampler.drain_samples(batch).await?;
+        self.add(batch);
+        Ok(cut(self, at, at_unix_ns))
+    }
+
+    /// The slow upkeep: lost samples and the exporter's complaints said, the session's safety
+    /// checks; returns the lost samples reported so far.
+    fn upkeep(&mut self, periods: &Periods, progress: &Progress, lost_reported: u64) -> u64 {
+        let lost_reported = report_lost(&self.sampler, lost_reported, progress);
+        for line in periods.exporter_lines() {
+            progress.warn(&format!("pyebpf: {line}"));
+        }
+        let lost_events = self.sampler.lost_events();
+        self.session.upkeep(&mut self.sampler, lost_events);
+        lost_reported
+    }
+
+    /// The last profile, ended at `ended`, and the run's counts.
+    fn finish(mut self, mode: Mode, ended: Instant) -> (Profile, Stats) {
         let (sampler, stats) = (&self.sampler, &mut self.stats);
         self.session.finish(stats);
         stats.lost_samples = sampler.lost_samples();
@@ -288,7 +325,7 @@ impl Recording {
         let (short_intervals, short_ns) = sampler.short_waits();
         stats.off_cpu.short_intervals += short_intervals;
         stats.off_cpu.short_ns += short_ns;
-        self.profile.duration_ns = self.started.elapsed().as_nanos() as i64;
+        self.profile.duration_ns = ended.duration_since(self.started).as_nanos() as i64;
         (self.profile, self.stats)
     }
 }
@@ -304,6 +341,16 @@ fn own_cpu_ns() -> u64 {
     let usage = unsafe { usage.assume_init() };
     let ns = |t: libc::timeval| t.tv_sec as u64 * 1_000_000_000 + t.tv_usec as u64 * 1000;
     ns(usage.ru_utime) + ns(usage.ru_stime)
+}
+
+/// The next tick of `interval`; never without one.
+async fn tick(interval: &mut Option<tokio::time::Interval>) {
+    match interval {
+        Some(interval) => {
+            interval.tick().await;
+        }
+        None => std::future::pending().await,
+    }
 }
 
 async fn sleep_until(deadline: Option<tokio::time::Instant>) {

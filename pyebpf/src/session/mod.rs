@@ -5,16 +5,18 @@
 //! ([`processes`]), has [`Pythons`] turn the frames the kernel walked into a proven Python stack,
 //! has [`native::NativeStacks`] unwind, symbolize and merge the native frames around it, and has
 //! [`off_cpu::OffCpu`] count it for what it stands for (a period, or an interval off CPU).
-//! What is known of a process is forgotten in one place, [`Session::forget`].
+//! A sample identical to one resolved before skips the middle: [`repeats`] keeps what that one
+//! resolved to. What is known of a process is forgotten in one place, [`Session::forget`].
 
 mod native;
 mod off_cpu;
 mod processes;
+mod repeats;
 #[cfg(test)]
 mod tests;
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::Result;
 use pyebpf_common::{origin, py_status, OffCpuEnd, OffCpuStart, ProcessEvent, SampleRecord, WaitingTasks};
@@ -27,15 +29,26 @@ use crate::process;
 use crate::python::{PyItem, Pythons, SamplingOptions, TaskStack};
 use crate::reader::{Record, RecordBatch};
 use crate::stack::{Frame, FrameCarry, FrameId, ProcessLabels, Profile, SampleStack, ThreadState, Weight};
-use crate::stats::Stats;
+use crate::stats::{SampleCounts, Stats};
 use crate::waits::{wait_reason, waiting_record, KernelSymbols};
 use native::NativeStacks;
 use off_cpu::{monotonic_ns, OffCpu};
 pub use processes::DetailsWanted;
 use processes::ProcessTable;
+use repeats::{Repeats, Slot};
 
-/// How often lost samples are checked and periodic upkeep runs.
-pub const TICK: Duration = Duration::from_millis(250);
+/// How often the safety upkeep runs: thread lists re-read now and then, unmapped code expired,
+/// lost events looked for. What needs to be prompt is driven by records instead: a sample of an
+/// unknown process or thread (the eBPF program wakes the reader soon for it), exec and exit events.
+pub const UPKEEP: Duration = Duration::from_secs(2);
+
+/// Upkeep while a process's asyncio table is looked for (`--async-aware`, 3.14+ before it imports
+/// asyncio): its tasks are read from the upkeep after the import.
+const UPKEEP_TASKS_PENDING: Duration = Duration::from_millis(500);
+
+/// Processes gone without an event are looked for at least this often, and at the next upkeep
+/// whenever events were lost (otherwise every exit came as an event).
+const STALE_CHECK: Duration = Duration::from_secs(30);
 
 /// What a session resolves, and how.
 #[derive(Clone, Debug)]
@@ -68,8 +81,13 @@ pub struct Session {
     native: NativeStacks,
     off_cpu: OffCpu,
     scratch: Scratch,
+    repeats: Repeats,
+    /// The native entries' resets the repeats were resolved after.
+    native_resets: u64,
     /// The frame table the cached frame ids belong to.
     frames_generation: u64,
+    /// When processes gone without an event were last looked for, and the events lost by then.
+    stale_checked: (Instant, u64),
 }
 
 impl Session {
@@ -80,7 +98,10 @@ impl Session {
             native: NativeStacks::new(options.unwind, options.no_native),
             off_cpu: OffCpu::new(options.mode.counts_waits()),
             scratch: Scratch::default(),
+            repeats: Repeats::new(),
+            native_resets: 0,
             frames_generation: 0,
+            stale_checked: (Instant::now(), 0),
             options,
         }
     }
@@ -124,6 +145,7 @@ impl Session {
         self.off_cpu = OffCpu::new(mode.counts_waits());
         self.native.forget_copying();
         self.python.forget_registrations();
+        self.repeats.clear();
     }
 
     /// The recording starts now: off-CPU time before is not its.
@@ -137,6 +159,8 @@ impl Session {
         self.python.carry_frames(carry);
         self.off_cpu.carry_frames(carry);
         self.frames_generation = carry.new_generation();
+        // Stacks are resolved once per period: the next one starts without repeats.
+        self.repeats.clear();
     }
 
     /// Resolves the sample's stack and counts it in `profile`; false when the filter drops it
@@ -146,13 +170,50 @@ impl Session {
         let Some((comm, labels)) = self.admit(record, kernel, stats) else { return false };
         // `comm` is the process's name (as pprof labels it); OTLP's `thread.name` is the thread's.
         profile.name_thread(record.tgid, record.tid, &record.comm);
+        self.native.unwind_ahead(record, self.processes.maps(), stats);
+        let Some(slot) = self.count_repeat(record, &comm, &labels, kernel, stats, profile) else { return true };
+        let before = SampleCounts::of(stats);
         let python = &mut self.scratch.python;
         let outcome = self.python.python_stack(record, kernel, stats, &mut profile.frames, python);
         let frames = self.native.stack(record, outcome.is_python().then_some(&python[..]), self.processes.maps(), kernel, stats, &mut profile.frames);
+        if self.python.classified(record.tgid) {
+            self.processes.known(record.tgid, kernel);
+        }
         let state = thread_state(record, frames, self.options.kernel, profile);
+        if let Some(slot) = slot {
+            self.repeats.keep(slot, frames, outcome.is_cut(), before.since(stats));
+        }
         let sample = SampleStack { pid: record.tgid, tid: record.tid, comm: &comm, frames, truncated: outcome.is_cut(), labels: Some(&labels), state };
         self.off_cpu.count(record, sample, stats, profile);
         true
+    }
+
+    /// Counts a sample identical to one resolved before with that one's stack, and the counters
+    /// its resolution added; otherwise (`Some`) where its resolution is kept, if anywhere.
+    fn count_repeat(
+        &mut self,
+        record: &SampleRecord,
+        comm: &Arc<str>,
+        labels: &Arc<ProcessLabels>,
+        kernel: &mut dyn KernelMaps,
+        stats: &mut Stats,
+        profile: &mut Profile,
+    ) -> Option<Option<Slot>> {
+        if self.native.resets() != self.native_resets {
+            self.repeats.clear();
+            self.native_resets = self.native.resets();
+        }
+        let resolved = match self.repeats.look_up(record, self.native.unwound(), self.python.state(record.tgid)) {
+            Ok(resolved) => resolved,
+            Err(slot) => return Some(slot),
+        };
+        stats.repeats += 1;
+        resolved.counts.add_to(stats);
+        self.python.repeat(record, kernel, stats, &mut profile.frames);
+        let (frames, truncated) = (resolved.frames, resolved.truncated);
+        let sample = SampleStack { pid: record.tgid, tid: record.tid, comm, frames, truncated, labels: Some(labels), state: ThreadState::OnCpu };
+        self.off_cpu.count(record, sample, stats, profile);
+        None
     }
 
     /// A table the caches were not carried into: their ids would name other frames there.
@@ -161,6 +222,7 @@ impl Session {
             self.native.clear_frame_ids();
             self.python.clear_frame_ids();
             self.off_cpu.clear_captures();
+            self.repeats.clear();
             self.frames_generation = profile.frames.generation();
         }
     }
@@ -171,16 +233,32 @@ impl Session {
         let comm = self.processes.name(record.tgid, &record.comm);
         let filter = &self.options.filter;
         if !filter.keeps_process(&comm) {
+            self.processes.known(record.tgid, kernel);
             return None;
         }
         self.python.discover(record.tgid, kernel, self.processes.maps(), stats);
         let python = &self.python;
         let labels = self.processes.sampled(record.tgid, || python.version(record.tgid).map(|version| version.to_string()));
         if filter.python_only && !self.python.is_python(record.tgid) {
+            self.known_once_classified(record.tgid, kernel);
             return None;
         }
         self.off_cpu.watch(record.tgid, kernel);
-        self.counts(record).then_some((comm, labels))
+        if !self.counts(record) {
+            self.known_once_classified(record.tgid, kernel);
+            return None;
+        }
+        Some((comm, labels))
+    }
+
+    /// Tells the eBPF program that the process's samples need not reach userspace soon, once what
+    /// they need of the live process is read. A sample resolved calls this only after its stack:
+    /// until then the program copies the process's stacks whose frame-pointer walk broke, and
+    /// whether they need copying is decided with that stack.
+    fn known_once_classified(&mut self, pid: u32, kernel: &mut dyn KernelMaps) {
+        if self.python.classified(pid) {
+            self.processes.known(pid, kernel);
+        }
     }
 
     /// Whether the mode counts this record: off-CPU mode only intervals, GIL mode only samples
@@ -252,12 +330,29 @@ impl Session {
         }
     }
 
-    /// Periodic upkeep: thread lists re-read, and processes gone without an event forgotten.
-    pub fn upkeep(&mut self, kernel: &mut dyn KernelMaps) {
+    /// Periodic upkeep: thread lists re-read, and processes gone without an event forgotten
+    /// (`lost_events`: exec and exit events lost so far).
+    pub fn upkeep(&mut self, kernel: &mut dyn KernelMaps, lost_events: u64) {
         self.python.upkeep(kernel, self.processes.maps());
-        self.native.expire_unmapped();
+        for pid in self.native.expire_unmapped() {
+            self.repeats.invalidate(pid);
+        }
+        let (checked, lost) = self.stale_checked;
+        if lost_events == lost && checked.elapsed() < STALE_CHECK {
+            return;
+        }
+        self.stale_checked = (Instant::now(), lost_events);
         for pid in self.processes.stale() {
             self.forget(pid, kernel);
+        }
+    }
+
+    /// When [`Self::upkeep`] is due next.
+    pub fn upkeep_interval(&self) -> Duration {
+        if self.python.tasks_pending() {
+            UPKEEP_TASKS_PENDING
+        } else {
+            UPKEEP
         }
     }
 
@@ -270,8 +365,9 @@ impl Session {
 
     /// Forgets everything known of `pid`, in every holder.
     fn forget(&mut self, pid: u32, kernel: &mut dyn KernelMaps) {
+        self.repeats.invalidate(pid);
         self.off_cpu.forget(pid, kernel);
-        self.processes.forget(pid);
+        self.processes.forget(pid, kernel);
         self.python.forget(pid, kernel);
         self.native.forget(pid, kernel);
     }

@@ -30,6 +30,8 @@ pub struct NativeStacks {
     merger: Merger,
     /// The stack being built, innermost first.
     frames: Vec<FrameId>,
+    /// The sample's user stack unwound from its copy ahead of the rest ([`Self::unwind_ahead`]).
+    unwound: Option<Unwound>,
 }
 
 impl NativeStacks {
@@ -44,11 +46,24 @@ impl NativeStacks {
             levels: Vec::new(),
             merger: Merger::default(),
             frames: Vec::new(),
+            unwound: None,
         }
     }
 
+    /// Unwinds the sample's stack copy, if it has one, before the rest of its resolution: what it
+    /// unwinds to, not the copy's bytes (which change with every local), keys its repeats. Not
+    /// with `--no-native`, which unwinds only samples without a Python stack.
+    pub fn unwind_ahead(&mut self, record: &SampleRecord, maps: &mut MapsCache, stats: &mut Stats) {
+        self.unwound = (record.stack_len > 0 && !self.no_native).then(|| unwind_copy(&mut self.unwinder, maps, record, stats));
+    }
+
+    /// The user stack [`Self::unwind_ahead`] unwound for the sample.
+    pub fn unwound(&self) -> Option<&Unwound> {
+        self.unwound.as_ref()
+    }
+
     /// The sample's whole stack, innermost first: kernel frames, then user frames with the Python
-    /// stack merged in, where the sample has one.
+    /// stack merged in, where the sample has one. After [`Self::unwind_ahead`] for the sample.
     pub fn stack(
         &mut self,
         record: &SampleRecord,
@@ -58,17 +73,23 @@ impl NativeStacks {
         stats: &mut Stats,
         table: &mut FrameTable,
     ) -> &mut Vec<FrameId> {
+        if let (true, Some(python)) = (self.no_native, python) {
+            self.frames.clear();
+            self.frames.extend(python_frames(python).copied());
+            return &mut self.frames;
+        }
+        // Unwound from the stack copy where the sample has one (done ahead, but with --no-native),
+        // else the kernel's frame-pointer walk.
+        if self.unwound.is_none() && record.stack_len > 0 {
+            self.unwound = Some(unwind_copy(&mut self.unwinder, maps, record, stats));
+        }
+        self.settle_copying(record, maps, kernel, table);
         let out = &mut self.frames;
         out.clear();
-        if let (true, Some(python)) = (self.no_native, python) {
-            out.extend(python_frames(python).copied());
-            return out;
-        }
         let kernel_len = (record.kernel_len as usize).min(record.kernel_stack.len());
         self.ids.kernel_frames(&mut self.symbolizer, table, &record.kernel_stack[..kernel_len], out);
-        // Unwound from the stack copy where the sample has one, else the kernel's frame-pointer walk.
-        let unwound = (record.stack_len > 0).then(|| unwind_copy(&mut self.unwinder, maps, record, stats));
-        let (addrs, bases) = match &unwound {
+        let unwound = self.unwound.as_ref();
+        let (addrs, bases) = match unwound {
             Some(unwound) => (&unwound.addrs[..], &unwound.frame_bases[..]),
             None => {
                 let user_len = (record.user_len as usize).min(record.user_stack.len());
@@ -78,10 +99,8 @@ impl NativeStacks {
         };
         self.ids.user_levels(&mut self.symbolizer, maps, table, record.tgid, addrs, &mut self.levels);
         let stack = NativeStack { levels: &self.levels, frame_bases: bases, sp: record.user_sp };
-        if unwound.is_none() && needs_copies(self.unwind, record, &stack, addrs) && self.copying.insert(record.tgid) {
-            if let Err(err) = kernel.copy_stacks_of(record.tgid) {
-                log::debug!("process {}: stacks stay frame-pointer unwound: {err}", record.tgid);
-            }
+        if unwound.is_none() && breaks_before_start(self.unwind, record, &stack, addrs) {
+            copy_stacks(&mut self.copying, record.tgid, kernel);
         }
         let ids = &self.ids;
         if let Some(python) = python {
@@ -95,6 +114,29 @@ impl NativeStacks {
             }
         }
         out
+    }
+
+    /// `--unwind auto`, a sample copied because its process was not known yet: the process needs
+    /// copies where its frame-pointer walk, sent beside the copy, stops before the stack's root
+    /// (as it would alone) or disagrees with what the copy unwinds to (it reached start code by
+    /// chance). A walk that holds is what the sample is told by, as the process's later samples
+    /// will be.
+    fn settle_copying(&mut self, record: &SampleRecord, maps: &mut MapsCache, kernel: &mut dyn KernelMaps, table: &mut FrameTable) {
+        let Some(copy) = &self.unwound else { return };
+        if self.unwind != UnwindMode::Auto || self.copying.contains(&record.tgid) {
+            return;
+        }
+        let walk = &record.user_stack[..(record.user_len as usize).min(record.user_stack.len())];
+        let bases = &record.user_frame_bases[..(record.frame_bases_len as usize).min(record.user_frame_bases.len())];
+        self.ids.user_levels(&mut self.symbolizer, maps, table, record.tgid, walk, &mut self.levels);
+        let walk_stack = NativeStack { levels: &self.levels, frame_bases: bases, sp: record.user_sp };
+        // The walk's last read may be no return address at all: only what it can tell counts.
+        let strays = !walk_agrees(&walk[..walk_stack.trusted_levels().min(walk.len())], &copy.addrs);
+        if strays || breaks_before_start(self.unwind, record, &walk_stack, walk) {
+            copy_stacks(&mut self.copying, record.tgid, kernel);
+        } else {
+            self.unwound = None;
+        }
     }
 
     /// Drops what is known of `pid`'s address space, and stops copying its stacks.
@@ -112,8 +154,14 @@ impl NativeStacks {
         self.copying.clear();
     }
 
-    pub fn expire_unmapped(&mut self) {
-        self.ids.expire_unmapped();
+    /// Forgets unmapped entries due for another look-up; returns the processes that had some.
+    pub fn expire_unmapped(&mut self) -> Vec<u32> {
+        self.ids.expire_unmapped()
+    }
+
+    /// Changes with every drop of all processes' entries at once.
+    pub fn resets(&self) -> u64 {
+        self.ids.resets()
     }
 
     pub fn carry_frames(&mut self, carry: &mut FrameCarry<'_>) {
@@ -127,8 +175,27 @@ impl NativeStacks {
 
 /// `--unwind auto`: a frame-pointer walk that reached neither a zero frame pointer nor the C
 /// library's start code has the process's later samples carry stack copies.
-fn needs_copies(unwind: UnwindMode, record: &SampleRecord, stack: &NativeStack<'_, IdLevel>, addrs: &[u64]) -> bool {
+fn breaks_before_start(unwind: UnwindMode, record: &SampleRecord, stack: &NativeStack<'_, IdLevel>, addrs: &[u64]) -> bool {
     unwind == UnwindMode::Auto && !addrs.is_empty() && record.user_status & user_status::FP_COMPLETE == 0 && !stack.reaches_start_code()
+}
+
+/// Whether a frame-pointer walk tells the frames the copy's unwind found, up to where the walk
+/// ends: all of them but one at most (the caller of a leaf that has not saved a frame pointer
+/// yet), and nothing else. A walk through a register that only happened to hold a stack address
+/// skips many, or strays into stale frames.
+fn walk_agrees(walk: &[u64], unwound: &[u64]) -> bool {
+    let Some(end) = walk.last().and_then(|last| unwound.iter().position(|addr| addr == last)) else { return false };
+    let told = &unwound[..=end];
+    told.len() <= walk.len() + 1 && walk.iter().all(|addr| told.contains(addr))
+}
+
+/// Has the eBPF program copy `pid`'s stacks from now on, once.
+fn copy_stacks(copying: &mut HashSet<u32>, pid: u32, kernel: &mut dyn KernelMaps) {
+    if copying.insert(pid) {
+        if let Err(err) = kernel.copy_stacks_of(pid) {
+            log::debug!("process {pid}: stacks stay frame-pointer unwound: {err}");
+        }
+    }
 }
 
 /// A sample's user stack unwound from its copy, with what it cost counted in `stats`.
@@ -148,4 +215,20 @@ fn thread_cpu_ns() -> u64 {
         return 0;
     }
     now.tv_sec as u64 * 1_000_000_000 + now.tv_nsec as u64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::walk_agrees;
+
+    #[test]
+    fn a_walk_agrees_with_the_unwind_it_tells_but_for_a_leafs_caller() {
+        let unwound = [10, 20, 30, 40, 50, 60];
+        assert!(walk_agrees(&[10, 20, 30, 40], &unwound), "a walk that stops early, where start code is, tells what it has");
+        assert!(walk_agrees(&[10, 30, 40, 50, 60], &unwound), "the caller of a leaf without a frame yet");
+        assert!(!walk_agrees(&[10, 40, 50, 60], &unwound), "a walk through a stray register skips frames");
+        assert!(!walk_agrees(&[10, 99, 60], &unwound), "or reads stale ones");
+        assert!(!walk_agrees(&[10, 20, 70], &unwound), "or ends where the unwind never went");
+        assert!(!walk_agrees(&[], &unwound));
+    }
 }

@@ -9,6 +9,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::kernel_maps::KernelMaps;
 use crate::maps::MapsCache;
 use crate::process::comm_to_string;
 use crate::stack::{ProcessDetails, ProcessLabels};
@@ -19,6 +20,8 @@ const IDLE_BEFORE_CHECK: Duration = Duration::from_secs(1);
 struct Entry {
     /// Read once, so every thread of a process shares one root frame.
     name: Arc<str>,
+    /// The eBPF program was told the process is known (`KNOWN_PROCS`).
+    known: bool,
     /// Set at the first sample the filter keeps.
     sampled: Option<Sampled>,
 }
@@ -79,7 +82,7 @@ impl ProcessTable {
         self.entries.entry(pid).or_insert_with(|| {
             let name =
                 std::fs::read_to_string(format!("/proc/{pid}/comm")).map(|comm| comm.trim_end().into()).unwrap_or_else(|_| comm_to_string(fallback).into());
-            Entry { name, sampled: None }
+            Entry { name, known: false, sampled: None }
         })
     }
 
@@ -87,8 +90,20 @@ impl ProcessTable {
         &mut self.maps
     }
 
-    pub fn forget(&mut self, pid: u32) {
-        self.entries.remove(&pid);
+    /// Tells the eBPF program once that `pid`'s samples need not reach userspace soon: what they
+    /// need of the live process was read (its classification, its Python state).
+    pub fn known(&mut self, pid: u32, kernel: &mut dyn KernelMaps) {
+        let entry = self.entry(pid, &[]);
+        if !entry.known {
+            entry.known = true;
+            kernel.set_known(pid, true);
+        }
+    }
+
+    pub fn forget(&mut self, pid: u32, kernel: &mut dyn KernelMaps) {
+        if self.entries.remove(&pid).is_some_and(|entry| entry.known) {
+            kernel.set_known(pid, false);
+        }
         self.maps.forget(pid);
     }
 

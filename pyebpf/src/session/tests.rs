@@ -1,6 +1,7 @@
 //! The session's off-CPU accounting with the kernel's maps faked: what each capture counts, in
 //! nanoseconds, when its interval ends, when it began before the recording, and when it is still
-//! open at the end; and that forgetting a process drops its open captures.
+//! open at the end; and that forgetting a process drops its open captures. Also which processes
+//! the kernel is told userspace knows.
 
 use std::process::{Child, Command, Stdio};
 
@@ -114,4 +115,143 @@ fn waits_still_open_at_the_end_count_up_to_then_and_go_with_their_process() {
     assert!(!kernel.watching.contains(&pid), "the exited process is still watched");
     session.end_wait(&end(tid, left + 1, 7 * MS, 0), &mut stats, &mut profile);
     assert_eq!(profile.total_ns(), 0);
+}
+
+/// The eBPF program hands over samples of processes userspace does not know yet soon: a process
+/// still checked for a late `libpython` stays unknown to it, one the filter drops is known at its
+/// first sample, and an exit forgets it (its PID may name another process next).
+#[test]
+fn the_kernel_is_told_which_processes_are_known_until_they_exit() {
+    let sleeper = Sleeper::start();
+    let pid = sleeper.pid();
+    let (mut kernel, mut stats, mut profile) = (FakeKernel::default(), Stats::default(), Profile::new(100));
+    let mut session = wall_session();
+    session.resolve(&record(pid, pid, origin::ON_CPU, monotonic_ns(), 0), &mut kernel, &mut stats, &mut profile);
+    assert!(!kernel.known.contains(&pid), "a process checked again later is known already");
+
+    let sampling = SamplingOptions { marker: false, read_only: true, max_frames: 512, async_aware: false };
+    let filter = crate::filter::SampleFilter { comm: Some(regex::Regex::new("^no-such-process$").unwrap()), python_only: false };
+    let mut session =
+        Session::new(SessionOptions { sampling, no_native: false, filter, unwind: UnwindMode::Fp, mode: Mode::Cpu, kernel: false, details: None });
+    assert!(!session.resolve(&record(pid, pid, origin::ON_CPU, monotonic_ns(), 0), &mut kernel, &mut stats, &mut profile));
+    assert!(kernel.known.contains(&pid), "a process the filter drops is not known");
+    session.process_event(&ProcessEvent { kind: 0, tgid: pid, time_ns: 0, comm: [0; pyebpf_common::COMM_LEN] }, &mut kernel);
+    assert!(!kernel.known.contains(&pid), "an exited process is still known");
+}
+
+fn cpu_session() -> Session {
+    let sampling = SamplingOptions { marker: false, read_only: true, max_frames: 512, async_aware: false };
+    let filter = crate::filter::SampleFilter::default();
+    Session::new(SessionOptions { sampling, no_native: false, filter, unwind: UnwindMode::Fp, mode: Mode::Cpu, kernel: true, details: None })
+}
+
+/// Every stack of a profile with its weight and events, frames by what they name and events from
+/// the profile's first: comparable across profiles whose tables numbered the frames otherwise, and
+/// whose clocks were read a few nanoseconds apart.
+fn rendered(profile: &Profile) -> Vec<String> {
+    let first = profile.timed_stacks().flat_map(|(_, _, events)| events.unwrap_or_default().iter().map(|event| event.unix_ns)).min().unwrap_or_default();
+    let mut stacks: Vec<String> = profile
+        .timed_stacks()
+        .map(|(stack, weight, events)| {
+            let frames: Vec<&Frame> = stack.frames.iter().collect();
+            let events: Option<Vec<(i64, u64)>> = events.map(|events| events.iter().map(|event| (event.unix_ns - first, event.ns)).collect());
+            format!("{} {} {:?} {} {weight:?} {events:?} {frames:?}", stack.pid, stack.tid, stack.state, stack.truncated)
+        })
+        .collect();
+    stacks.sort();
+    stacks
+}
+
+/// Records of a live CPython's two threads, as the eBPF program builds them, varied as a hot loop's
+/// are: the same frames again at other times, CPUs and weights, another instruction in the leaf,
+/// other native and kernel frames, and the process forgotten (an exec) and found again.
+fn varied_records(session: &mut Session, kernel: &mut FakeKernel, pid: u32) -> Vec<Box<SampleRecord>> {
+    let mut stats = Stats::default();
+    session.python.discover(pid, kernel, session.processes.maps(), &mut stats);
+    let mut tids: Vec<u32> =
+        std::fs::read_dir(format!("/proc/{pid}/task")).unwrap().map(|e| e.unwrap().file_name().to_str().unwrap().parse().unwrap()).collect();
+    tids.sort();
+    let code = session.processes.maps().covering(pid, &[]).executable().next().expect("an executable mapping").start;
+    let mut bases = Vec::new();
+    for &tid in &tids {
+        let mut base = record(pid, tid, origin::ON_CPU, 0, 0);
+        assert!(session.python.capture_waiting(pid, tid, &mut base), "thread {tid} not known");
+        assert!(base.py.frames_len > 2, "thread {tid}: {} frames", base.py.frames_len);
+        base.comm[..7].copy_from_slice(b"python3");
+        bases.push(base);
+    }
+    let mut leaf_moved = bases[0].clone();
+    leaf_moved.py_frames[0].instr_ptr += 2;
+    let mut native = bases[1].clone();
+    native.user_stack[..3].copy_from_slice(&[code + 0x40, code + 0x1000, code + 0x2345]);
+    native.user_len = 3;
+    let mut in_kernel = bases[0].clone();
+    in_kernel.kernel_stack[..2].copy_from_slice(&[0xffff_ffff_8100_0000, 0xffff_ffff_8100_1000]);
+    in_kernel.kernel_len = 2;
+    let mut copied = bases[1].clone();
+    copy_stack(pid, tids[1], &mut copied);
+    let order = [0, 1, 0, 0, 2, 1, 0, 3, 3, 1, 4, 4, 0, 2, 0, 5, 5, 1, 5];
+    let variants = [&bases[0], &bases[1], &leaf_moved, &native, &in_kernel, &copied];
+    let mut records = Vec::new();
+    for (n, &which) in order.iter().chain(&order).enumerate() {
+        let mut sample = variants[which].clone();
+        (sample.time_ns, sample.cpu, sample.weight_ns) = (1_000_000 * n as u64, n as u32 % 2, 0);
+        records.push(sample);
+    }
+    records
+}
+
+/// The thread's user stack copied as the eBPF program copies it (page by page from its stack
+/// pointer up, while it waits in a system call), with its instruction and stack pointers.
+fn copy_stack(pid: u32, tid: u32, record: &mut SampleRecord) {
+    use crate::cpython::memory::{ProcessMemory, ReadMemory};
+    let syscall = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/syscall")).unwrap();
+    let fields: Vec<u64> = syscall.split_whitespace().skip(7).map(|field| u64::from_str_radix(field.trim_start_matches("0x"), 16).unwrap()).collect();
+    let (sp, ip) = (fields[0], fields[1]);
+    let memory = ProcessMemory::new(pid);
+    let mut len = 0;
+    while len < pyebpf_common::STACK_SNAPSHOT_MAX {
+        let chunk = pyebpf_common::STACK_CHUNK.min(pyebpf_common::STACK_SNAPSHOT_MAX - len) - if len == 0 { (sp % 4096) as usize } else { 0 };
+        if memory.read(sp + len as u64, &mut record.stack_tail[len..len + chunk]).is_err() {
+            break;
+        }
+        len += chunk;
+    }
+    assert!(len > 0, "thread {tid}: no stack read at {sp:#x}");
+    (record.stack_len, record.user_sp, record.user_bp, record.user_stack[0], record.user_len) = (len as u32, sp, 0, ip, 1);
+}
+
+#[test]
+fn repeats_count_as_resolving_each_sample_would() {
+    let python = pyebpf_tests::test_pythons().join("usr/bin/python3.13");
+    let (target, _dir) = pyebpf_tests::start_ready(&python, "blocked_threads.py", &[]);
+    std::thread::sleep(Duration::from_millis(200));
+    let pid = target.pid();
+    let records = varied_records(&mut cpu_session(), &mut FakeKernel::default(), pid);
+    let run = |repeats: Repeats| {
+        let mut session = cpu_session();
+        session.repeats = repeats;
+        let (mut kernel, mut stats, mut profile) = (FakeKernel::default(), Stats::default(), Profile::new(100));
+        profile.timeline = Some(Box::new(crate::stack::Timeline::new(1000)));
+        for (n, sample) in records.iter().enumerate() {
+            if n == records.len() / 2 {
+                // An exec: what was resolved for the process no longer holds.
+                session.process_event(&ProcessEvent { kind: 0, tgid: pid, time_ns: 0, comm: [0; pyebpf_common::COMM_LEN] }, &mut kernel);
+            }
+            stats.samples += 1;
+            assert!(session.resolve(sample, &mut kernel, &mut stats, &mut profile));
+        }
+        (stats, profile)
+    };
+    let (mut cached, cached_profile) = run(Repeats::new());
+    let (mut resolved, resolved_profile) = run(Repeats::disabled());
+    // 38 samples, 6 distinct records before the exec and 6 after: 26 repeats.
+    assert_eq!((cached.repeats, resolved.repeats), (26, 0));
+    assert!(cached.python_samples == 38 && cached.kernel_frames > 0, "{cached}");
+    assert!(cached.unwound_samples == 6 && cached.unwind_truncated == 0, "{cached}");
+    // Counts, not the CPU time they took.
+    (cached.repeats, cached.unwind_ns, resolved.unwind_ns) = (0, 0, 0);
+    assert_eq!(cached.to_string(), resolved.to_string());
+    assert_eq!(rendered(&cached_profile), rendered(&resolved_profile));
+    assert_eq!(cached_profile.total_samples(), 38);
 }

@@ -10,13 +10,13 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use ratatui::crossterm::event::{Event, KeyCode, KeyEvent, KeyEventKind, KeyModifiers};
 
-use crate::bpf::{check_privileges, SamplerOptions, UnwindMode};
+use crate::bpf::{check_privileges, Sampler, SamplerOptions, UnwindMode};
 use crate::cli::{TopArgs, DEFAULT_MAX_PYTHON_FRAMES, DEFAULT_RING_BUFFER_KB};
 use crate::mode::Mode;
 use crate::process::{self, Watched};
 use crate::python::SamplingOptions;
 use crate::reader::RecordBatch;
-use crate::session::{add_samples, Session, SessionOptions, TICK};
+use crate::session::{add_samples, Session, SessionOptions};
 use crate::stats::Stats;
 use crate::stop_signals::StopSignals;
 use tally::{FrameView, Snapshot, SortBy, Tally};
@@ -127,7 +127,7 @@ fn sampler_options(args: &TopArgs, mode: Mode) -> SamplerOptions {
         follow_forks: false,
         ring_buffer_kb: DEFAULT_RING_BUFFER_KB,
         program_stats: false,
-        snapshot_all: false,
+        unwind: UnwindMode::Auto,
         gil: mode == Mode::Gil,
         tasks: args.mode.async_aware,
         waiting_tasks: mode.counts_waits() && args.mode.async_aware,
@@ -172,7 +172,7 @@ async fn top(args: &TopArgs) -> Result<()> {
     screen.draw(&view)?;
     let mut tally = tally_for(args, mode);
     let mut refresh = tokio::time::interval_at(tokio::time::Instant::now() + REFRESH, REFRESH);
-    let mut upkeep = tokio::time::interval(TICK);
+    let mut upkeep_at = tokio::time::Instant::now() + session.upkeep_interval();
     let mut batch = RecordBatch::default();
     loop {
         let action = tokio::select! {
@@ -182,14 +182,18 @@ async fn top(args: &TopArgs) -> Result<()> {
                 Action::Nothing
             }
             _ = refresh.tick() => {
+                // The window ends with what was sampled up to now (the kernel hands records over
+                // only every so often).
+                sampler.drain_samples(&mut batch).await?;
+                add_samples(&mut batch, &mut session, &mut sampler, tally.window_mut(), &mut stats);
                 let snapshot = tally.end_window();
                 if tally.windows().is_multiple_of(RENEW_FRAMES_WINDOWS) {
                     tally.window_mut().renew_frames(|carry| session.carry_frames(carry));
                 }
                 view.window_ended(snapshot, sampler.lost_samples())
             }
-            _ = upkeep.tick() => {
-                session.upkeep(&mut sampler);
+            _ = tokio::time::sleep_until(upkeep_at) => {
+                upkeep_at = upkeep(&mut session, &mut sampler);
                 Action::Nothing
             }
             event = keys.recv() => match event {
@@ -217,6 +221,13 @@ async fn top(args: &TopArgs) -> Result<()> {
             Action::Nothing => {}
         }
     }
+}
+
+/// The session's slow upkeep; returns when it is due next.
+fn upkeep(session: &mut Session, sampler: &mut Sampler) -> tokio::time::Instant {
+    let lost_events = sampler.lost_events();
+    session.upkeep(sampler, lost_events);
+    tokio::time::Instant::now() + session.upkeep_interval()
 }
 
 fn describe_targets(args: &TopArgs) -> String {

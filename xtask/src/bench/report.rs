@@ -291,11 +291,11 @@ pub fn tables(results: &Value) -> String {
          Sending profiles (`record -a -F {export_hz} -d {export_s} --otlp http://... --otlp-period {export_period}` with {export_processes} busy Python processes, to a local sink that answers at once): the export thread's CPU (encoding, compressing, sending) per period, from the kernel's per-thread run time, beside the whole process's:\n\n{}\n\
          {}\n\
          Off-CPU time (`--mode wall`): switch-heavy programs (`pingpong.py {pingpong_s}` on Python 3.15, two processes bouncing a byte over pipes, and `perf bench sched pipe -l {perf_loops}`) alone and under each profiler at {waits_hz} Hz, median of {waits_rounds} interleaved rounds \
-         (\"profiling other processes\": `record -a --mode wall --comm` naming none, so every switch on the host runs the hook; \
+         (\"profiling other processes\": `record -a --mode wall --comm` naming a bystander Python process that spins 5 ms every 100 ms: pyebpf watches it, so the switch hook is attached and every switch on the host runs it; \
          \"an empty BPF program\": the bench attaches a program that returns at once to `sched_switch`, what any hook run at every switch costs here, the floor under pyebpf's); \
          then `waits.py` (a thread sleeping 7 ms in `wait_io` and spinning 3 ms in `compute` every 10 ms, beside a thread blocked on a lock) profiled for {share_s} s in each profiler's wall-clock mode \
          (`pyebpf record --mode wall`, `py-spy record --idle`, `profiling.sampling attach --mode wall -a`), at 99 Hz and at 97 Hz \
-         (the workload's cycle is close to 99 Hz's period: a sampling clock locked to it samples one phase of the cycle):\n\n{}\n\
+         (the workload's cycle is close to 99 Hz's period: a clock ticking at exact multiples of its period samples a few phases of the cycle; pyebpf's does not):\n\n{}\n\
          Targets:\n\n{}\n\
          Where pyebpf's time goes: `perf record -F 4999 -g` of `pyebpf record -p PID -F 999 -d {secs_attach}` on the 3.15 workload 100 deep, \
          own time per thread, library and symbol (`perf report --no-children --sort comm,dso,sym`, entries of 1.5% or more; start-up included):\n\n```\n{}\n```\n",

@@ -23,7 +23,8 @@ pub const PERF_LOOPS: &str = "300000";
 pub const PINGPONG_S: &str = "4";
 pub const HZ: &str = "99";
 /// The shares are also taken at 97 Hz: waits.py's cycle (7 + 3 ms and a little) is close to 99 Hz's
-/// period, and a sampling clock locked to a workload's cycle samples one phase of it (aliasing).
+/// period, and a clock ticking at exact multiples of its period samples a few phases of it
+/// (aliasing).
 pub const SHARE_HZ: [&str; 2] = ["99", "97"];
 pub const SHARE_SECONDS: &str = "4";
 const VERSION: &str = "3.15";
@@ -35,9 +36,11 @@ enum Setting {
     /// The bench's `empty_switch` program on `sched_switch`, no profiler: what any program run at
     /// every context switch costs, the floor under pyebpf's hook.
     EmptyHook,
-    /// `record -a --comm` naming no process, in cpu mode: what sampling the host costs alone.
+    /// `record -a --comm` naming a bystander (see [`Bystander`]), in cpu mode: what sampling the
+    /// host costs alone.
     PyebpfOthersCpu,
-    /// `record -a --mode wall --comm` naming no process: every switch goes through the hook.
+    /// `record -a --mode wall --comm` naming the bystander: the switch hook is attached while
+    /// pyebpf watches some process, and then every switch on the host goes through it.
     PyebpfOthers,
     PyebpfProfiling,
     PySpyIdle,
@@ -206,10 +209,11 @@ fn switch_heavy(bench: &Bench, program: Program, pinned: bool, setting: Setting,
         Setting::PyebpfOthers => Some("wall"),
         _ => None,
     };
+    let bystander = host_wide_mode.map(|_| Bystander::start()).transpose()?;
     let host_wide = match host_wide_mode {
         Some(mode) => Some(
             Command::new(&bench.pyebpf)
-                .args(["record", "-a", "--mode", mode, "--comm", "^no-such-process$", "-F", HZ, "-d", "7", "-o", "/dev/null"])
+                .args(["record", "-a", "--mode", mode, "--comm", Bystander::COMM, "-F", HZ, "-d", "7", "-o", "/dev/null"])
                 .args(stats.then_some("--stats"))
                 .stdout(std::process::Stdio::null())
                 .stderr(std::process::Stdio::piped())
@@ -224,6 +228,7 @@ fn switch_heavy(bench: &Bench, program: Program, pinned: bool, setting: Setting,
     let empty_hook = matches!(setting, Setting::EmptyHook).then(|| EmptyHook::attach(&bench.root)).transpose()?;
     let measured = run_measured(&mut command, None)?;
     drop(empty_hook);
+    drop(bystander);
     let mut hook_ns = None;
     if let Some(pyebpf) = host_wide {
         let output = pyebpf.wait_with_output()?;
@@ -234,6 +239,29 @@ fn switch_heavy(bench: &Bench, program: Program, pinned: bool, setting: Setting,
         hook_ns = stat_line(&stderr, "switch hook time:").and_then(|line| figure_before(&line, "ns per context switch"));
     }
     Ok((program.round_trips_per_s(&measured)?, hook_ns))
+}
+
+/// The process pyebpf profiles host-wide while the switch-heavy program runs beside it: Debian's
+/// Python 3.11 (a name no measured program has) spinning 5 ms every 100 ms, so that pyebpf samples
+/// it, watches it in wall mode and has the switch hook attached.
+struct Bystander(std::process::Child);
+
+impl Bystander {
+    const COMM: &'static str = "^python3\\.11$";
+    const SCRIPT: &'static str =
+        "import time\nwhile True:\n    end = time.perf_counter() + 0.005\n    while time.perf_counter() < end:\n        pass\n    time.sleep(0.1)\n";
+
+    fn start() -> Result<Bystander> {
+        let child = Command::new("/usr/bin/python3.11").args(["-c", Self::SCRIPT]).spawn().context("start /usr/bin/python3.11 as the bystander")?;
+        Ok(Bystander(child))
+    }
+}
+
+impl Drop for Bystander {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }
 
 /// The eBPF crate's `empty_switch` program, attached to `sched_switch` while this is held.

@@ -1,0 +1,229 @@
+//! The sampling clock: a `cpu-clock` perf event on every CPU, opened by pyebpf itself so that it
+//! can sample at instants that no periodic program can lock on to.
+//!
+//! A clock that ticks at exact multiples of its period samples a periodic program (a poller, a
+//! frame loop, a fixed-rate batch) at the same phases of its cycle again and again: a 5.025 ms
+//! period against a 10.05 ms loop sees two phases only, and the profile shows whatever runs there.
+//! So each CPU's event ticks several times per period asked for (a slot), and the eBPF program
+//! samples at one tick of each slot, chosen along a Kronecker sequence (see `ClockSlot`): slot
+//! after slot, the sampled tick walks evenly over the slot. The ticks are still a regular grid,
+//! which a cycle of a whole number of ticks would see at a few phases only; so every few slots a
+//! thread moves the grid of every sampling CPU (`PERF_EVENT_IOC_PERIOD` starts a new tick from the
+//! moment it is made), after a time drawn uniformly over a span longer than the cycles of interest,
+//! so that each stretch's grid lies at a random phase of any such cycle. (Moves at phases that
+//! walk evenly over the tick spread the grid more evenly still, but their mean spacing is a
+//! multiple of the period asked for, and cycles of twice the period then met the same phases
+//! stretch after stretch.)
+//!
+//! The mean rate stays the one asked for: the tick period is shortened by what the moves add (each
+//! lengthens one tick, by half a tick on average), and each sample stands for one period asked for.
+
+use std::io;
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::sync::mpsc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use aya::maps::{MapData, PerCpuArray};
+use perf_event_open_sys::bindings::{perf_event_attr, PERF_COUNT_SW_CPU_CLOCK, PERF_FLAG_FD_CLOEXEC, PERF_TYPE_SOFTWARE};
+use perf_event_open_sys::ioctls;
+use pyebpf_common::ClockSlot;
+
+/// Ticks a second the clock aims for, each CPU: how finely a slot is divided. More would spread the
+/// samples finer and cost more timer interrupts (about 17 µs each in the VMs this was measured on).
+const TICK_BUDGET_HZ: f64 = 400.0;
+/// Ticks per slot at most (at low rates).
+const MAX_TICKS_PER_SLOT: u32 = 16;
+/// Slots between moves of a clock, on average: each stretch between moves samples a few phases of
+/// a cycle of a whole number of ticks, so the fewer slots, the more evenly such a cycle is seen;
+/// the more, the less the moves cost. The time between moves is drawn from half to one and a half
+/// times this many slots.
+const SLOTS_PER_MOVE: u32 = 4;
+/// Moves come no more often than this on average, so that the clock thread wakes at most 50 times
+/// a second; at high rates a stretch between moves holds more slots (and samples more phases).
+const MIN_MOVE_SPACING: Duration = Duration::from_millis(20);
+/// How much a move lengthens the tick it cuts, on average, as a fraction of a tick (a move comes
+/// at a random point of a tick).
+const MOVE_FRACTION: f64 = 0.5;
+/// When no CPU has sampled since the last look, the thread looks again only this much later.
+const IDLE_WAIT: Duration = Duration::from_secs(1);
+
+/// The clock's shape for a rate asked for.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ClockPlan {
+    pub ticks_per_slot: u32,
+    /// The perf event's period.
+    pub tick_ns: u64,
+    /// The period asked for.
+    slot_ns: f64,
+    /// Slots between moves, on average.
+    slots_per_move: u32,
+}
+
+impl ClockPlan {
+    pub fn new(frequency_hz: u64) -> ClockPlan {
+        let hz = frequency_hz.max(1) as f64;
+        let ticks_per_slot = ((TICK_BUDGET_HZ / hz).round() as u32).clamp(1, MAX_TICKS_PER_SLOT);
+        let slot_ns = 1e9 / hz;
+        let slots_per_move = SLOTS_PER_MOVE.max((MIN_MOVE_SPACING.as_nanos() as f64 / slot_ns).ceil() as u32);
+        let ticks_per_move = f64::from(ticks_per_slot * slots_per_move);
+        // The ticks between moves plus the tick a move lengthens fill the slots they stand for.
+        let tick_ns = slot_ns * f64::from(slots_per_move) / (ticks_per_move + MOVE_FRACTION);
+        ClockPlan { ticks_per_slot, tick_ns: tick_ns as u64, slot_ns, slots_per_move }
+    }
+
+    /// How long to wait before the next move: uniformly from half to one and a half times the
+    /// slots between moves.
+    fn next_move(&self) -> Duration {
+        let slots = f64::from(self.slots_per_move) * (0.5 + fastrand::f64());
+        Duration::from_nanos((slots * self.slot_ns) as u64)
+    }
+}
+
+/// The per-CPU events and the thread that moves them; dropping it stops sampling.
+pub struct SamplingClock {
+    stop: Option<mpsc::Sender<()>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl SamplingClock {
+    /// Opens a `cpu-clock` event on each of `cpus` running `program` (a perf-event eBPF program)
+    /// at each tick, as `plan` says, and starts moving them; `slots` is the program's `CLOCK` map.
+    pub fn start(program: BorrowedFd<'_>, cpus: &[u32], plan: ClockPlan, slots: PerCpuArray<MapData, ClockSlot>) -> io::Result<SamplingClock> {
+        let events = cpus.iter().map(|&cpu| Ok((cpu, open_event(program, cpu, plan.tick_ns)?))).collect::<io::Result<Vec<_>>>()?;
+        let (stop, stopped) = mpsc::channel();
+        let mover = Mover { events, plan, slots, taken: Vec::new() };
+        let thread = std::thread::Builder::new().name("pyebpf-clock".into()).spawn(move || mover.run(&stopped))?;
+        Ok(SamplingClock { stop: Some(stop), thread: Some(thread) })
+    }
+}
+
+impl Drop for SamplingClock {
+    fn drop(&mut self) {
+        drop(self.stop.take());
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// The clock thread's state.
+struct Mover {
+    events: Vec<(u32, OwnedFd)>,
+    plan: ClockPlan,
+    slots: PerCpuArray<MapData, ClockSlot>,
+    /// Samples each CPU had taken at the last look.
+    taken: Vec<u64>,
+}
+
+impl Mover {
+    /// Moves the clocks of the CPUs that sampled since the last move until told to stop.
+    fn run(mut self, stopped: &mpsc::Receiver<()>) {
+        loop {
+            if !matches!(stopped.recv_timeout(self.plan.next_move()), Err(mpsc::RecvTimeoutError::Timeout)) {
+                return;
+            }
+            // Nothing sampled: look again later, not at every move.
+            if !self.move_sampling_clocks() && !matches!(stopped.recv_timeout(IDLE_WAIT), Err(mpsc::RecvTimeoutError::Timeout)) {
+                return;
+            }
+        }
+    }
+
+    /// Restarts the tick of every CPU that sampled since the last look; whether any did.
+    fn move_sampling_clocks(&mut self) -> bool {
+        let Ok(per_cpu) = self.slots.get(&0, 0) else { return false };
+        let taken: Vec<u64> = self.events.iter().map(|&(cpu, _)| per_cpu.get(cpu as usize).map_or(0, |slot| slot.taken)).collect();
+        let mut moved = false;
+        for (i, (_, event)) in self.events.iter().enumerate() {
+            if taken.get(i) == self.taken.get(i) {
+                continue;
+            }
+            let period = self.plan.tick_ns;
+            // SAFETY: an event this thread owns; PERIOD reads the u64 the pointer names.
+            if unsafe { ioctls::PERIOD(event.as_raw_fd(), std::ptr::from_ref(&period) as u64) } != 0 {
+                log::debug!("sampling clock: cannot move a CPU's clock: {}", io::Error::last_os_error());
+            }
+            moved = true;
+        }
+        self.taken = taken;
+        moved
+    }
+}
+
+/// A `cpu-clock` event on `cpu`, every `period_ns`, running `program` at each tick.
+fn open_event(program: BorrowedFd<'_>, cpu: u32, period_ns: u64) -> io::Result<OwnedFd> {
+    let mut attr = perf_event_attr { type_: PERF_TYPE_SOFTWARE, size: std::mem::size_of::<perf_event_attr>() as u32, ..Default::default() };
+    attr.config = u64::from(PERF_COUNT_SW_CPU_CLOCK);
+    attr.__bindgen_anon_1.sample_period = period_ns;
+    attr.set_disabled(1);
+    let cpu = i32::try_from(cpu).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    // SAFETY: `attr` is initialised; -1 for pid and group: every process on `cpu`, no group.
+    let fd = unsafe { perf_event_open_sys::perf_event_open(&mut attr, -1, cpu, -1, u64::from(PERF_FLAG_FD_CLOEXEC)) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a new descriptor, owned from here on.
+    let event = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: ioctls on the event just opened; SET_BPF takes the program's descriptor.
+    if unsafe { ioctls::SET_BPF(fd, program.as_raw_fd() as u32) } != 0 || unsafe { ioctls::ENABLE(fd, 0) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(event)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slots_are_divided_finer_at_low_rates_within_the_tick_budget() {
+        assert_eq!(ClockPlan::new(99).ticks_per_slot, 4);
+        assert_eq!(ClockPlan::new(199).ticks_per_slot, 2);
+        assert_eq!(ClockPlan::new(19).ticks_per_slot, MAX_TICKS_PER_SLOT);
+        assert_eq!(ClockPlan::new(999).ticks_per_slot, 1);
+    }
+
+    #[test]
+    fn ticks_and_moves_fill_the_slots_they_stand_for() {
+        for hz in [19, 49, 99, 199, 999, 4999] {
+            let plan = ClockPlan::new(hz);
+            let ticks = f64::from(plan.ticks_per_slot * plan.slots_per_move) + MOVE_FRACTION;
+            let slots_ns = 1e9 / hz as f64 * f64::from(plan.slots_per_move);
+            assert!((ticks * plan.tick_ns as f64 / slots_ns - 1.0).abs() < 1e-5, "{hz} Hz");
+        }
+    }
+
+    #[test]
+    fn moves_come_every_few_slots_on_average() {
+        let plan = ClockPlan::new(99);
+        let waits: Vec<f64> = (0..10_000).map(|_| plan.next_move().as_nanos() as f64 / plan.slot_ns).collect();
+        let per_move = f64::from(SLOTS_PER_MOVE);
+        assert!(waits.iter().all(|&slots| (0.5 * per_move..=1.5 * per_move).contains(&slots)));
+        let mean = waits.iter().sum::<f64>() / waits.len() as f64;
+        assert!((mean / per_move - 1.0).abs() < 0.02, "{mean} slots between moves on average");
+    }
+
+    #[test]
+    fn moves_are_spaced_at_high_rates() {
+        for hz in [999, 4999, 19_999] {
+            let plan = ClockPlan::new(hz);
+            let mean = f64::from(plan.slots_per_move) * plan.slot_ns;
+            assert!(mean >= MIN_MOVE_SPACING.as_nanos() as f64 && mean < 2.0 * MIN_MOVE_SPACING.as_nanos() as f64, "{hz} Hz: a move every {mean} ns");
+        }
+        assert_eq!(ClockPlan::new(99).slots_per_move, SLOTS_PER_MOVE);
+    }
+
+    #[test]
+    fn the_sampled_tick_walks_evenly_over_the_slot() {
+        // A slot of 3 ticks: over 3,000 slots each tick samples a third of the time (± a few), and
+        // never the same tick for long.
+        let mut counts = [0u32; 3];
+        let mut phase = 0x1234_5678u32;
+        for _ in 0..3000 {
+            counts[ClockSlot::target(phase, 3) as usize] += 1;
+            phase = phase.wrapping_add(ClockSlot::STEP);
+        }
+        assert!(counts.iter().all(|&n| n.abs_diff(1000) <= 3), "{counts:?}");
+    }
+}
