@@ -153,8 +153,8 @@ fn emit_sample(config: &Config, record: &SampleRecord, frames: usize, stack_len:
 
 /// Whether userspace must see the record soon: its process is not known yet (its Python state is
 /// read from the live process), it is a Python process's thread not registered yet (a new
-/// thread: its samples have Python frames once it is), or a 3.15 thread whose marker chain is to
-/// be re-established from it (its samples join a chain near their leaf once it is).
+/// thread: its samples have Python frames once it is), or a 3.15 thread's whose walk was long
+/// (its marker chain is re-established from it, and its samples join near their leaf after).
 #[inline(always)]
 fn urgent(record: &SampleRecord) -> bool {
     if KNOWN_PROCS.get_ptr(record.tgid).is_none() {
@@ -166,6 +166,6 @@ fn urgent(record: &SampleRecord) -> bool {
     }
     // SAFETY: a map value, read once.
     let uses_marker = unsafe { (*proc_config).flags } & py_proc_flags::USE_MARKER != 0;
-    let joined_near_leaf = record.py.status & py_status::JOINED != 0 && record.py.frames_len <= MARKER_REESTABLISH_FRAMES;
-    uses_marker && !joined_near_leaf && record.py.status & py_status::TOO_DEEP == 0
+    // A walk this short costs little again, joined or whole: no hurry to shorten it.
+    uses_marker && record.py.frames_len > MARKER_REESTABLISH_FRAMES && record.py.status & py_status::TOO_DEEP == 0
 }

@@ -176,15 +176,16 @@ impl Session {
         let python = &mut self.scratch.python;
         let outcome = self.python.python_stack(record, kernel, stats, &mut profile.frames, python);
         let frames = self.native.stack(record, outcome.is_python().then_some(&python[..]), self.processes.maps(), kernel, stats, &mut profile.frames);
-        if self.python.classified(record.tgid) {
-            self.processes.known(record.tgid, kernel);
-        }
         let state = thread_state(record, frames, self.options.kernel, profile);
         if let Some(slot) = slot {
             self.repeats.keep(slot, frames, outcome.is_cut(), before.since(stats));
         }
         let sample = SampleStack { pid: record.tgid, tid: record.tid, comm: &comm, frames, truncated: outcome.is_cut(), labels: Some(&labels), state };
         self.off_cpu.count(record, sample, stats, profile);
+        // Only now: until the process is known, its samples come soon and with copies.
+        if self.python.classified(record.tgid) && self.native.unwinding_settled(record) {
+            self.processes.known(record.tgid, kernel);
+        }
         true
     }
 

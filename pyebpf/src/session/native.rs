@@ -2,7 +2,7 @@
 //! sample has one (else the kernel's frame-pointer walk), symbolized, and the Python stack merged
 //! in by stack address.
 
-use hashbrown::HashSet;
+use hashbrown::{HashMap, HashSet};
 use pyebpf_common::{user_status, SampleRecord};
 
 use crate::bpf::UnwindMode;
@@ -16,6 +16,10 @@ use crate::stats::Stats;
 use crate::symbolize::Symbolizer;
 use crate::unwind::{Snapshot, StackUnwinder, Unwound};
 
+/// Frame-pointer walks of a process that must hold beside its copies before it stays on frame
+/// pointers (`--unwind auto`): a walk through code without frame pointers sometimes holds by chance.
+const WALKS_TO_TRUST: u32 = 8;
+
 /// Turns the native part of samples into frames, caching what it learns per process and file.
 pub struct NativeStacks {
     symbolizer: Symbolizer,
@@ -26,6 +30,10 @@ pub struct NativeStacks {
     no_native: bool,
     /// Processes whose stacks the eBPF program copies (`--unwind auto`).
     copying: HashSet<u32>,
+    /// `--unwind auto`: processes whose frame-pointer walks held (reached their root, or start
+    /// code beside a copy), and how many times; trusted to stay on frame pointers at
+    /// [`WALKS_TO_TRUST`].
+    walks_held: HashMap<u32, u32>,
     levels: Vec<IdLevel>,
     merger: Merger,
     /// The stack being built, innermost first.
@@ -43,6 +51,7 @@ impl NativeStacks {
             unwind,
             no_native,
             copying: HashSet::new(),
+            walks_held: HashMap::new(),
             levels: Vec::new(),
             merger: Merger::default(),
             frames: Vec::new(),
@@ -117,26 +126,39 @@ impl NativeStacks {
     }
 
     /// `--unwind auto`, a sample copied because its process was not known yet: the process needs
-    /// copies where its frame-pointer walk, sent beside the copy, stops before the stack's root
-    /// (as it would alone) or disagrees with what the copy unwinds to (it reached start code by
-    /// chance). A walk that holds is what the sample is told by, as the process's later samples
-    /// will be.
+    /// copies where its frame-pointer walk, sent beside the copy, stops before the stack's root,
+    /// as it would alone. A walk that holds is what the sample is told by, as the process's later
+    /// samples will be, and counts towards trusting the process's walks.
     fn settle_copying(&mut self, record: &SampleRecord, maps: &mut MapsCache, kernel: &mut dyn KernelMaps, table: &mut FrameTable) {
-        let Some(copy) = &self.unwound else { return };
         if self.unwind != UnwindMode::Auto || self.copying.contains(&record.tgid) {
+            return;
+        }
+        if self.unwound.is_none() {
+            // Sent without a copy: a walk that reached a zero frame pointer holds too.
+            if record.user_status & user_status::FP_COMPLETE != 0 {
+                *self.walks_held.entry(record.tgid).or_default() += 1;
+            }
             return;
         }
         let walk = &record.user_stack[..(record.user_len as usize).min(record.user_stack.len())];
         let bases = &record.user_frame_bases[..(record.frame_bases_len as usize).min(record.user_frame_bases.len())];
         self.ids.user_levels(&mut self.symbolizer, maps, table, record.tgid, walk, &mut self.levels);
         let walk_stack = NativeStack { levels: &self.levels, frame_bases: bases, sp: record.user_sp };
-        // The walk's last read may be no return address at all: only what it can tell counts.
-        let strays = !walk_agrees(&walk[..walk_stack.trusted_levels().min(walk.len())], &copy.addrs);
-        if strays || breaks_before_start(self.unwind, record, &walk_stack, walk) {
+        if breaks_before_start(self.unwind, record, &walk_stack, walk) {
+            self.walks_held.remove(&record.tgid);
             copy_stacks(&mut self.copying, record.tgid, kernel);
         } else {
+            *self.walks_held.entry(record.tgid).or_default() += 1;
             self.unwound = None;
         }
+    }
+
+    /// Whether how `pid`'s stacks are unwound is settled after this sample: the process's stacks
+    /// are copied, or enough of its walks held. Until then its samples should stay urgent and
+    /// copied where their walk broke: one walk that holds may have held by chance (a leaf that
+    /// zeroed its frame-pointer register).
+    pub fn unwinding_settled(&self, record: &SampleRecord) -> bool {
+        self.unwind != UnwindMode::Auto || self.copying.contains(&record.tgid) || self.walks_held.get(&record.tgid).is_some_and(|&held| held >= WALKS_TO_TRUST)
     }
 
     /// Drops what is known of `pid`'s address space, and stops copying its stacks.
@@ -144,6 +166,7 @@ impl NativeStacks {
         self.symbolizer.forget_process(pid);
         self.ids.forget_process(pid);
         self.unwinder.forget_process(pid);
+        self.walks_held.remove(&pid);
         if self.copying.remove(&pid) {
             kernel.stop_copying_stacks_of(pid);
         }
@@ -152,6 +175,7 @@ impl NativeStacks {
     /// A new sampler copies no stacks yet.
     pub fn forget_copying(&mut self) {
         self.copying.clear();
+        self.walks_held.clear();
     }
 
     /// Forgets unmapped entries due for another look-up; returns the processes that had some.
@@ -177,16 +201,6 @@ impl NativeStacks {
 /// library's start code has the process's later samples carry stack copies.
 fn breaks_before_start(unwind: UnwindMode, record: &SampleRecord, stack: &NativeStack<'_, IdLevel>, addrs: &[u64]) -> bool {
     unwind == UnwindMode::Auto && !addrs.is_empty() && record.user_status & user_status::FP_COMPLETE == 0 && !stack.reaches_start_code()
-}
-
-/// Whether a frame-pointer walk tells the frames the copy's unwind found, up to where the walk
-/// ends: all of them but one at most (the caller of a leaf that has not saved a frame pointer
-/// yet), and nothing else. A walk through a register that only happened to hold a stack address
-/// skips many, or strays into stale frames.
-fn walk_agrees(walk: &[u64], unwound: &[u64]) -> bool {
-    let Some(end) = walk.last().and_then(|last| unwound.iter().position(|addr| addr == last)) else { return false };
-    let told = &unwound[..=end];
-    told.len() <= walk.len() + 1 && walk.iter().all(|addr| told.contains(addr))
 }
 
 /// Has the eBPF program copy `pid`'s stacks from now on, once.
@@ -215,20 +229,4 @@ fn thread_cpu_ns() -> u64 {
         return 0;
     }
     now.tv_sec as u64 * 1_000_000_000 + now.tv_nsec as u64
-}
-
-#[cfg(test)]
-mod tests {
-    use super::walk_agrees;
-
-    #[test]
-    fn a_walk_agrees_with_the_unwind_it_tells_but_for_a_leafs_caller() {
-        let unwound = [10, 20, 30, 40, 50, 60];
-        assert!(walk_agrees(&[10, 20, 30, 40], &unwound), "a walk that stops early, where start code is, tells what it has");
-        assert!(walk_agrees(&[10, 30, 40, 50, 60], &unwound), "the caller of a leaf without a frame yet");
-        assert!(!walk_agrees(&[10, 40, 50, 60], &unwound), "a walk through a stray register skips frames");
-        assert!(!walk_agrees(&[10, 99, 60], &unwound), "or reads stale ones");
-        assert!(!walk_agrees(&[10, 20, 70], &unwound), "or ends where the unwind never went");
-        assert!(!walk_agrees(&[], &unwound));
-    }
 }
