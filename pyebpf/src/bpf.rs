@@ -226,13 +226,13 @@ fn load_object(kb: u32, log_level: u8) -> Result<(Ebpf, aya::Btf, u32), BpfError
     Ok((ebpf, aya_btf, cpus))
 }
 
-/// The configuration flags `options` ask for.
 /// Whether the ring buffer holds a few records with a whole stack copy: the copies of processes not
 /// known yet are a help, not worth losing those processes' samples for in a tiny buffer.
 fn copies_fit(ring_buffer_kb: u32) -> bool {
     ring_buffer_kb as usize * 1024 >= 16 * std::mem::size_of::<SampleRecord>()
 }
 
+/// The configuration flags `options` ask for.
 fn flags_for(options: &SamplerOptions) -> u32 {
     let wanted = [
         (options.kernel_stacks, config_flags::KERNEL_STACK),

@@ -136,7 +136,7 @@ impl NativeStacks {
         if self.unwound.is_none() {
             // Sent without a copy: a walk that reached a zero frame pointer holds too.
             if record.user_status & user_status::FP_COMPLETE != 0 {
-                *self.walks_held.entry(record.tgid).or_default() += 1;
+                self.walk_held(record.tgid);
             }
             return;
         }
@@ -148,9 +148,15 @@ impl NativeStacks {
             self.walks_held.remove(&record.tgid);
             copy_stacks(&mut self.copying, record.tgid, kernel);
         } else {
-            *self.walks_held.entry(record.tgid).or_default() += 1;
+            self.walk_held(record.tgid);
             self.unwound = None;
         }
+    }
+
+    /// One more of `pid`'s walks held; counted up to the trust, as a long run would overflow.
+    fn walk_held(&mut self, pid: u32) {
+        let held = self.walks_held.entry(pid).or_default();
+        *held = (*held + 1).min(WALKS_TO_TRUST);
     }
 
     /// Whether how `pid`'s stacks are unwound is settled after this sample: the process's stacks
