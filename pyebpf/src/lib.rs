@@ -8,6 +8,7 @@ pub mod cpython;
 pub mod filter;
 pub mod kernel_btf;
 pub mod kernel_maps;
+pub mod ktime;
 pub mod maps;
 pub mod merge;
 pub mod mode;

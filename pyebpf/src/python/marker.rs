@@ -9,7 +9,6 @@
 //! stops its walk there; a sample that joined a chain takes its proven tail from here.
 
 use std::collections::VecDeque;
-use std::time::{Duration, Instant};
 
 use pyebpf_common::{py_status, MarkerChain, SampleRecord, MARKER_POSITIONS, MARKER_REESTABLISH_FRAMES, MAX_PY_FRAMES};
 
@@ -17,18 +16,23 @@ use super::frames::{Memory, PyItem, Resolver};
 use crate::chain::LinkReader;
 use crate::cpython::PyError;
 use crate::kernel_maps::KernelMaps;
+use crate::ktime::monotonic_ns;
 use crate::merge::PyStackItem;
 use crate::stack::{FrameCarry, FrameTable};
 use crate::stats::Stats;
 
-/// And at most this often per thread, so a thread whose calls come and go costs little.
-const ESTABLISH_INTERVAL: Duration = Duration::from_millis(10);
+/// And at most this often per thread (by the sample's clock, in ns), so a thread whose calls come
+/// and go costs little.
+const ESTABLISH_INTERVAL_NS: u64 = 10_000_000;
 /// A thread whose chain failed to read this many times in a row gets no more marker writes: its
 /// memory is damaged or hostile (a race ends in `Ok(None)` and does not count).
 const MAX_ESTABLISH_FAILURES: u32 = 3;
-/// Chains kept per thread, newest first: samples still in flight when a chain is replaced (a
-/// consumer that fell behind) may have joined an older one.
-const CHAINS_KEPT: usize = 8;
+/// Chains kept per thread at most, newest first: samples still in flight when a chain is replaced
+/// (a consumer that fell behind) may have joined an older one. A thread's samples reach the ring
+/// buffer in the order taken, so a replaced chain is dropped once a sample of the thread taken
+/// after the replacement (and this margin, for records written from another CPU) is read.
+const CHAINS_KEPT: usize = 64;
+const REPLACED_MARGIN_NS: u64 = 10_000_000;
 
 /// A chain pyebpf proved when it wrote the marker, innermost (the marker frame) first.
 pub(super) struct EstablishedChain {
@@ -38,6 +42,8 @@ pub(super) struct EstablishedChain {
     pub(super) addrs: Vec<u64>,
     /// The resolved frame at each position (`None`: a frame Python's own view leaves out).
     items: Vec<Option<PyItem>>,
+    /// When the eBPF program stopped joining it (`CLOCK_MONOTONIC`), once a newer one is tried.
+    replaced_ns: Option<u64>,
 }
 
 /// Part of a chain, innermost first: frame addresses and what each resolved to.
@@ -47,14 +53,16 @@ type ChainPart = (Vec<u64>, Vec<Option<PyItem>>);
 pub(super) struct Thread {
     pub(super) tstate: u64,
     chains: VecDeque<EstablishedChain>,
-    established_at: Option<Instant>,
+    /// When the last establishment ended (`CLOCK_MONOTONIC`): samples taken before it say nothing
+    /// of the chain it set, which they could not join.
+    established_ns: Option<u64>,
     /// Establishments in a row whose reads failed.
     failures: u32,
 }
 
 impl Thread {
     pub(super) fn new(tstate: u64) -> Self {
-        Thread { tstate, chains: VecDeque::new(), established_at: None, failures: 0 }
+        Thread { tstate, chains: VecDeque::new(), established_ns: None, failures: 0 }
     }
 
     fn chain(&self, gen: u64) -> Option<&EstablishedChain> {
@@ -66,7 +74,17 @@ impl Thread {
         let joined_near_leaf = record.py.status & py_status::JOINED != 0 && record.py.frames_len <= MARKER_REESTABLISH_FRAMES;
         // A chain deeper than the kernel walks could only be proven by reading all of it here.
         let too_deep = record.py.status & py_status::TOO_DEEP != 0;
-        !joined_near_leaf && !too_deep && self.established_at.is_none_or(|at| at.elapsed() >= ESTABLISH_INTERVAL) && self.failures < MAX_ESTABLISH_FAILURES
+        let settled = self.established_ns.is_none_or(|at| record.time_ns >= at.saturating_add(ESTABLISH_INTERVAL_NS));
+        !joined_near_leaf && !too_deep && settled && self.failures < MAX_ESTABLISH_FAILURES
+    }
+
+    /// Marks the newest chain replaced now, and drops those no sample still in flight can have
+    /// joined: replaced before `record` (of this thread) was taken.
+    fn replace_chain(&mut self, record: &SampleRecord, now_ns: u64) {
+        self.chains.retain(|chain| chain.replaced_ns.is_none_or(|at| at.saturating_add(REPLACED_MARGIN_NS) > record.time_ns));
+        if let Some(newest) = self.chains.front_mut() {
+            newest.replaced_ns.get_or_insert(now_ns);
+        }
     }
 
     pub(super) fn clear(&mut self) {
@@ -134,10 +152,10 @@ pub(super) fn maybe_establish<M: Memory>(
     // While the marker moves, the eBPF program must not join the old chain: a marker moved by
     // returns of the new marker frame could land on an address the old chain also holds.
     kernel.remove_marker_chain(record.tid);
+    thread.replace_chain(record, monotonic_ns());
     let established = establish(resolver, thread, gen, frames);
-    thread.established_at = Some(Instant::now());
     thread.failures = if established.is_err() { thread.failures + 1 } else { 0 };
-    match established {
+    let used_gen = match established {
         Ok(Some(chain)) => {
             let value = chain.kernel_value();
             thread.chains.truncate(CHAINS_KEPT - 1);
@@ -157,7 +175,9 @@ pub(super) fn maybe_establish<M: Memory>(
             stats.marker_races += 1;
             false
         }
-    }
+    };
+    thread.established_ns = Some(monotonic_ns());
+    used_gen
 }
 
 impl EstablishedChain {
@@ -203,7 +223,7 @@ fn establish<M: Memory>(resolver: &mut Resolver<M>, thread: &Thread, gen: u64, f
             items.extend(tail_items);
         }
     }
-    Ok(Some(EstablishedChain { gen, seq_base: before.seq, addrs, items }))
+    Ok(Some(EstablishedChain { gen, seq_base: before.seq, addrs, items, replaced_ns: None }))
 }
 
 /// The frames from `addr` rootward, resolved, down to the root or to `stop_at` (included);

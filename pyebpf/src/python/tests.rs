@@ -16,6 +16,7 @@ use crate::cpython::asyncio::AsyncioOffsets;
 use crate::cpython::memory::{MemCounters, MemError, ReadMemory, WriteMemory};
 use crate::cpython::runtime;
 use crate::kernel_maps::fake::FakeKernel;
+use crate::ktime::monotonic_ns;
 use crate::merge::PyStackItem;
 use crate::stack::{Frame, FrameId};
 use pyebpf_tests::Killed;
@@ -252,6 +253,49 @@ fn a_thread_that_moves_while_its_chain_is_read_gets_no_chain() {
     assert_eq!(outcome, PythonStack::Whole, "the sample itself is whole");
     assert_eq!((stats.markers_established, stats.marker_races), (0, 1));
     assert!(kernel.markers.is_empty(), "a chain read while the thread moved was told to the kernel");
+}
+
+/// Samples are read late (a consumer behind, a wakeup still to come): one taken before a chain was
+/// set says nothing of that chain and does not replace it, and one that joined a replaced chain
+/// keeps its proven tail until samples of its thread taken after the replacement are read.
+#[test]
+fn samples_read_late_neither_replace_a_chain_nor_lose_theirs() {
+    let (target, _dir, py) = start("3.15");
+    let pid = target.pid();
+    let mut kernel = FakeKernel::default();
+    let mut pythons = registered(py, OPTIONS, &mut kernel);
+    let (mut stats, mut frames) = (Stats::default(), FrameTable::default());
+    let mut first = sample(&mut pythons, pid, pid);
+    first.time_ns = monotonic_ns();
+    let (_, whole) = resolve(&mut pythons, &first, &mut kernel, &mut stats, &mut frames);
+    let chain = kernel.markers[&pid];
+    std::thread::sleep(Duration::from_millis(15));
+    // Taken with `first`, read now: it walked the whole chain, as no chain was set then.
+    let mut in_flight = first.clone();
+    in_flight.time_ns += 1;
+    resolve(&mut pythons, &in_flight, &mut kernel, &mut stats, &mut frames);
+    assert_eq!(stats.markers_established, 1, "a sample taken before the chain was set replaced it");
+    // Taken now and still walking it all: the chain is set anew.
+    let mut later = first.clone();
+    later.time_ns = monotonic_ns();
+    resolve(&mut pythons, &later, &mut kernel, &mut stats, &mut frames);
+    assert_eq!(stats.markers_established, 2);
+    assert_ne!(kernel.markers[&pid].gen, chain.gen);
+    // One taken before the replacement, that joined the first chain, is read after it.
+    let mut joined = first.clone();
+    joined.py.frames_len = 1;
+    joined.py.status = py_status::THREAD_KNOWN | py_status::FRAME_READ | py_status::JOINED;
+    joined.py.marker_gen = chain.gen;
+    let (outcome, stack) = resolve(&mut pythons, &joined, &mut kernel, &mut stats, &mut frames);
+    assert_eq!((outcome, &stack), (PythonStack::Whole, &whole));
+    // Once a sample taken well after the replacement is read, nothing in flight can have joined
+    // the first chain: it is dropped when the next one is set.
+    let mut much_later = first.clone();
+    much_later.time_ns = monotonic_ns() + 50_000_000;
+    resolve(&mut pythons, &much_later, &mut kernel, &mut stats, &mut frames);
+    assert_eq!(stats.markers_established, 3);
+    let (outcome, _) = resolve(&mut pythons, &joined, &mut kernel, &mut stats, &mut frames);
+    assert_eq!(outcome, PythonStack::Cut);
 }
 
 /// A captured task named `name`, running (or suspended) in the frame at `coro_frame`, its

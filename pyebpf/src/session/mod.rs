@@ -24,6 +24,7 @@ use pyebpf_common::{origin, py_status, OffCpuEnd, OffCpuStart, ProcessEvent, Sam
 use crate::bpf::{Sampler, SamplerOptions, UnwindMode};
 use crate::filter::SampleFilter;
 use crate::kernel_maps::KernelMaps;
+use crate::ktime::monotonic_ns;
 use crate::mode::Mode;
 use crate::process;
 use crate::python::{PyItem, Pythons, SamplingOptions, TaskStack};
@@ -32,7 +33,7 @@ use crate::stack::{Frame, FrameCarry, FrameId, ProcessLabels, Profile, SampleSta
 use crate::stats::{SampleCounts, Stats};
 use crate::waits::{wait_reason, waiting_record, KernelSymbols};
 use native::NativeStacks;
-use off_cpu::{monotonic_ns, OffCpu};
+use off_cpu::OffCpu;
 pub use processes::DetailsWanted;
 use processes::ProcessTable;
 use repeats::{Repeats, Slot};
