@@ -354,10 +354,23 @@ pub struct OffCpuStart {
     /// Its task state when it left (`prev_state`; 0: preempted, still runnable).
     pub state: u32,
     pub tgid: u32,
-    /// The length of its intervals that began without a capture, since its last capture: sent
-    /// with the end of its next captured interval, whose stacks stand for them, as a sample's
-    /// stacks stand for its period.
-    pub carried_ns: u64,
+    /// The length of its intervals that began without a capture, by [`carry_kind`], since its
+    /// last capture of that kind: sent with the end of its next captured interval of the kind,
+    /// whose stacks stand for them, as a sample's stacks stand for its period.
+    pub carried_ns: [u64; 2],
+}
+
+impl OffCpuStart {
+    /// The uncaptured time its interval, if captured, stands for.
+    pub fn carried_for_capture(&self) -> u64 {
+        self.carried_ns[carry_kind(self.state)]
+    }
+}
+
+/// Which of [`OffCpuStart::carried_ns`] holds an interval left in task state `state`: preemptions
+/// (0) apart from waits, so short sleeps never count under a preemption's stacks, nor the reverse.
+pub const fn carry_kind(state: u32) -> usize {
+    (state == 0) as usize
 }
 
 /// Captures a thread may make in a row as it leaves the CPU before it is held to one per

@@ -3,13 +3,14 @@
 //! (its user, Python and kernel stacks are those it waits with, until it comes back); when it comes
 //! back, the same hook (then running in another thread) sends how long it was away. A thread that
 //! switches often is captured, after a burst, at most once per `--off-cpu-min` of its time; the
-//! intervals that begin without a capture are summed and sent with its next captured one, whose
-//! stacks stand for them (as a sample's stand for its period). Every switch on the host runs this
+//! intervals that begin without a capture are summed and sent with its next captured one of the
+//! same kind (a wait, or a preemption), whose stacks stand for them (as a sample's stand for its
+//! period). Every switch on the host runs this
 //! hook: for threads that are not watched it is two plain loads of each thread's process id and
 //! a bit of an array for each.
 
 use aya_ebpf::{helpers::bpf_ktime_get_ns, macros::btf_tracepoint, programs::BtfTracePointContext};
-use pyebpf_common::{origin, record_kind, Config, OffCpuEnd, OffCpuStart, OFF_CPU_BURST};
+use pyebpf_common::{carry_kind, origin, record_kind, Config, OffCpuEnd, OffCpuStart, OFF_CPU_BURST};
 
 use crate::capture::{capture_and_emit, Origin};
 use crate::emit::emit_or_count;
@@ -67,13 +68,15 @@ fn came_back(tid: u32) {
     // SAFETY: no preconditions. Read only for watched threads: the clock costs in a guest.
     let now = unsafe { bpf_ktime_get_ns() };
     let away = now.saturating_sub(entry.start_ns);
+    // A constant index for each kind: the verifier checks it without a bound.
+    let carried = if carry_kind(entry.state) == 0 { &mut entry.carried_ns[0] } else { &mut entry.carried_ns[1] };
     if entry.captured_ns == entry.start_ns {
-        let end = OffCpuEnd { kind: record_kind::OFF_CPU_END, tid, start_ns: entry.start_ns, away_ns: away, carried_ns: entry.carried_ns };
+        let end = OffCpuEnd { kind: record_kind::OFF_CPU_END, tid, start_ns: entry.start_ns, away_ns: away, carried_ns: *carried };
         emit_or_count::<OffCpuEnd>(&end, BPF_RB_NO_WAKEUP, LOST_SAMPLES);
-        entry.carried_ns = 0;
+        *carried = 0;
     } else {
         add_short(away);
-        entry.carried_ns += away;
+        *carried += away;
     }
     entry.start_ns = 0;
 }
@@ -102,7 +105,7 @@ fn leaves<const TASKS: bool>(ctx: &BtfTracePointContext, config: &Config, tgid: 
     let existing = OFF_CPU.get_ptr_mut(tid);
     // SAFETY: as in came_back.
     let (mut tokens, mut earned_ns, carried_ns) =
-        existing.map_or((OFF_CPU_BURST, now, 0), |entry| unsafe { ((*entry).tokens, (*entry).earned_ns, (*entry).carried_ns) });
+        existing.map_or((OFF_CPU_BURST, now, [0; 2]), |entry| unsafe { ((*entry).tokens, (*entry).earned_ns, (*entry).carried_ns) });
     // A minimum of 0 restores the whole burst at every switch.
     let earned = now.saturating_sub(earned_ns).checked_div(config.off_cpu_min_ns).unwrap_or(OFF_CPU_BURST);
     if earned > 0 {

@@ -103,7 +103,8 @@ pub struct ModeArgs {
     /// With --mode wall or off-cpu: a thread's stacks are captured as it leaves the CPU, after a
     /// burst of 16, at most once per this many microseconds; the waits that begin without a
     /// capture (a thread switching tens of thousands of times a second has many) are summed and
-    /// counted with the thread's next capture, whose stacks stand for them as a sample's do
+    /// counted with the thread's next capture of the same kind (a wait, or a preemption), whose
+    /// stacks stand for them as a sample's do
     #[arg(long = "off-cpu-min", value_name = "MICROSECONDS", default_value_t = DEFAULT_OFF_CPU_MIN_US, allow_negative_numbers = true,
           value_parser = clap::value_parser!(u64).range(0..=MAX_SECONDS * 1_000_000))]
     pub off_cpu_min_us: u64,

@@ -199,7 +199,7 @@ impl Summary {
             let o = &self.off_cpu;
             writeln!(
                 f,
-                "  off CPU: {} intervals with stacks ({} still waiting at the end); {} shorter ones begun without a capture (see --off-cpu-min), {:.3} s, {:.3} s of it counted with their thread's next capture",
+                "  off CPU: {} intervals with stacks ({} still waiting at the end); {} shorter ones begun without a capture (see --off-cpu-min), {:.3} s, {:.3} s of it counted with their thread's next capture of their kind",
                 o.intervals,
                 o.open_at_end,
                 o.short_intervals,

@@ -77,23 +77,19 @@ fn measured_wait_share(before: (f64, f64), after: (f64, f64)) -> f64 {
     100.0 * waited / (waited + computed)
 }
 
-/// Checks that `wait_io` and `compute` hold the serving thread's shares (of `serve_total`) it
-/// measured of itself (`true_wait` percent waiting), within 3 points; returns `wait_io`'s weight.
-fn assert_split_as_measured(serve: &[Stack], serve_total: u64, true_wait: f64, context: &str) -> u64 {
+/// Checks that `wait_io` and `compute` split their time as the serving thread measured of itself
+/// (`true_wait` percent waiting), within `points`, and hold most of its time; returns `wait_io`'s
+/// weight. The thread times only those two: what it spends between them (its loop, rewriting its
+/// truth file, which can wait for the disk) is left out of both sides.
+fn assert_split_as_measured(serve: &[Stack], serve_total: u64, true_wait: f64, points: f64, context: &str) -> u64 {
     let wait_io = weight(serve, |frames| has_function(frames, "wait_io"));
     let compute = weight(serve, |frames| has_function(frames, "compute"));
-    // The waits after `wait_io`'s last capture (up to a millisecond of each 10 ms cycle) count with
-    // the next capture's stacks, often `compute`'s: wait_io reads up to 5 points low, not more.
+    let both = wait_io + compute;
+    assert!(share(both, serve_total) >= 75.0, "wait_io and compute hold {:.1}% of the serving thread: {context}", share(both, serve_total));
     assert!(
-        (share(wait_io, serve_total) - true_wait).abs() <= 5.0,
-        "wait_io {:.1}% of the serving thread, where it measured {true_wait:.1}%: {context}",
-        share(wait_io, serve_total)
-    );
-    assert!(
-        (share(compute, serve_total) - (100.0 - true_wait)).abs() <= 3.0,
-        "compute {:.1}% of the serving thread, where it measured {:.1}%: {context}",
-        share(compute, serve_total),
-        100.0 - true_wait
+        (share(wait_io, both) - true_wait).abs() <= points,
+        "wait_io {:.1}% of the serving thread's wait_io and compute, where it measured {true_wait:.1}%: {context}",
+        share(wait_io, both)
     );
     wait_io
 }
@@ -122,7 +118,7 @@ fn check_wall_split(python: &std::path::Path) {
     let serve_total = weight(&serve, |_| true);
     // Each thread's wall time is the recording's (4 s, in microseconds), within what starting takes.
     assert!((3_600_000..=4_600_000).contains(&serve_total), "serving thread has {serve_total} us of a 4 s recording: {stderr}");
-    let wait_io = assert_split_as_measured(&serve, serve_total, true_wait, &stderr);
+    let wait_io = assert_split_as_measured(&serve, serve_total, true_wait, 3.0, &stderr);
     let asleep = weight(&serve, |frames| has_function(frames, "wait_io") && frames.last().is_some_and(|f| f == "[off-cpu sleep]"));
     assert!(asleep * 100 >= wait_io * 95, "wait_io is not labelled a sleep: {asleep} of {wait_io} us");
 
@@ -136,8 +132,8 @@ fn check_wall_split(python: &std::path::Path) {
 
 /// A thread that waits 40 times per 10 ms cycle, for 0.15 ms each, is captured at most once per
 /// millisecond after its burst: most of its waits begin without a capture, and count with the
-/// next capture's stacks. Its split is what it measured of itself (its sleeps end late), within
-/// what counting a wait with the next capture moves.
+/// stacks of its next captured wait (a preemption's take only preemptions). Its split is what it
+/// measured of itself (its sleeps end late).
 #[test]
 fn wall_mode_counts_waits_shorter_than_off_cpu_min() {
     let workload = Workload::start(&debian_python("3.15"), &["6", "4", "40"]);
@@ -147,15 +143,11 @@ fn wall_mode_counts_waits_shorter_than_off_cpu_min() {
     let true_wait = measured_wait_share(before, after);
     let serve = workload.thread(&stacks_of(&collapsed, workload.child.pid()), "serve");
     let serve_total = weight(&serve, |_| true);
-    let wait_io = weight(&serve, |frames| has_function(frames, "wait_io"));
     assert!((3_600_000..=4_600_000).contains(&serve_total), "serving thread has {serve_total} us of a 4 s recording: {stderr}");
-    // The waits after `wait_io`'s last capture (up to a millisecond of each 10 ms cycle) count with
-    // the next capture's stacks, often `compute`'s: wait_io reads up to 5 points low, not more.
-    assert!(
-        (share(wait_io, serve_total) - true_wait).abs() <= 5.0,
-        "wait_io {:.1}% of the serving thread, where it measured {true_wait:.1}%: {stderr}",
-        share(wait_io, serve_total)
-    );
+    // The waits after `wait_io`'s last capture count with its next captured wait, not with
+    // `compute`'s preemptions. wait_io still reads 1.4-2.7 points low in the runs measured (5.5
+    // in a failing run before, when waits were carried into any next capture): 4 points allowed.
+    assert_split_as_measured(&serve, serve_total, true_wait, 4.0, &stderr);
     let short: u64 = stderr.split("still waiting at the end); ").nth(1).and_then(|rest| rest.split_whitespace().next()?.parse().ok()).unwrap_or(0);
     assert!(short > 4000, "the waits were not shorter than --off-cpu-min: {short} begun without a capture: {stderr}");
 }
@@ -260,7 +252,7 @@ fn host_wide_wall_mode_with_twenty_python_processes_loses_nothing_and_keeps_thei
         let serve_total = weight(&serve, |_| true);
         let pid = workload.pid();
         assert!((3_000_000..=4_600_000).contains(&serve_total), "pid {pid}: serving thread has {serve_total} us: {stderr}");
-        assert_split_as_measured(&serve, serve_total, true_wait, &format!("pid {pid}"));
+        assert_split_as_measured(&serve, serve_total, true_wait, 3.0, &format!("pid {pid}"));
         let waiter = workload.thread(&stacks, "lock_waiter");
         let locked = weight(&waiter, |frames| has_function(frames, "lock_waiter") && frames.last().is_some_and(|f| f == "[off-cpu lock]"));
         assert!(share(locked, weight(&waiter, |_| true)) >= 97.0, "pid {pid}: lock waiter {locked} us locked");

@@ -174,7 +174,7 @@ impl OffCpu {
                 Some(pending) if pending.start_ns == entry.start_ns => {
                     stats.off_cpu.intervals += 1;
                     stats.off_cpu.open_at_end += 1;
-                    let ns = self.within_recording(entry.start_ns, now_ns) + self.carried(entry.carried_ns, entry.start_ns, stats);
+                    let ns = self.within_recording(entry.start_ns, now_ns) + self.carried(entry.carried_for_capture(), entry.start_ns, stats);
                     pending.count(ns, profile);
                 }
                 _ if entry.captured_ns != entry.start_ns => {
