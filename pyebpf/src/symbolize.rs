@@ -327,7 +327,7 @@ fn symbolize_file(blazesym: &mut blazesym::symbolize::Symbolizer, files: &mut Op
         }
     };
     let mut elf = Elf::new(path.clone());
-    elf.debug_syms = may_follow_debug_link(&path, id);
+    elf.debug_syms = files.debug_syms(id);
     match blazesym.symbolize(&Source::Elf(elf), Input::FileOffset(&batch.offsets)) {
         Ok(results) => results.iter().map(resolved).collect(),
         Err(err) => {

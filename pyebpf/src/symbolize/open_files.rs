@@ -34,13 +34,15 @@ struct OpenFile {
     _file: File,
     path: PathBuf,
     size: u64,
+    /// Whether blazesym may follow its debug link, once decided.
+    debug_syms: Option<bool>,
 }
 
 impl OpenFile {
     fn new(file: File) -> OpenFile {
         let path = PathBuf::from(format!("/proc/self/fd/{}", file.as_raw_fd()));
         let size = file.metadata().map_or(0, |metadata| metadata.len());
-        OpenFile { _file: file, path, size }
+        OpenFile { _file: file, path, size, debug_syms: None }
     }
 
     fn open(location: &Location, id: FileId) -> io::Result<OpenFile> {
@@ -77,6 +79,14 @@ impl OpenFiles {
             }
         };
         Ok(&file.path)
+    }
+
+    /// Whether blazesym may follow file `id`'s debug link ([`super::may_follow_debug_link`]):
+    /// decided when blazesym first reads the file, as it never reads it again (and the check
+    /// walks the file's path, a dozen system calls, too many for every new address).
+    pub fn debug_syms(&mut self, id: FileId) -> bool {
+        let Some(file) = self.files.get_mut(&id) else { return false };
+        *file.debug_syms.get_or_insert_with(|| super::may_follow_debug_link(&file.path, id))
     }
 
     /// The file's GNU build ID, read from the open file, or from one opened for this alone.
