@@ -9,7 +9,9 @@
 //! [`MapsCache`] keeps each process's latest snapshot, and re-reads it:
 //! - for samples ([`MapsCache::covering`]): when the process was never read, or an address to be
 //!   resolved falls outside every executable mapping (a new `dlopen`), at most once per
-//!   [`REFRESH_INTERVAL`];
+//!   [`REFRESH_INTERVAL`], and less often while re-reads find nothing new (up to
+//!   [`MAX_REFRESH_INTERVAL`]): a stack unwound through code without frame pointers ends in junk
+//!   that no re-read explains;
 //! - for a reader that waits for a file to be mapped ([`MapsCache::newer_than`]): when the snapshot
 //!   is older than the age it asks for.
 //!
@@ -27,6 +29,9 @@ use procfs::process::{MMPermissions, MMapPath, Process};
 /// The shortest time between two reads of one process's maps for samples: junk addresses from a
 /// broken frame-pointer chain fall outside every mapping and must not cause a re-read per sample.
 pub const REFRESH_INTERVAL: Duration = Duration::from_millis(100);
+/// The longest: each re-read for samples that finds the same mappings doubles the time to the
+/// next, up to this; one that finds new ones starts over.
+pub const MAX_REFRESH_INTERVAL: Duration = Duration::from_millis(3200);
 
 /// Processes whose maps are kept at most (all dropped at once when exceeded; they are read again
 /// on demand).
@@ -159,6 +164,8 @@ struct Entry {
     tried_at: Instant,
     /// None while they could never be read.
     read_at: Option<Instant>,
+    /// The time from `tried_at` before samples may have them read again.
+    refresh_after: Duration,
 }
 
 /// The latest maps of each process sampled; see the module documentation for when they are read.
@@ -168,15 +175,22 @@ pub struct MapsCache {
 }
 
 impl MapsCache {
-    /// `pid`'s maps, re-read first if one of `addrs` falls outside every executable mapping (or
-    /// the process was never read) and they were not read in the last [`REFRESH_INTERVAL`]. Never
-    /// fails: a process whose maps cannot be read has none (or keeps those read before).
+    /// `pid`'s maps, re-read first if one of `addrs` falls outside every executable mapping (or the
+    /// process was never read) and they were not read too recently (see the module documentation).
+    /// Never fails: a process whose maps cannot be read has none (or keeps those read before).
     pub fn covering(&mut self, pid: u32, addrs: &[u64]) -> &Arc<Maps> {
-        let stale =
-            self.processes.get(&pid).is_none_or(|entry| !addrs.iter().all(|&addr| entry.maps.explains(addr)) && entry.tried_at.elapsed() >= REFRESH_INTERVAL);
+        let stale = self
+            .processes
+            .get(&pid)
+            .is_none_or(|entry| !addrs.iter().all(|&addr| entry.maps.explains(addr)) && entry.tried_at.elapsed() >= entry.refresh_after);
         if stale {
+            let before = self.processes.get(&pid).map(|entry| entry.maps.clone());
             if let Err(err) = self.reread(pid) {
                 log::debug!("{err}");
+            }
+            let entry = self.entry(pid);
+            if before.is_some_and(|before| Arc::ptr_eq(&before, &entry.maps)) {
+                entry.refresh_after = (entry.refresh_after * 2).min(MAX_REFRESH_INTERVAL);
             }
         }
         &self.entry(pid).maps
@@ -206,6 +220,7 @@ impl MapsCache {
         entry.read_at = Some(entry.tried_at);
         if read.mappings != entry.maps.mappings {
             entry.maps = Arc::new(read);
+            entry.refresh_after = REFRESH_INTERVAL;
         }
         Ok(())
     }
@@ -215,7 +230,12 @@ impl MapsCache {
         if self.processes.len() >= MAX_PROCESSES && !self.processes.contains_key(&pid) {
             self.processes.clear();
         }
-        self.processes.entry(pid).or_insert_with(|| Entry { maps: Arc::new(Maps::unknown()), tried_at: Instant::now(), read_at: None })
+        self.processes.entry(pid).or_insert_with(|| Entry {
+            maps: Arc::new(Maps::unknown()),
+            tried_at: Instant::now(),
+            read_at: None,
+            refresh_after: REFRESH_INTERVAL,
+        })
     }
 }
 
@@ -265,6 +285,40 @@ mod tests {
         let before = cache.covering(pid, &[page]).clone();
         assert!(!Arc::ptr_eq(&before, &first) && before.find(page).is_some_and(Mapping::is_executable));
         assert!(Arc::ptr_eq(cache.covering(pid, &[page + 4096 * 1024]), &before), "read too recently");
+    }
+
+    #[test]
+    fn rereads_that_find_nothing_new_come_less_often() {
+        let mut child = std::process::Command::new("sleep").arg("60").spawn().unwrap();
+        let pid = child.id();
+        let mut cache = MapsCache::default();
+        // Once asleep, `sleep` maps nothing more.
+        let started = Instant::now();
+        let first = loop {
+            let read = cache.newer_than(pid, Duration::ZERO).unwrap().clone();
+            std::thread::sleep(Duration::from_millis(20));
+            if Arc::ptr_eq(cache.newer_than(pid, Duration::ZERO).unwrap(), &read) {
+                break read;
+            }
+            assert!(started.elapsed() < Duration::from_secs(10), "sleep kept mapping");
+        };
+        let tried = |cache: &MapsCache| cache.processes[&pid].tried_at;
+        // Junk (the page above the first, which nothing maps): read again, found the same, so the
+        // next re-read waits twice as long.
+        std::thread::sleep(REFRESH_INTERVAL);
+        let read = tried(&cache);
+        cache.covering(pid, &[0x2000]);
+        let reread = tried(&cache);
+        assert!(reread > read && Arc::ptr_eq(&cache.processes[&pid].maps, &first));
+        std::thread::sleep(REFRESH_INTERVAL);
+        cache.covering(pid, &[0x2000]);
+        assert_eq!(tried(&cache), reread, "read again after one interval though the last re-read found nothing");
+        std::thread::sleep(REFRESH_INTERVAL);
+        cache.covering(pid, &[0x2000]);
+        assert!(tried(&cache) > reread);
+        assert_eq!(cache.processes[&pid].refresh_after, 4 * REFRESH_INTERVAL);
+        child.kill().unwrap();
+        child.wait().unwrap();
     }
 
     /// Maps a page of executable memory that stays for the rest of the test process.
