@@ -107,6 +107,17 @@ fn sample(pythons: &mut Pythons<Overlay>, pid: u32, tid: u32) -> Box<SampleRecor
     record
 }
 
+/// `record` as the eBPF program sends it when its walk stops at the marker of chain `gen`, which
+/// sits on the innermost frame.
+fn joined_at_marker(record: &SampleRecord, gen: u64) -> Box<SampleRecord> {
+    let mut joined = Box::new(*record);
+    joined.py.frames_len = 1;
+    joined.py.status = py_status::THREAD_KNOWN | py_status::FRAME_READ | py_status::JOINED;
+    joined.py.marker_gen = gen;
+    joined.py.marker_position = 0;
+    joined
+}
+
 /// Function names of a resolved stack, innermost first.
 fn names(frames: &FrameTable, items: &[PyItem]) -> Vec<String> {
     items
@@ -214,11 +225,7 @@ fn a_marker_chain_is_proven_then_joined_and_a_moving_thread_gets_none() {
     assert_eq!(*py.memory().writes.borrow(), [(tstate + py.offsets().tstate_last_profiled_frame.unwrap(), walked[0])]);
 
     // The kernel stops at the marker: a sample that joined it there gets the chain's proven tail.
-    let mut joined = record.clone();
-    joined.py.frames_len = 1;
-    joined.py.status = py_status::THREAD_KNOWN | py_status::FRAME_READ | py_status::JOINED;
-    joined.py.marker_gen = chain.gen;
-    joined.py.marker_position = 0;
+    let mut joined = joined_at_marker(&record, chain.gen);
     let (outcome, stack) = resolve(&mut pythons, &joined, &mut kernel, &mut stats, &mut frames);
     assert_eq!((outcome, &stack), (PythonStack::Whole, &whole));
     assert_eq!((stats.marker_joins, stats.frames_joined), (1, walked.len() as u64 - 1));
@@ -282,10 +289,7 @@ fn samples_read_late_neither_replace_a_chain_nor_lose_theirs() {
     assert_eq!(stats.markers_established, 2);
     assert_ne!(kernel.markers[&pid].gen, chain.gen);
     // One taken before the replacement, that joined the first chain, is read after it.
-    let mut joined = first.clone();
-    joined.py.frames_len = 1;
-    joined.py.status = py_status::THREAD_KNOWN | py_status::FRAME_READ | py_status::JOINED;
-    joined.py.marker_gen = chain.gen;
+    let joined = joined_at_marker(&first, chain.gen);
     let (outcome, stack) = resolve(&mut pythons, &joined, &mut kernel, &mut stats, &mut frames);
     assert_eq!((outcome, &stack), (PythonStack::Whole, &whole));
     // Once a sample taken well after the replacement is read, nothing in flight can have joined
