@@ -16,7 +16,7 @@ use pyebpf_common::{
 
 use crate::asyncio::{capture_tasks, clear_tasks, emit_waiting_tasks};
 use crate::emit::{emit_or_count, wakeup_flags};
-use crate::python::{capture_python, registered};
+use crate::python::{capture_python, registered, uses_marker};
 use crate::user_stack::{copy_stack, stack_len, user_regs, walk_user_stack, wants_snapshot};
 use crate::{KNOWN_PROCS, LOST_SAMPLES, PY_PROCS, SCRATCH};
 
@@ -164,8 +164,8 @@ fn urgent(record: &SampleRecord) -> bool {
     if record.py.status & py_status::THREAD_KNOWN == 0 {
         return true;
     }
-    // SAFETY: a map value, read once.
-    let uses_marker = unsafe { (*proc_config).flags } & py_proc_flags::USE_MARKER != 0;
+    // SAFETY: a map value, read once. Only a version with a marker shortens a long walk.
+    let uses_marker = uses_marker(unsafe { &*proc_config });
     // A walk this short costs little again, joined or whole: no hurry to shorten it.
     uses_marker && record.py.frames_len > MARKER_REESTABLISH_FRAMES && record.py.status & py_status::TOO_DEEP == 0
 }

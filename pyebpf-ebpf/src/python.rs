@@ -153,10 +153,17 @@ unsafe extern "C" fn attached_step(_index: u64, context: *mut c_void) -> i64 {
     0
 }
 
+/// Whether the thread's walk may stop at the marker: userspace asks for it, and the version has
+/// one (3.15's `last_profiled_frame`).
+#[inline(always)]
+pub fn uses_marker(config: &PyProcConfig) -> bool {
+    config.flags & py_proc_flags::USE_MARKER != 0 && config.tstate_last_profiled_frame != NO_OFFSET && config.tstate_last_profiled_seq != NO_OFFSET
+}
+
 /// The frame at which the walk may stop: the current marker, when it sits where the thread's
 /// established chain says `k` pops of the marker frame put it (the sequence number moved by `k`).
 fn marker_stop(tid: u32, config: &PyProcConfig, py: &mut PyCapture) -> u64 {
-    if config.flags & py_proc_flags::USE_MARKER == 0 || config.tstate_last_profiled_frame == NO_OFFSET || config.tstate_last_profiled_seq == NO_OFFSET {
+    if !uses_marker(config) {
         return 0;
     }
     let (Some(marker), Some(seq)) =
