@@ -71,29 +71,38 @@ impl NativeIds {
         &self.level_ids[level.first as usize..(level.first + level.len) as usize]
     }
 
-    /// A user stack as `bpf_get_stack` returns it (innermost first), as levels into `out`.
+    /// A user stack as `bpf_get_stack` returns it (innermost first), as levels into `out`. Only
+    /// the entries not seen before in the process are symbolized (a new leaf, mostly).
     pub fn user_levels(&mut self, symbolizer: &mut Symbolizer, maps: &mut MapsCache, frames: &mut FrameTable, pid: u32, stack: &[u64], out: &mut Vec<IdLevel>) {
-        out.clear();
-        if let Some(levels) = self.user.get(&pid) {
-            for (depth, &addr) in stack.iter().enumerate() {
-                match levels.get(&call_site(depth, addr)) {
-                    Some(level) => out.push(*level),
-                    _ => break,
-                }
-            }
-            if out.len() == stack.len() {
-                return;
-            }
+        if !self.known_levels(pid, stack, out) {
+            self.resolve_user(symbolizer, maps, frames, pid, stack);
+            let all_known = self.known_levels(pid, stack, out);
+            debug_assert!(all_known, "every entry was just resolved");
         }
-        self.resolve_user(symbolizer, maps, frames, pid, stack, out);
     }
 
-    fn resolve_user(&mut self, symbolizer: &mut Symbolizer, maps: &mut MapsCache, frames: &mut FrameTable, pid: u32, stack: &[u64], out: &mut Vec<IdLevel>) {
-        self.enforce_bound();
+    /// The levels of `stack` into `out` when every entry was resolved before.
+    fn known_levels(&self, pid: u32, stack: &[u64], out: &mut Vec<IdLevel>) -> bool {
         out.clear();
-        let resolved = symbolizer.user_levels(maps, pid, stack);
+        let Some(levels) = self.user.get(&pid) else { return stack.is_empty() };
+        for (depth, &addr) in stack.iter().enumerate() {
+            match levels.get(&call_site(depth, addr)) {
+                Some(level) => out.push(*level),
+                None => return false,
+            }
+        }
+        true
+    }
+
+    /// Symbolizes the entries of `stack` not resolved before.
+    fn resolve_user(&mut self, symbolizer: &mut Symbolizer, maps: &mut MapsCache, frames: &mut FrameTable, pid: u32, stack: &[u64]) {
+        self.enforce_bound();
         let levels = self.user.entry(pid).or_default();
-        for (depth, (&addr, native)) in stack.iter().zip(resolved).enumerate() {
+        let mut sites: Vec<u64> = stack.iter().enumerate().map(|(depth, &addr)| call_site(depth, addr)).filter(|site| !levels.contains_key(site)).collect();
+        sites.sort_unstable();
+        sites.dedup();
+        let resolved = symbolizer.site_levels(maps, pid, &sites);
+        for (site, native) in sites.into_iter().zip(resolved) {
             let mapped = native.iter().any(|frame| frame.module.is_some());
             let level = IdLevel {
                 first: self.level_ids.len() as u32,
@@ -105,8 +114,7 @@ impl NativeIds {
                 checked_at: (!mapped).then(Instant::now),
             };
             self.level_ids.extend(native.into_iter().map(|frame| frames.intern(Frame::Native(frame))));
-            levels.insert(call_site(depth, addr), level);
-            out.push(level);
+            levels.insert(site, level);
         }
     }
 

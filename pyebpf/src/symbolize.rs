@@ -172,15 +172,16 @@ impl Symbolizer {
     /// instruction, later entries return addresses. Frames keep their place even when unknown; an
     /// address inlined into its caller gives several frames, innermost first.
     pub fn user_frames(&mut self, maps: &mut MapsCache, pid: u32, stack: &[u64]) -> Vec<NativeFrame> {
-        self.user_levels(maps, pid, stack).into_iter().flatten().collect()
+        let sites: Vec<u64> = stack.iter().enumerate().map(|(depth, &addr)| call_site(depth, addr)).collect();
+        self.site_levels(maps, pid, &sites).into_iter().flatten().collect()
     }
 
-    /// Like [`Symbolizer::user_frames`], with the frames of each stack entry kept apart.
-    pub fn user_levels(&mut self, maps: &mut MapsCache, pid: u32, stack: &[u64]) -> Vec<Vec<NativeFrame>> {
+    /// The frames of each call site (an address to look up, as [`call_site`] gives for a stack
+    /// entry), kept apart.
+    pub fn site_levels(&mut self, maps: &mut MapsCache, pid: u32, addrs: &[u64]) -> Vec<Vec<NativeFrame>> {
         self.enforce_bounds();
-        let addrs: Vec<u64> = stack.iter().enumerate().map(|(depth, &addr)| call_site(depth, addr)).collect();
-        self.follow_maps(pid, maps.covering(pid, &addrs));
-        self.resolve_missing(pid, &addrs);
+        self.follow_maps(pid, maps.covering(pid, addrs));
+        self.resolve_missing(pid, addrs);
 
         let maps = self.processes.get(&pid);
         addrs
