@@ -7,7 +7,8 @@
 //! - each file's build ID and symbols, keyed by the file's identity (device and inode), so a library
 //!   that many processes map is parsed once; blazesym keeps the parsed file open, so late samples of
 //!   a process that has exited still resolve;
-//! - each result, per (file, file offset) and per kernel address.
+//! - each result, per (file, file offset) and per kernel address; and a file's CPython eval loop,
+//!   whose addresses need no look-up once one resolved there ([`EVAL_LOOP`]).
 //!
 //! A long host-wide run sees an endless stream of processes and files, so every cache is bounded:
 //! what belongs to a process goes when the process has exited ([`Symbolizer::forget_process`]);
@@ -22,6 +23,7 @@
 //! thread that symbolizes (e.g. inside `tokio::task::spawn_blocking` or a dedicated thread).
 
 use std::collections::HashMap;
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -48,6 +50,12 @@ const MAX_BUILD_IDS: usize = 4096;
 
 /// Resolved addresses kept at most, per kind (file offsets, in-process, kernel addresses).
 const MAX_RESOLVED: usize = 100_000;
+
+/// The function CPython 3.11-3.14 runs Python code in: samples land at thousands of addresses in
+/// it, and the merge replaces its levels with the Python frames they ran. Once one address of a
+/// file resolved there, the others in its range are known to be it without a look-up (the
+/// function alone: no inlined calls, no line).
+const EVAL_LOOP: &str = "_PyEval_EvalFrameDefault";
 
 /// A file's identity, independent of the path a process reaches it by.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -128,6 +136,10 @@ pub struct Symbolizer {
     by_file_offset: HashMap<(FileId, u64), Resolved>,
     by_process_addr: HashMap<(u32, u64), Resolved>,
     kernel: HashMap<u64, Option<Arc<str>>>,
+    /// Each file's [`EVAL_LOOP`], as file offsets, once an address resolved there.
+    eval_loops: HashMap<FileId, Range<u64>>,
+    /// What every address in an eval loop resolves to.
+    eval_loop: Resolved,
 }
 
 impl Default for Symbolizer {
@@ -154,6 +166,8 @@ impl Symbolizer {
             by_file_offset: HashMap::new(),
             by_process_addr: HashMap::new(),
             kernel: HashMap::new(),
+            eval_loops: HashMap::new(),
+            eval_loop: Arc::new([Function { name: EVAL_LOOP.into(), file: None, line: None }]),
         }
     }
 
@@ -164,6 +178,7 @@ impl Symbolizer {
             self.build_ids.clear();
         }
         clear_if_over(&mut self.build_ids, MAX_BUILD_IDS);
+        clear_if_over(&mut self.eval_loops, MAX_BUILD_IDS);
         clear_if_over(&mut self.by_file_offset, MAX_RESOLVED);
         clear_if_over(&mut self.by_process_addr, MAX_RESOLVED);
     }
@@ -275,7 +290,12 @@ impl Symbolizer {
             match &mapping.backing {
                 Backing::File { id, path_in_process } => {
                     let offset = mapping.file_offset(addr);
-                    if !self.by_file_offset.contains_key(&(*id, offset)) {
+                    if self.by_file_offset.contains_key(&(*id, offset)) {
+                        continue;
+                    }
+                    if self.eval_loops.get(id).is_some_and(|range| range.contains(&offset)) {
+                        self.by_file_offset.insert((*id, offset), self.eval_loop.clone());
+                    } else {
                         by_file.entry(*id).or_insert_with(|| FileBatch::new(pid, mapping, path_in_process)).offsets.push(offset);
                     }
                 }
@@ -290,8 +310,11 @@ impl Symbolizer {
         for (id, mut batch) in by_file {
             batch.offsets.sort_unstable();
             batch.offsets.dedup();
-            let resolved = symbolize_file(&mut self.blazesym, &mut self.open_files, id, &batch);
+            let (resolved, eval_loop) = symbolize_file(&mut self.blazesym, &mut self.open_files, id, &batch);
             self.by_file_offset.extend(batch.offsets.into_iter().map(|offset| (id, offset)).zip(resolved));
+            if let Some(range) = eval_loop {
+                self.eval_loops.insert(id, range);
+            }
         }
 
         if !by_process.is_empty() {
@@ -315,28 +338,39 @@ impl Symbolizer {
     }
 }
 
-/// Symbolizes file offsets in one file. A file opened before stays open, so late samples of a
-/// process that has exited still resolve. A file that cannot be opened or read gives unknown
-/// results, remembered like any other so it is not retried every sample.
-fn symbolize_file(blazesym: &mut blazesym::symbolize::Symbolizer, files: &mut OpenFiles, id: FileId, batch: &FileBatch) -> Vec<Resolved> {
+/// Symbolizes file offsets in one file, and finds where its [`EVAL_LOOP`] lies if one of them is
+/// in it. A file opened before stays open, so late samples of a process that has exited still
+/// resolve. A file that cannot be opened or read gives unknown results, remembered like any other
+/// so it is not retried every sample.
+fn symbolize_file(blazesym: &mut blazesym::symbolize::Symbolizer, files: &mut OpenFiles, id: FileId, batch: &FileBatch) -> (Vec<Resolved>, Option<Range<u64>>) {
     let name = batch.location.path.display();
     let path = match files.path(id, &batch.location) {
         Ok(path) => path.to_path_buf(),
         Err(err) => {
             log::debug!("cannot open {name} of process {}: {err}", batch.location.pid);
-            return unknown(batch.offsets.len());
+            return (unknown(batch.offsets.len()), None);
         }
     };
     let mut elf = Elf::new(path.clone());
     elf.debug_syms = files.debug_syms(id);
     match blazesym.symbolize(&Source::Elf(elf), Input::FileOffset(&batch.offsets)) {
-        Ok(results) => results.iter().map(resolved).collect(),
+        Ok(results) => {
+            let eval_loop = batch.offsets.iter().zip(&results).find_map(|(&offset, result)| eval_loop_range(offset, result));
+            (results.iter().map(resolved).collect(), eval_loop)
+        }
         Err(err) => {
             log::debug!("cannot symbolize {name}: {err}");
             files.close(blazesym, id);
-            unknown(batch.offsets.len())
+            (unknown(batch.offsets.len()), None)
         }
     }
+}
+
+/// The file offsets of the [`EVAL_LOOP`] that `offset` resolved into, if it did.
+fn eval_loop_range(offset: u64, result: &Symbolized<'_>) -> Option<Range<u64>> {
+    let sym = result.as_sym().filter(|sym| sym.name == EVAL_LOOP)?;
+    let start = offset.checked_sub(sym.offset as u64)?;
+    Some(start..start.checked_add(sym.size? as u64)?)
 }
 
 fn clear_if_over<K, V>(map: &mut HashMap<K, V>, max: usize) {

@@ -32,6 +32,20 @@ for (;;) pause();
 }
 "#;
 
+const EVAL_LOOP_PROGRAM: &str = r#"
+#include <stdio.h>
+#include <unistd.h>
+volatile unsigned long sink;
+static inline __attribute__((always_inline)) void step(int i) { sink += i * 3; }
+__attribute__((noinline)) void _PyEval_EvalFrameDefault(void) { for (int i = 0; i < 1000; i++) { step(i); sink ^= i; } }
+__attribute__((noinline)) void other_fn(void) { for (int i = 0; i < 1000; i++) { step(i); sink ^= i; } }
+int main(void) {
+printf("%lx %lx\n", (unsigned long)&_PyEval_EvalFrameDefault, (unsigned long)&other_fn);
+fflush(stdout);
+for (;;) pause();
+}
+"#;
+
 /// A symbolizer with its own maps, as a sample resolver pairs them.
 #[derive(Default)]
 struct Resolving {
@@ -275,7 +289,7 @@ fn a_file_once_opened_is_read_even_after_the_target_puts_a_fifo_at_its_path() {
     std::thread::spawn(move || {
         let mut blazesym = blazesym::symbolize::Symbolizer::new();
         let batch = FileBatch { location: Location { pid, start: 0, limit: 0, path: &exe }, offsets };
-        let resolved = symbolize_file(&mut blazesym, &mut files, id, &batch);
+        let (resolved, _) = symbolize_file(&mut blazesym, &mut files, id, &batch);
         let names: Vec<String> = resolved.iter().map(|functions| functions.iter().map(|f| f.name.to_string()).collect()).collect();
         let _ = sender.send((names, files.build_id(id, &batch.location), may_follow_debug_link(&path, id)));
     });
@@ -326,4 +340,27 @@ fn kernel_addresses_resolve_through_kallsyms() {
     let names: Vec<_> = frames.iter().map(|frame| frame.symbol.as_deref()).collect();
     assert_eq!(names, [Some("schedule"), Some("schedule")]);
     assert_eq!(frames[1].addr, address + 8);
+}
+
+#[test]
+fn the_eval_loop_is_looked_up_once_per_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let exe = compile("gcc", EVAL_LOOP_PROGRAM, "eval", &["-g", "-O1"], dir.path());
+    let mut program = Running::start(&exe);
+    let [eval_loop, other] = program.addresses()[..] else { panic!("two addresses") };
+    let lines = |frames: &[NativeFrame]| frames.iter().map(|frame| frame.line).collect::<Vec<_>>();
+
+    // Looked up, an address in the eval loop has its line (and here an inlined call).
+    let looked_up = Resolving::default().user_frames(program.pid(), &[eval_loop + 8]);
+    assert!(names(&looked_up).ends_with(&["_PyEval_EvalFrameDefault"]) && looked_up.iter().all(|frame| frame.line.is_some()), "{looked_up:?}");
+
+    // Once an address there resolved, the others are the function alone, without a look-up.
+    let mut resolving = Resolving::default();
+    let first = resolving.user_frames(program.pid(), &[eval_loop]);
+    assert_eq!(names(&first), ["_PyEval_EvalFrameDefault"]);
+    let later = resolving.user_frames(program.pid(), &[eval_loop + 8]);
+    assert_eq!((names(&later), lines(&later)), (vec!["_PyEval_EvalFrameDefault"], vec![None]));
+    // Other functions are looked up as before.
+    let beside = resolving.user_frames(program.pid(), &[other + 8]);
+    assert!(names(&beside).ends_with(&["other_fn"]) && beside.iter().all(|frame| frame.line.is_some()), "{beside:?}");
 }
