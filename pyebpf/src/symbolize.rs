@@ -51,7 +51,7 @@ const MAX_BUILD_IDS: usize = 4096;
 /// Resolved addresses kept at most, per kind (file offsets, in-process, kernel addresses).
 const MAX_RESOLVED: usize = 100_000;
 
-/// The function CPython 3.11-3.14 runs Python code in: samples land at thousands of addresses in
+/// The function CPython up to 3.14 runs Python code in: samples land at thousands of addresses in
 /// it, and the merge replaces its levels with the Python frames they ran. Once one address of a
 /// file resolved there, the others in its range are known to be it without a look-up (the
 /// function alone: no inlined calls, no line).

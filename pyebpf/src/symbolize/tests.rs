@@ -350,7 +350,7 @@ fn the_eval_loop_is_looked_up_once_per_file() {
     let [eval_loop, other] = program.addresses()[..] else { panic!("two addresses") };
     let lines = |frames: &[NativeFrame]| frames.iter().map(|frame| frame.line).collect::<Vec<_>>();
 
-    // Looked up, an address in the eval loop has its line (and here an inlined call).
+    // Looked up, an address in the eval loop has its line (and those of any call inlined there).
     let looked_up = Resolving::default().user_frames(program.pid(), &[eval_loop + 8]);
     assert!(names(&looked_up).ends_with(&["_PyEval_EvalFrameDefault"]) && looked_up.iter().all(|frame| frame.line.is_some()), "{looked_up:?}");
 
