@@ -12,7 +12,7 @@ use hashbrown::HashMap;
 use crate::maps::MapsCache;
 use crate::merge::{in_libc, is_interpreter_frame, is_start_code, NativeLevel};
 use crate::stack::{Frame, FrameCarry, FrameId, FrameTable};
-use crate::symbolize::{call_site, Symbolizer};
+use crate::symbolize::{call_sites, Symbolizer};
 
 /// How long an address found in no mapping is taken as such before it is looked up again.
 const UNMAPPED_RECHECK: Duration = Duration::from_millis(100);
@@ -85,8 +85,8 @@ impl NativeIds {
     fn known_levels(&self, pid: u32, stack: &[u64], out: &mut Vec<IdLevel>) -> bool {
         out.clear();
         let Some(levels) = self.user.get(&pid) else { return stack.is_empty() };
-        for (depth, &addr) in stack.iter().enumerate() {
-            match levels.get(&call_site(depth, addr)) {
+        for site in call_sites(stack) {
+            match levels.get(&site) {
                 Some(level) => out.push(*level),
                 None => return false,
             }
@@ -98,7 +98,7 @@ impl NativeIds {
     fn resolve_user(&mut self, symbolizer: &mut Symbolizer, maps: &mut MapsCache, frames: &mut FrameTable, pid: u32, stack: &[u64]) {
         self.enforce_bound();
         let levels = self.user.entry(pid).or_default();
-        let mut sites: Vec<u64> = stack.iter().enumerate().map(|(depth, &addr)| call_site(depth, addr)).filter(|site| !levels.contains_key(site)).collect();
+        let mut sites: Vec<u64> = call_sites(stack).filter(|site| !levels.contains_key(site)).collect();
         sites.sort_unstable();
         sites.dedup();
         let resolved = symbolizer.site_levels(maps, pid, &sites);
@@ -121,8 +121,8 @@ impl NativeIds {
     /// A kernel stack (innermost first) as frame ids appended to `out`.
     pub fn kernel_frames(&mut self, symbolizer: &mut Symbolizer, frames: &mut FrameTable, stack: &[u64], out: &mut Vec<FrameId>) {
         let start = out.len();
-        for (depth, &addr) in stack.iter().enumerate() {
-            match self.kernel.get(&call_site(depth, addr)) {
+        for site in call_sites(stack) {
+            match self.kernel.get(&site) {
                 Some(&id) => out.push(id),
                 None => {
                     out.truncate(start);

@@ -187,12 +187,12 @@ impl Symbolizer {
     /// instruction, later entries return addresses. Frames keep their place even when unknown; an
     /// address inlined into its caller gives several frames, innermost first.
     pub fn user_frames(&mut self, maps: &mut MapsCache, pid: u32, stack: &[u64]) -> Vec<NativeFrame> {
-        let sites: Vec<u64> = stack.iter().enumerate().map(|(depth, &addr)| call_site(depth, addr)).collect();
+        let sites: Vec<u64> = call_sites(stack).collect();
         self.site_levels(maps, pid, &sites).into_iter().flatten().collect()
     }
 
-    /// The frames of each call site (an address to look up, as [`call_site`] gives for a stack
-    /// entry), kept apart.
+    /// The frames of each call site (an address to look up, as [`call_sites`] gives for a stack's
+    /// entries), kept apart.
     pub fn site_levels(&mut self, maps: &mut MapsCache, pid: u32, addrs: &[u64]) -> Vec<Vec<NativeFrame>> {
         self.enforce_bounds();
         self.follow_maps(pid, maps.covering(pid, addrs));
@@ -225,7 +225,7 @@ impl Symbolizer {
     /// Symbolizes a kernel stack (innermost first) with kallsyms.
     pub fn kernel_frames(&mut self, stack: &[u64]) -> Vec<KernelFrame> {
         clear_if_over(&mut self.kernel, MAX_RESOLVED);
-        let addrs: Vec<u64> = stack.iter().enumerate().map(|(depth, &addr)| call_site(depth, addr)).collect();
+        let addrs: Vec<u64> = call_sites(stack).collect();
         let mut missing: Vec<u64> = addrs.iter().copied().filter(|addr| !self.kernel.contains_key(addr)).collect();
         missing.sort_unstable();
         missing.dedup();
@@ -379,14 +379,11 @@ fn clear_if_over<K, V>(map: &mut HashMap<K, V>, max: usize) {
     }
 }
 
-/// The address to look up for a stack entry: return addresses (every entry but the first) point
-/// after the call, possibly into the next function or line, so look at the call instruction.
-pub(crate) fn call_site(depth: usize, addr: u64) -> u64 {
-    if depth == 0 {
-        addr
-    } else {
-        addr.saturating_sub(1)
-    }
+/// The addresses to look up for a stack's entries (innermost first): return addresses (every entry
+/// but the first) point after the call, possibly into the next function or line, so look at the
+/// call instruction.
+pub(crate) fn call_sites(stack: &[u64]) -> impl Iterator<Item = u64> + '_ {
+    stack.iter().enumerate().map(|(depth, &addr)| if depth == 0 { addr } else { addr.saturating_sub(1) })
 }
 
 fn level_frames(addr: u64, module: &Arc<Module>, functions: &[Function]) -> Vec<NativeFrame> {
