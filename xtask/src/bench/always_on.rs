@@ -9,7 +9,6 @@
 
 mod receiver;
 
-use std::fmt::Write as _;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -46,6 +45,8 @@ const BUSY_SCRIPT: &str = "always_busy.py";
 /// How long pyebpf waits at its stop for its last period to be delivered, and the collector for
 /// the sink to take it.
 const FLUSH_TIMEOUT_S: &str = "120";
+/// How long a run waits, before it starts, for the collector and the sink to finish with the last.
+const RECEIVER_SETTLE_S: u64 = 120;
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Agent {
@@ -154,6 +155,9 @@ pub fn always_on(bench: &Bench) -> Result<Value> {
 /// One profiler on the workload `targets` (with their versions) at `hz`: its steady CPU, peak
 /// RSS, and what reached the collector.
 fn measure(bench: &Bench, agents: &Agents, agent: Agent, hz: u32, receiver: &Receiver, targets: &[(Target, &str)]) -> Result<Value> {
+    if !receiver.settle(Duration::from_secs(RECEIVER_SETTLE_S)) {
+        eprintln!("  the collector and the sink were still busy after {RECEIVER_SETTLE_S} s: the window may include their work");
+    }
     let mark = receiver.mark();
     let since_ns = u64::try_from(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_nanos())?;
     let endpoint = format!("127.0.0.1:{}", receiver.grpc_port);
@@ -165,11 +169,7 @@ fn measure(bench: &Bench, agents: &Agents, agent: Agent, hz: u32, receiver: &Rec
     }
     std::thread::sleep(Duration::from_secs(WARMUP_S));
     let pid = running.pid();
-    let before = threads_cpu_ns(pid).with_context(|| format!("{} exited during its warm-up: {}", agent.key(), running.log_tail()))?;
-    let window = Instant::now();
-    std::thread::sleep(Duration::from_secs(MEASURE_S));
-    let after = threads_cpu_ns(pid).with_context(|| format!("{} exited during the measurement: {}", agent.key(), running.log_tail()))?;
-    let share = after.saturating_sub(before) as f64 / window.elapsed().as_nanos() as f64;
+    let (share, receiver_share) = window_shares(agent, &running, receiver)?;
     let max_rss_mb = vm_hwm_kb(pid).context("read VmHWM")? as f64 / 1024.0;
     let load_1m = std::fs::read_to_string("/proc/loadavg").ok().and_then(|l| l.split_whitespace().next()?.parse::<f64>().ok());
     running.stop()?;
@@ -179,10 +179,23 @@ fn measure(bench: &Bench, agents: &Agents, agent: Agent, hz: u32, receiver: &Rec
     let problem = check(agent, &delivered, readable, &running, receiver);
     Ok(json!({
         "problem": problem,
-        "share_of_one_core": share, "max_rss_mb": max_rss_mb, "load_1m": load_1m,
+        "share_of_one_core": share, "max_rss_mb": max_rss_mb, "load_1m": load_1m, "receiver_share_of_one_core": receiver_share,
         "command": agents.command_line(agent, &hz, &endpoint),
         "delivered": delivered.to_json(), "readable_processes": readable,
     }))
+}
+
+/// The CPU the running profiler and the receiver ran over the measured window, each as a share of
+/// one core.
+fn window_shares(agent: Agent, running: &Running, receiver: &Receiver) -> Result<(f64, f64)> {
+    let pid = running.pid();
+    let before = threads_cpu_ns(pid).with_context(|| format!("{} exited during its warm-up: {}", agent.key(), running.log_tail()))?;
+    let receiver_before = receiver.cpu_ns();
+    let window = Instant::now();
+    std::thread::sleep(Duration::from_secs(MEASURE_S));
+    let after = threads_cpu_ns(pid).with_context(|| format!("{} exited during the measurement: {}", agent.key(), running.log_tail()))?;
+    let window_ns = window.elapsed().as_nanos() as f64;
+    Ok((after.saturating_sub(before) as f64 / window_ns, receiver.cpu_ns().saturating_sub(receiver_before) as f64 / window_ns))
 }
 
 /// What is wrong with what a run delivered, if anything: no profiles, refused requests, or no
@@ -324,18 +337,17 @@ pub fn table(results: &Value) -> String {
     if section.is_null() {
         return "(not measured in this run)\n".to_string();
     }
-    let percent = |v: &Value| v.as_f64().map_or("–".into(), |s| format!("{:.3}%", s * 100.0));
-    let mb = |v: &Value| v.as_f64().map_or("–".into(), |m| format!("{m:.0}"));
     let mut md = format!(
         "Always on: each profiler alone, host-wide, on the same workload, {warmup} s after its start (the OpenTelemetry profiler's: after it logs `{ATTACHED}`), for {measure} s: \
          the CPU all its threads ran (per-thread `schedstat`) as a share of one core, and its peak RSS (`VmHWM`). Both send OTLP profiles over gRPC to an OpenTelemetry Collector, \
          whose sink decodes each request; \"Python frames from\" counts the busy processes with samples carrying Python frames. \
          pyebpf is `{build}`; its default 60 s OTLP period ends after the window (it sends at its stop), so the window holds no export of its (the `export` table has that cost), \
          while the OpenTelemetry profiler reports every 5 s (its default). The busy processes are `tests/scripts/{BUSY_SCRIPT}` (a loop four frames deep) on {versions} in turn; \
-         the OpenTelemetry profiler does not read CPython 3.15, so its 3.15 processes have native frames only. \"Idle\" runs nothing of the bench's: the host's 1-minute load average shows what else ran.\n\n\
+         the OpenTelemetry profiler does not read CPython 3.15, so its 3.15 processes have native frames only. \"Idle\" runs nothing of the bench's: the host's 1-minute load average shows what else ran. \
+         Each run starts once the collector and the sink are quiet (done with the last run's export); \"receiver\" is the CPU they ran during the window, which the profiler samples too.\n\n\
          - pyebpf: `{pyebpf}`\n- OpenTelemetry eBPF profiler: `{otel}`\n\n\
-         | host workload | rate | pyebpf CPU, % of a core | pyebpf max RSS (MB) | otel CPU, % of a core | otel max RSS (MB) | pyebpf ÷ otel (CPU) | Python frames from: pyebpf / otel | load (1 min): pyebpf / otel runs |\n\
-         |---|---|---|---|---|---|---|---|---|\n",
+         | host workload | rate | pyebpf CPU, % of a core | pyebpf max RSS (MB) | otel CPU, % of a core | otel max RSS (MB) | pyebpf ÷ otel (CPU) | Python frames from: pyebpf / otel | load (1 min): pyebpf / otel runs | receiver CPU: pyebpf / otel runs |\n\
+         |---|---|---|---|---|---|---|---|---|---|\n",
         warmup = section["warmup_s"],
         measure = section["measure_s"],
         build = section["pyebpf_binary"].as_str().unwrap_or("?"),
@@ -344,41 +356,49 @@ pub fn table(results: &Value) -> String {
         otel = section["commands"]["otel"].as_str().unwrap_or("?"),
     );
     for row in section["rows"].as_array().into_iter().flatten() {
-        let (ours, otel) = (&row["pyebpf"], &row["otel"]);
-        let ratio = match (ours["share_of_one_core"].as_f64(), otel["share_of_one_core"].as_f64()) {
-            (Some(a), Some(b)) if b > 0.0 => format!("{:.2}", a / b),
-            _ => "–".into(),
-        };
-        let processes = row["processes"].as_u64().unwrap_or(0);
-        let workload = if processes == 0 { "idle".to_string() } else { format!("{processes} busy Python processes") };
-        let seen = |run: &Value| {
-            if processes == 0 {
-                return "–".to_string();
-            }
-            let unread = processes - run["readable_processes"].as_u64().unwrap_or(0);
-            let note = if unread > 0 { format!(" ({unread} on 3.15: not read)") } else { String::new() };
-            format!("{}/{processes}{note}", run["delivered"]["python_processes"])
-        };
-        let seen = |run: &Value| match run["problem"].as_str() {
-            Some(problem) => format!("{} ({problem})", seen(run)),
-            None => seen(run),
-        };
-        let load = |run: &Value| run["load_1m"].as_f64().map_or("–".into(), |l| format!("{l:.1}"));
-        let _ = writeln!(
-            md,
-            "| {workload} | {} Hz | {} | {} | {} | {} | {ratio} | {} / {} | {} / {} |",
-            row["hz"],
-            percent(&ours["share_of_one_core"]),
-            mb(&ours["max_rss_mb"]),
-            percent(&otel["share_of_one_core"]),
-            mb(&otel["max_rss_mb"]),
-            seen(ours),
-            seen(otel),
-            load(ours),
-            load(otel),
-        );
+        md.push_str(&table_row(row));
     }
     md
+}
+
+/// One row of the always-on table: a workload at a rate, both profilers.
+fn table_row(row: &Value) -> String {
+    let percent = |v: &Value| v.as_f64().map_or("–".into(), |s| format!("{:.3}%", s * 100.0));
+    let mb = |v: &Value| v.as_f64().map_or("–".into(), |m| format!("{m:.0}"));
+    let (ours, otel) = (&row["pyebpf"], &row["otel"]);
+    let ratio = match (ours["share_of_one_core"].as_f64(), otel["share_of_one_core"].as_f64()) {
+        (Some(a), Some(b)) if b > 0.0 => format!("{:.2}", a / b),
+        _ => "–".into(),
+    };
+    let processes = row["processes"].as_u64().unwrap_or(0);
+    let workload = if processes == 0 { "idle".to_string() } else { format!("{processes} busy Python processes") };
+    let seen = |run: &Value| {
+        if processes == 0 {
+            return "–".to_string();
+        }
+        let unread = processes - run["readable_processes"].as_u64().unwrap_or(0);
+        let note = if unread > 0 { format!(" ({unread} on 3.15: not read)") } else { String::new() };
+        format!("{}/{processes}{note}", run["delivered"]["python_processes"])
+    };
+    let seen = |run: &Value| match run["problem"].as_str() {
+        Some(problem) => format!("{} ({problem})", seen(run)),
+        None => seen(run),
+    };
+    let load = |run: &Value| run["load_1m"].as_f64().map_or("–".into(), |l| format!("{l:.1}"));
+    format!(
+        "| {workload} | {} Hz | {} | {} | {} | {} | {ratio} | {} / {} | {} / {} | {} / {} |\n",
+        row["hz"],
+        percent(&ours["share_of_one_core"]),
+        mb(&ours["max_rss_mb"]),
+        percent(&otel["share_of_one_core"]),
+        mb(&otel["max_rss_mb"]),
+        seen(ours),
+        seen(otel),
+        load(ours),
+        load(otel),
+        percent(&ours["receiver_share_of_one_core"]),
+        percent(&otel["receiver_share_of_one_core"]),
+    )
 }
 
 #[cfg(test)]
@@ -387,7 +407,7 @@ mod tests {
 
     #[test]
     fn the_table_names_what_the_otel_profiler_cannot_read() {
-        let run = |share: f64, seen: u64, readable: u64| json!({ "share_of_one_core": share, "max_rss_mb": 50.4, "readable_processes": readable, "delivered": { "python_processes": seen } });
+        let run = |share: f64, seen: u64, readable: u64| json!({ "share_of_one_core": share, "max_rss_mb": 50.4, "readable_processes": readable, "delivered": { "python_processes": seen }, "receiver_share_of_one_core": share / 10.0 });
         let results = json!({ "always_on": {
             "pyebpf_binary": "dist/pyebpf (static, musl)", "warmup_s": 8, "measure_s": 40,
             "commands": { "pyebpf": "dist/pyebpf record -a -F HZ", "otel": "ebpf-profiler -samples-per-second HZ" },
@@ -397,7 +417,7 @@ mod tests {
             ],
         }});
         let md = table(&results);
-        assert!(md.contains("| idle | 19 Hz | 0.040% | 50 | 1.000% | 50 | 0.04 | – / – |"), "{md}");
+        assert!(md.contains("| idle | 19 Hz | 0.040% | 50 | 1.000% | 50 | 0.04 | – / – | – / – | 0.004% / 0.100% |"), "{md}");
         assert!(md.contains("| 20 busy Python processes | 99 Hz | 0.500% | 50 | 2.000% | 50 | 0.25 | 20/20 / 16/20 (4 on 3.15: not read) |"), "{md}");
         assert!(md.contains("on 3.11, 3.12, 3.13, 3.14, 3.15 in turn"), "{md}");
     }

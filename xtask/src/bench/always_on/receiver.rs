@@ -13,7 +13,12 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
 
+use super::super::measure::threads_cpu_ns;
 use super::FLUSH_TIMEOUT_S;
+
+/// The collector and the sink count as quiet under this share of a core (a Go runtime at rest
+/// wakes a few times a second).
+pub const QUIET_SHARE: f64 = 0.002;
 
 pub struct Receiver {
     sink: Child,
@@ -112,6 +117,28 @@ impl Receiver {
             }
         }
         Ok(delivered)
+    }
+
+    /// CPU the collector and the sink have run so far, in ns.
+    pub fn cpu_ns(&self) -> u64 {
+        [&self.collector, &self.sink].iter().filter_map(|child| threads_cpu_ns(child.id())).sum()
+    }
+
+    /// Waits until the collector and the sink are quiet (under [`QUIET_SHARE`] of a core over a
+    /// second) so that a window starts with neither still decoding the last run's export, which
+    /// a host-wide profiler samples and attaches to; false if they were not within `limit`.
+    pub fn settle(&self, limit: Duration) -> bool {
+        let start = Instant::now();
+        let mut before = self.cpu_ns();
+        while start.elapsed() < limit {
+            std::thread::sleep(Duration::from_secs(1));
+            let now = self.cpu_ns();
+            if (now.saturating_sub(before) as f64) < QUIET_SHARE * 1e9 {
+                return true;
+            }
+            before = now;
+        }
+        false
     }
 
     pub fn collector_log(&self) -> String {
