@@ -79,6 +79,10 @@ pub enum PyError {
     TableMismatch { version: PyVersion, why: String },
     #[error("malformed interpreter state: {0}")]
     Malformed(String),
+    /// `_PyRuntime` lists no interpreter: a program that links `libpython` without starting it
+    /// (perf, for its scripts), or one caught before `Py_Initialize`.
+    #[error("libpython is loaded but runs no interpreter")]
+    NoInterpreter,
     #[error("refusing to write: {0}")]
     WriteRefused(String),
     #[error(transparent)]
@@ -277,6 +281,9 @@ impl<M: ReadMemory> PyProcess<M> {
             Err(err) => return Err(err),
         };
         if states.is_empty() {
+            if self.mem.read_u64(self.runtime.wrapping_add(self.offsets.interpreters_head))? == 0 {
+                return Err(PyError::NoInterpreter);
+            }
             return Err(mismatch("no thread state names a thread of the process".into()));
         }
         let tasks: HashSet<u32> = std::fs::read_dir(format!("/proc/{}/task", self.pid))

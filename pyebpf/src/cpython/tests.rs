@@ -320,3 +320,33 @@ fn a_builtin_table_is_proven_against_the_process() {
         assert!(matches!(refused, Err(PyError::TableMismatch { .. })), "{version}: a table with a wrong code offset was accepted");
     }
 }
+
+/// A program that links `libpython` but never starts it (as perf does, for its scripts) runs no
+/// interpreter: pyebpf says so, rather than that its layout is unknown, and looks again later.
+#[test]
+fn a_libpython_never_started_runs_no_interpreter() {
+    let lib = pyebpf_tests::pyenv_python("3.11.7").parent().and_then(|bin| bin.parent()).expect("pyenv's layout").join("lib");
+    let dir = tempfile::tempdir().unwrap();
+    let source = dir.path().join("embeds.c");
+    std::fs::write(&source, "#include <unistd.h>\nint Py_IsInitialized(void);\nint main(void) { if (Py_IsInitialized()) return 1; pause(); }\n").unwrap();
+    let exe = dir.path().join("embeds");
+    let status = Command::new("gcc")
+        .arg("-o")
+        .arg(&exe)
+        .arg(&source)
+        .arg(lib.join("libpython3.11.so.1.0"))
+        .arg(format!("-Wl,-rpath,{}", lib.display()))
+        .status()
+        .unwrap_or_else(|err| panic!("this test compiles a program with gcc, which failed to run: {err}"));
+    assert!(status.success(), "gcc failed to link {} against {}", source.display(), lib.display());
+    let target = Target(Command::new(&exe).stdin(Stdio::null()).spawn().unwrap());
+    let pid = target.0.id();
+    let started = Instant::now();
+    while !std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap_or_default().contains("libpython3.11") {
+        assert!(started.elapsed() < Duration::from_secs(30), "the program did not map libpython3.11");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let err = PyProcess::attach(pid).err().expect("a process running no interpreter was attached to");
+    assert!(matches!(err, PyError::NoInterpreter), "{err}");
+    assert_eq!(err.unsupported_python(), None);
+}
