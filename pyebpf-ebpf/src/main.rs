@@ -39,9 +39,10 @@ const LOST_EVENTS: u32 = 1;
 #[map]
 static CONFIG: Array<Config> = Array::with_max_entries(1, 0);
 
-/// Per CPU, where its sampling clock is within the current slot.
+/// Per CPU (indexed by CPU; userspace sizes it), where its sampling clock is within the current
+/// slot. Mapped into userspace, so the clock thread sees which CPUs sample without a syscall.
 #[map]
-static CLOCK: PerCpuArray<ClockSlot> = PerCpuArray::with_max_entries(1, 0);
+static CLOCK: Array<ClockSlot> = Array::with_max_entries(1, BPF_F_MMAPABLE);
 
 #[map]
 static TARGETS: HashMap<u32, u8> = HashMap::with_max_entries(65536, 0);
@@ -100,6 +101,7 @@ static KNOWN_PROCS: HashMap<u32, u8> = HashMap::with_max_entries(65536, 0);
 static LAST_WAKEUP: Array<u64> = Array::with_max_entries(1, 0);
 
 const BPF_F_NO_PREALLOC: u32 = 1;
+const BPF_F_MMAPABLE: u32 = 1 << 10;
 const BPF_RB_NO_WAKEUP: u64 = 1;
 const BPF_RB_FORCE_WAKEUP: u64 = 2;
 const BPF_RB_AVAIL_DATA: u64 = 0;

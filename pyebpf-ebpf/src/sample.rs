@@ -2,7 +2,7 @@
 //! [`ClockSlot`]), a sample of whatever thread runs there.
 
 use aya_ebpf::{
-    helpers::{bpf_get_current_pid_tgid, bpf_get_prandom_u32},
+    helpers::{bpf_get_current_pid_tgid, bpf_get_prandom_u32, bpf_get_smp_processor_id},
     macros::perf_event,
     programs::PerfEventContext,
 };
@@ -25,7 +25,7 @@ pub fn sample_tasks(ctx: PerfEventContext) -> u32 {
 /// Whether this tick is its slot's sample: each sample stands for one period asked for.
 #[inline(always)]
 fn slot_sample(ticks_per_slot: u32) -> bool {
-    let Some(slot) = CLOCK.get_ptr_mut(0) else { return false };
+    let Some(slot) = this_cpus_slot() else { return false };
     // SAFETY: this CPU's entry; a program does not preempt itself on one CPU.
     let slot = unsafe { &mut *slot };
     let ticks_per_slot = ticks_per_slot.max(1);
@@ -45,10 +45,17 @@ fn slot_sample(ticks_per_slot: u32) -> bool {
     sampled
 }
 
+/// This CPU's entry of `CLOCK`.
+#[inline(always)]
+fn this_cpus_slot() -> Option<*mut ClockSlot> {
+    // SAFETY: no preconditions.
+    CLOCK.get_ptr_mut(unsafe { bpf_get_smp_processor_id() })
+}
+
 /// Counts a sample taken on this CPU, for the clock thread.
 #[inline(always)]
 fn count_taken() {
-    if let Some(slot) = CLOCK.get_ptr_mut(0) {
+    if let Some(slot) = this_cpus_slot() {
         // SAFETY: as in `slot_sample`.
         unsafe { (*slot).taken += 1 };
     }

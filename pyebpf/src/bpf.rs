@@ -221,6 +221,7 @@ fn load_object(kb: u32, log_level: u8) -> Result<(Ebpf, aya::Btf, u32), BpfError
         .map_max_entries(maps::SAMPLES, kb * 1024)
         // One record per CPU for samples, one for the switch hooks.
         .map_max_entries(maps::SCRATCH, 2 * cpus)
+        .map_max_entries(maps::CLOCK, cpus)
         .load(EBPF_OBJECT)
         .map_err(|err| if is_permission_error(&err) { BpfError::NotPermitted } else { BpfError::Load(err) })?;
     Ok((ebpf, aya_btf, cpus))
@@ -412,7 +413,7 @@ impl Sampler {
     /// already carry Python frames.
     pub fn start_sampling(&mut self) -> Result<(), BpfError> {
         let cpus = aya::util::online_cpus().map_err(|(_, err)| BpfError::Cpus(err))?;
-        let slots = PerCpuArray::try_from(take_map(&mut self.ebpf, maps::CLOCK)?).map_err(map_error(maps::CLOCK))?;
+        let aya::maps::Map::Array(slots) = take_map(&mut self.ebpf, maps::CLOCK)? else { return Err(BpfError::StaleObject(maps::CLOCK)) };
         let program: &mut PerfEvent = program_mut(&mut self.ebpf, self.programs.sample)?;
         let program = program.fd().map_err(BpfError::Program)?.as_fd();
         let clock = SamplingClock::start(program, &cpus, ClockPlan::new(self.frequency_hz), slots).map_err(|err| match err.kind() {

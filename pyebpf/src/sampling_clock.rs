@@ -19,12 +19,13 @@
 //! lengthens one tick, by half a tick on average), and each sample stands for one period asked for.
 
 use std::io;
-use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::ptr::NonNull;
 use std::sync::mpsc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use aya::maps::{MapData, PerCpuArray};
+use aya::maps::MapData;
 use perf_event_open_sys::bindings::{perf_event_attr, PERF_COUNT_SW_CPU_CLOCK, PERF_FLAG_FD_CLOEXEC, PERF_TYPE_SOFTWARE};
 use perf_event_open_sys::ioctls;
 use pyebpf_common::ClockSlot;
@@ -88,8 +89,11 @@ pub struct SamplingClock {
 
 impl SamplingClock {
     /// Opens a `cpu-clock` event on each of `cpus` running `program` (a perf-event eBPF program)
-    /// at each tick, as `plan` says, and starts moving them; `slots` is the program's `CLOCK` map.
-    pub fn start(program: BorrowedFd<'_>, cpus: &[u32], plan: ClockPlan, slots: PerCpuArray<MapData, ClockSlot>) -> io::Result<SamplingClock> {
+    /// at each tick, as `plan` says, and starts moving them; `slots` is the program's `CLOCK` map,
+    /// an entry for each possible CPU.
+    pub fn start(program: BorrowedFd<'_>, cpus: &[u32], plan: ClockPlan, slots: MapData) -> io::Result<SamplingClock> {
+        let entries = cpus.iter().max().map_or(0, |&cpu| cpu as usize + 1);
+        let slots = ClockSlots::map(slots, entries)?;
         let events = cpus.iter().map(|&cpu| Ok((cpu, open_event(program, cpu, plan.tick_ns)?))).collect::<io::Result<Vec<_>>>()?;
         let (stop, stopped) = mpsc::channel();
         let mover = Mover { events, plan, slots, taken: Vec::new() };
@@ -111,7 +115,7 @@ impl Drop for SamplingClock {
 struct Mover {
     events: Vec<(u32, OwnedFd)>,
     plan: ClockPlan,
-    slots: PerCpuArray<MapData, ClockSlot>,
+    slots: ClockSlots,
     /// Samples each CPU had taken at the last look.
     taken: Vec<u64>,
 }
@@ -132,8 +136,7 @@ impl Mover {
 
     /// Restarts the tick of every CPU that sampled since the last look; whether any did.
     fn move_sampling_clocks(&mut self) -> bool {
-        let Ok(per_cpu) = self.slots.get(&0, 0) else { return false };
-        let taken: Vec<u64> = self.events.iter().map(|&(cpu, _)| per_cpu.get(cpu as usize).map_or(0, |slot| slot.taken)).collect();
+        let taken: Vec<u64> = self.events.iter().map(|&(cpu, _)| self.slots.taken(cpu)).collect();
         let mut moved = false;
         for (i, (_, event)) in self.events.iter().enumerate() {
             if taken.get(i) == self.taken.get(i) {
@@ -148,6 +151,53 @@ impl Mover {
         }
         self.taken = taken;
         moved
+    }
+}
+
+/// The eBPF program's `CLOCK` map mapped into memory, read-only: which CPUs sample is seen without
+/// a syscall at each move.
+struct ClockSlots {
+    _map: MapData,
+    base: NonNull<ClockSlot>,
+    entries: usize,
+    len: usize,
+}
+
+// SAFETY: a shared read-only mapping, read only by the thread that owns it.
+unsafe impl Send for ClockSlots {}
+
+impl ClockSlots {
+    /// Maps the first `entries` slots of `map` (one per CPU, indexed by CPU).
+    fn map(map: MapData, entries: usize) -> io::Result<ClockSlots> {
+        // SAFETY: sysconf has no preconditions.
+        let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(4096).max(1);
+        let len = (entries.max(1) * std::mem::size_of::<ClockSlot>()).div_ceil(page) * page;
+        let fd = map.fd().as_fd().as_raw_fd();
+        // SAFETY: a new read-only shared mapping of the map's values, no larger than the map.
+        let base = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ, libc::MAP_SHARED, fd, 0) };
+        if base == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        let base = NonNull::new(base.cast::<ClockSlot>()).ok_or_else(|| io::Error::other("mmap of the clock map returned null"))?;
+        Ok(ClockSlots { _map: map, base, entries, len })
+    }
+
+    /// Samples `cpu` has taken so far.
+    fn taken(&self, cpu: u32) -> u64 {
+        let cpu = cpu as usize;
+        if cpu >= self.entries {
+            return 0;
+        }
+        // SAFETY: an entry within the mapping. The eBPF program updates the aligned u64 from
+        // outside this program, hence a volatile read (one load).
+        unsafe { std::ptr::read_volatile(&raw const (*self.base.as_ptr().add(cpu)).taken) }
+    }
+}
+
+impl Drop for ClockSlots {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `map`, unmapped once.
+        unsafe { libc::munmap(self.base.as_ptr().cast(), self.len) };
     }
 }
 
