@@ -152,7 +152,11 @@ pub fn runtime_in_elf<'data, R: ReadRef<'data>>(data: R, mapped_at: u64) -> Opti
     let defined = |name: &str| elf.dynamic_symbols().chain(elf.symbols()).find(|symbol| symbol.name() == Ok(name) && symbol.is_definition());
     let runtime = elf.section_by_name(".PyRuntime").map(|section| section.address()).or_else(|| defined("_PyRuntime").map(|symbol| symbol.address()));
     let bias = load_bias(&elf, mapped_at);
-    Some(PythonElf { runtime: runtime.map(|address| address.wrapping_add(bias)), version: py_version(&elf), embeds_python: defined("Py_Initialize").is_some() })
+    Some(PythonElf {
+        runtime: runtime.map(|address| address.wrapping_add(bias)),
+        version: py_version(&elf, data),
+        embeds_python: defined("Py_Initialize").is_some(),
+    })
 }
 
 /// What to add to the file's addresses to get where they are mapped, given where its first page
@@ -162,11 +166,17 @@ pub(super) fn load_bias<'data, R: ReadRef<'data>>(elf: &object::File<'data, R>, 
     mapped_at.wrapping_sub(first_vaddr)
 }
 
-/// The constant `Py_Version` (`PY_VERSION_HEX`) as the file stores it.
-fn py_version<'data, R: ReadRef<'data>>(elf: &object::File<'data, R>) -> Option<PyVersion> {
+/// The constant `Py_Version` (`PY_VERSION_HEX`) as the file stores it, read alone: its section
+/// (`.rodata`, megabytes in a static interpreter) is not read whole.
+fn py_version<'data, R: ReadRef<'data>>(elf: &object::File<'data, R>, data: R) -> Option<PyVersion> {
     let symbol = elf.dynamic_symbols().chain(elf.symbols()).find(|symbol| symbol.name() == Ok("Py_Version") && symbol.is_definition())?;
     let section = elf.section_by_index(symbol.section_index()?).ok()?;
-    let bytes = section.data_range(symbol.address(), 4).ok()??;
+    let (offset, size) = section.file_range()?;
+    let within = symbol.address().checked_sub(section.address())?;
+    if within.checked_add(4)? > size {
+        return None;
+    }
+    let bytes = data.read_bytes_at(offset.checked_add(within)?, 4).ok()?;
     Some(PyVersion(u64::from(u32::from_le_bytes(bytes.try_into().ok()?))))
 }
 

@@ -350,3 +350,26 @@ fn a_libpython_never_started_runs_no_interpreter() {
     assert!(matches!(err, PyError::NoInterpreter), "{err}");
     assert_eq!(err.unsupported_python(), None);
 }
+
+/// `Py_Version` is read from the interpreter's file, in the executable (Debian's) and in
+/// `libpython` (pyenv's), and names the version the interpreter reports of itself.
+#[test]
+fn py_version_is_read_from_the_file() {
+    let interpreters = [pyebpf_tests::pyenv_python("3.11.7"), pyebpf_tests::debian_python("3.13"), pyebpf_tests::debian_python("3.15")];
+    for python in interpreters {
+        let dir = tempfile::tempdir().unwrap();
+        let ready = dir.path().join("ready");
+        let code = "import sys\nopen(sys.argv[1], 'w').write(str(sys.hexversion))\nsys.stdin.read()";
+        let target = Target(Command::new(&python).args(["-c", code]).arg(&ready).stdin(Stdio::piped()).spawn().unwrap());
+        let started = Instant::now();
+        let hexversion = loop {
+            if let Some(hex) = std::fs::read_to_string(&ready).ok().and_then(|text| text.trim().parse::<u64>().ok()) {
+                break hex;
+            }
+            assert!(started.elapsed() < Duration::from_secs(30), "{} did not get ready", python.display());
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        let runtime = super::runtime::find_runtime(target.0.id()).unwrap_or_else(|err| panic!("{}: {err}", python.display()));
+        assert_eq!(runtime.version.map(|version| version.0), Some(hexversion), "{} in {}", python.display(), runtime.file.display());
+    }
+}
