@@ -206,11 +206,14 @@ fn kernel_log_level() -> u8 {
 fn load_object(kb: u32, log_level: u8) -> Result<(Ebpf, aya::Btf, u32), BpfError> {
     // Every program reads kernel types (the current task, fork's task_structs), so a kernel
     // without BTF is reported here, in one line, rather than as a verifier log.
-    let kernel_btf = Btf::from_kernel()?;
     // The hooks read the ids of the tasks they are given at these offsets, constants to the
-    // verifier once set (see the eBPF crate's `task` module).
-    let task_pid_offset = kernel_btf.member_offset("task_struct", "pid")?;
-    let task_tgid_offset = kernel_btf.member_offset("task_struct", "tgid")?;
+    // verifier once set (see the eBPF crate's `task` module). Read, and the parsed types dropped,
+    // before aya parses its own copy: the kernel's types take megabytes parsed, and the two at
+    // once would set pyebpf's peak memory.
+    let (task_pid_offset, task_tgid_offset) = {
+        let kernel_btf = Btf::from_kernel()?;
+        (kernel_btf.member_offset("task_struct", "pid")?, kernel_btf.member_offset("task_struct", "tgid")?)
+    };
     let aya_btf = aya::Btf::from_sys_fs().map_err(BpfError::AyaBtf)?;
     let cpus = aya::util::nr_cpus().map_err(|(_, err)| BpfError::Cpus(err))? as u32;
     let ebpf = EbpfLoader::new()
@@ -225,6 +228,17 @@ fn load_object(kb: u32, log_level: u8) -> Result<(Ebpf, aya::Btf, u32), BpfError
         .load(EBPF_OBJECT)
         .map_err(|err| if is_permission_error(&err) { BpfError::NotPermitted } else { BpfError::Load(err) })?;
     Ok((ebpf, aya_btf, cpus))
+}
+
+/// Gives the memory freed back to the system: the kernel's types, parsed to load the object, are
+/// megabytes that glibc's allocator would otherwise keep for the rest of a long recording. (musl's
+/// returns freed memory by itself.)
+fn release_freed_memory() {
+    #[cfg(target_env = "gnu")]
+    // SAFETY: malloc_trim only returns free memory of the allocator to the system.
+    unsafe {
+        libc::malloc_trim(0);
+    }
 }
 
 /// Whether the ring buffer holds a few records with a whole stack copy: the copies of processes not
@@ -318,6 +332,8 @@ impl Sampler {
         let (mut ebpf, aya_btf, cpus) = load_object(kb, log_level)?;
         let targets = configure(&mut ebpf, options, cpus)?;
         let loaded = attach_hooks(&mut ebpf, options, &aya_btf)?;
+        drop(aya_btf);
+        release_freed_memory();
         let program_stats = options.program_stats.then(|| aya::sys::enable_stats(aya::sys::Stats::RunTime).ok()).flatten();
         let program: &mut PerfEvent = program_mut(&mut ebpf, loaded.sample)?;
         program.load().map_err(BpfError::Program)?;

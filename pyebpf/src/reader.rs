@@ -42,10 +42,11 @@ const MAX_QUEUED_BYTES: usize = 64 << 20;
 /// Batches the channel holds at most (the byte bound usually binds first).
 const MAX_QUEUED_BATCHES: usize = 4096;
 
-/// Consumed buffers kept for reuse at most, and the largest kept: a burst that queued many or
-/// large batches does not leave its memory held for the rest of the run.
+/// Consumed buffers kept for reuse at most, and their capacity in all: a burst that queued many or
+/// large batches (the start of a host-wide run, while processes are attached) does not leave its
+/// memory held for the rest of the run. A steady batch is tens to hundreds of KiB.
 const MAX_SPARE_BATCHES: usize = 16;
-const MAX_SPARE_BYTES: usize = 4 << 20;
+const MAX_SPARE_BYTES: usize = 2 << 20;
 
 /// Records drained from the ring buffer in one go, as sent: each record's bytes, back to back.
 #[derive(Default)]
@@ -86,8 +87,9 @@ struct Shared {
     /// Drains asked for so far (see [`RingReader::drain`]).
     drains: AtomicU64,
     queued_bytes: AtomicUsize,
-    /// Buffers sent back for reuse and not yet taken.
+    /// Buffers sent back for reuse and not yet taken, and their capacity in all.
     spare: AtomicUsize,
+    spare_bytes: AtomicUsize,
     drops: ReaderDrops,
 }
 
@@ -124,6 +126,7 @@ impl RingReader {
             drains: AtomicU64::new(0),
             queued_bytes: AtomicUsize::new(0),
             spare: AtomicUsize::new(0),
+            spare_bytes: AtomicUsize::new(0),
             drops: ReaderDrops::default(),
         });
         let reader = Reader { ring: OwnedRing(ring), sender, recycled, shared: shared.clone(), max_queued: MAX_QUEUED_BYTES.max(4 * ring_bytes) };
@@ -173,12 +176,14 @@ impl RingReader {
 
     fn give_back(&self, out: &mut RecordBatch) {
         for mut raw in out.raw.drain(..) {
-            let spare = &self.shared.spare;
-            if spare.load(Ordering::Relaxed) >= MAX_SPARE_BATCHES || raw.bytes.capacity() > MAX_SPARE_BYTES {
+            let (spare, spare_bytes) = (&self.shared.spare, &self.shared.spare_bytes);
+            let capacity = raw.bytes.capacity();
+            if spare.load(Ordering::Relaxed) >= MAX_SPARE_BATCHES || spare_bytes.load(Ordering::Relaxed) + capacity > MAX_SPARE_BYTES {
                 continue;
             }
             raw.clear();
             spare.fetch_add(1, Ordering::Relaxed);
+            spare_bytes.fetch_add(capacity, Ordering::Relaxed);
             // The reader has stopped when this fails; the buffer just goes.
             let _ = self.recycle.send(raw);
         }
@@ -275,6 +280,7 @@ impl Reader {
         match self.recycled.try_recv() {
             Ok(batch) => {
                 self.shared.spare.fetch_sub(1, Ordering::Relaxed);
+                self.shared.spare_bytes.fetch_sub(batch.bytes.capacity(), Ordering::Relaxed);
                 batch
             }
             Err(_) => RawBatch::default(),
