@@ -40,9 +40,15 @@ const MAX_TICKS_PER_SLOT: u32 = 16;
 /// the more, the less the moves cost. The time between moves is drawn from half to one and a half
 /// times this many slots.
 const SLOTS_PER_MOVE: u32 = 4;
-/// Moves come no more often than this on average, so that the clock thread wakes at most 50 times
-/// a second; at high rates a stretch between moves holds more slots (and samples more phases).
+/// Moves come no more often than this on average up to [`SPACING_FROM_HZ`], so that the clock
+/// thread wakes at most 50 times a second; at high rates a stretch between moves holds more slots
+/// (and samples more phases).
 const MIN_MOVE_SPACING: Duration = Duration::from_millis(20);
+/// Above this rate the spacing grows with the rate (10 moves a second at 1 kHz): a move costs tens
+/// of microseconds (a wake-up, and an interrupt to each other CPU), which at high rates would be
+/// most of what a sample costs, while a stretch of a 1 ms grid already spreads its samples over
+/// the phases of a cycle of many milliseconds.
+const SPACING_FROM_HZ: f64 = 200.0;
 /// How much a move lengthens the tick it cuts, on average, as a fraction of a tick (a move comes
 /// at a random point of a tick).
 const MOVE_FRACTION: f64 = 0.5;
@@ -66,7 +72,8 @@ impl ClockPlan {
         let hz = frequency_hz.max(1) as f64;
         let ticks_per_slot = ((TICK_BUDGET_HZ / hz).round() as u32).clamp(1, MAX_TICKS_PER_SLOT);
         let slot_ns = 1e9 / hz;
-        let slots_per_move = SLOTS_PER_MOVE.max((MIN_MOVE_SPACING.as_nanos() as f64 / slot_ns).ceil() as u32);
+        let spacing_ns = MIN_MOVE_SPACING.as_nanos() as f64 * (hz / SPACING_FROM_HZ).max(1.0);
+        let slots_per_move = SLOTS_PER_MOVE.max((spacing_ns / slot_ns).ceil() as u32);
         let ticks_per_move = f64::from(ticks_per_slot * slots_per_move);
         // The ticks between moves plus the tick a move lengthens fill the slots they stand for.
         let tick_ns = slot_ns * f64::from(slots_per_move) / (ticks_per_move + MOVE_FRACTION);
@@ -256,12 +263,14 @@ mod tests {
 
     #[test]
     fn moves_are_spaced_at_high_rates() {
-        for hz in [999, 4999, 19_999] {
+        // (rate, moves a second on average)
+        for (hz, per_second) in [(199, 50.0), (499, 20.0), (999, 10.0), (4999, 2.0)] {
             let plan = ClockPlan::new(hz);
-            let mean = f64::from(plan.slots_per_move) * plan.slot_ns;
-            assert!(mean >= MIN_MOVE_SPACING.as_nanos() as f64 && mean < 2.0 * MIN_MOVE_SPACING.as_nanos() as f64, "{hz} Hz: a move every {mean} ns");
+            let moves = 1e9 / (f64::from(plan.slots_per_move) * plan.slot_ns);
+            assert!(moves <= per_second && moves > 0.8 * per_second, "{hz} Hz: {moves} moves a second");
         }
         assert_eq!(ClockPlan::new(99).slots_per_move, SLOTS_PER_MOVE);
+        assert_eq!(ClockPlan::new(199).slots_per_move, SLOTS_PER_MOVE);
     }
 
     #[test]
