@@ -73,9 +73,10 @@ fn check_both_clocks(python: &Path) {
     check_split(python, "199", "10", (4.0, 1.5));
     // 99 Hz's period is within 0.01 ms of a 10.1 ms loop (a regular clock samples one phase of it
     // for the whole run). About 400 samples a run: ±2.5 points by chance alone, about half that
-    // with the samples spread over the cycle as the clock spreads them; runs here were within 3.3
-    // points, their means within 0.6.
-    check_split(python, "99", "10.1", (5.0, 2.0));
+    // with the samples spread over the cycle as the clock spreads them. Runs here were within 4.0
+    // points; the means of five, over five rounds on 3.10 and 3.13, were 0.0 to 2.0 points off
+    // (about 1 point of spread), so their bound is 3; the runs' bound catches a clock locked on.
+    check_split(python, "99", "10.1", (5.0, 3.0));
 }
 
 #[test]
