@@ -18,7 +18,7 @@ use super::FLUSH_TIMEOUT_S;
 
 /// The collector and the sink count as quiet under this share of a core (a Go runtime at rest
 /// wakes a few times a second).
-pub const QUIET_SHARE: f64 = 0.002;
+const QUIET_SHARE: f64 = 0.002;
 
 pub struct Receiver {
     sink: Child,
