@@ -11,6 +11,8 @@
 //! or a few ring buffers' worth): beyond that the reader drops the batch and counts its records as
 //! lost, rather than block (which would let the ring buffer overflow silently) or grow unbounded.
 
+use std::mem::offset_of;
+use std::ops::Range;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
@@ -18,7 +20,10 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use aya::maps::{MapData, RingBuf};
-use pyebpf_common::{record_kind, OffCpuEnd, ProcessEvent, PyFrameRecord, SampleRecord, WaitingTasks, STACK_SNAPSHOT_MAX};
+use pyebpf_common::{
+    record_kind, OffCpuEnd, ProcessEvent, PyFrameRecord, SampleRecord, TaskCapture, TaskRecord, WaitingTasks, MAX_KERNEL_FRAMES, MAX_TASKS, MAX_USER_FRAMES,
+    STACK_SNAPSHOT_MAX,
+};
 
 /// How long records wait in the ring buffer at most while more keep coming: the kernel wakes the
 /// reader at the first record this long after its last wakeup. Short enough that a process's
@@ -63,6 +68,19 @@ impl RawBatch {
         self.bytes.clear();
         self.ends.clear();
         self.drained = 0;
+    }
+
+    /// Adds a ring-buffer item: a sample packed (see [`pack_sample`]), any other record as sent. A
+    /// sample shorter than its fixed part is malformed, and left out as decoding would.
+    fn push(&mut self, item: &[u8]) {
+        if kind(item) != Some(record_kind::SAMPLE) {
+            self.bytes.extend_from_slice(item);
+        } else if item.len() >= SampleRecord::HEADER_LEN {
+            pack_sample(item, &mut self.bytes);
+        } else {
+            return;
+        }
+        self.ends.push(self.bytes.len());
     }
 
     fn records(&self) -> impl Iterator<Item = &[u8]> {
@@ -336,8 +354,7 @@ fn signal(wake: RawFd) -> std::io::Result<()> {
 
 fn drain(ring: &mut RingBuf<MapData>, batch: &mut RawBatch) {
     while let Some(item) = ring.next() {
-        batch.bytes.extend_from_slice(&item);
-        batch.ends.push(batch.bytes.len());
+        batch.push(&item);
     }
 }
 
@@ -382,8 +399,7 @@ impl RecordBatch {
     pub fn from_items<'i>(items: impl IntoIterator<Item = &'i [u8]>) -> RecordBatch {
         let mut raw = RawBatch::default();
         for item in items {
-            raw.bytes.extend_from_slice(item);
-            raw.ends.push(raw.bytes.len());
+            raw.push(item);
         }
         RecordBatch { raw: vec![raw], ..RecordBatch::default() }
     }
@@ -435,20 +451,88 @@ fn decode_plain<T: Copy>(item: &[u8]) -> Option<T> {
     Some(unsafe { std::ptr::read_unaligned(item.as_ptr() as *const T) })
 }
 
-/// A sample as sent: the fixed part, then as many Python frames as it says, then the stack copy it
-/// says (into `stack_tail`); the Python frames past those sent are zero. `dirty_frames` is how many
-/// the previous record wrote. True when the record is well formed.
+/// Where the arrays of a sample's fixed part begin (the scalars come before them).
+const USER_STACK: usize = offset_of!(SampleRecord, user_stack);
+const FRAME_BASES: usize = offset_of!(SampleRecord, user_frame_bases);
+const KERNEL_STACK: usize = offset_of!(SampleRecord, kernel_stack);
+const TASKS: usize = offset_of!(SampleRecord, tasks);
+const TASK_LIST: usize = TASKS + offset_of!(TaskCapture, tasks);
+
+// The parts packing keeps cover the whole fixed part when every array is full.
+const _: () = assert!(USER_STACK + MAX_USER_FRAMES * 8 == FRAME_BASES && FRAME_BASES + MAX_USER_FRAMES * 8 == KERNEL_STACK);
+const _: () = assert!(KERNEL_STACK + MAX_KERNEL_FRAMES * 8 == TASKS);
+const _: () = assert!(TASK_LIST + MAX_TASKS * size_of::<TaskRecord>() == SampleRecord::HEADER_LEN);
+
+/// The parts of a sample's fixed part that hold something, as ranges of it, in the order a packed
+/// sample keeps them: the scalars and the task chain's own fields (whose lengths say how much of
+/// each array is used), then the used entries of the three stacks and of the task chain.
+/// `header` is a sample's fixed part, or at least its first two parts.
+fn used_parts(header: &[u8]) -> [Range<usize>; 6] {
+    let len_at =
+        |offset: usize, max: usize| header.get(offset..offset + 4).map_or(0, |b| u32::from_ne_bytes(b.try_into().unwrap_or_default()) as usize).min(max);
+    // Entry 0 of the user stack, the sampled instruction, is read even where no stack was walked.
+    let user = len_at(offset_of!(SampleRecord, user_len), MAX_USER_FRAMES).max(1);
+    let bases = len_at(offset_of!(SampleRecord, frame_bases_len), MAX_USER_FRAMES);
+    let kernel = len_at(offset_of!(SampleRecord, kernel_len), MAX_KERNEL_FRAMES);
+    let tasks = len_at(TASKS + offset_of!(TaskCapture, len), MAX_TASKS);
+    [
+        0..USER_STACK,
+        TASKS..TASK_LIST,
+        USER_STACK..USER_STACK + user * 8,
+        FRAME_BASES..FRAME_BASES + bases * 8,
+        KERNEL_STACK..KERNEL_STACK + kernel * 8,
+        TASK_LIST..TASK_LIST + tasks * size_of::<TaskRecord>(),
+    ]
+}
+
+/// Appends a sample as the consumer takes it: the fixed part sizes its arrays for the deepest
+/// stacks (about 4 KiB, mostly unused), and copying records is most of what the reader and the
+/// decoding do, so only [`used_parts`] are kept, then the Python frames and stack copy as sent.
+/// `item` holds at least the fixed part.
+fn pack_sample(item: &[u8], out: &mut Vec<u8>) {
+    for part in used_parts(item) {
+        out.extend_from_slice(&item[part]);
+    }
+    out.extend_from_slice(&item[SampleRecord::HEADER_LEN..]);
+}
+
+/// Puts a packed sample's fixed part back in place in `header` (a sample's fixed part, of which
+/// the array entries past their lengths keep what they held); the bytes of `packed` it took.
+fn unpack_header(packed: &[u8], header: &mut [u8]) -> Option<usize> {
+    let mut taken = 0;
+    let mut take = |part: Range<usize>, header: &mut [u8]| -> Option<()> {
+        let bytes = packed.get(taken..taken + part.len())?;
+        header.get_mut(part)?.copy_from_slice(bytes);
+        taken += bytes.len();
+        Some(())
+    };
+    // The first two parts have fixed sizes and say how long the others are.
+    let [scalars, task_fields, ..] = used_parts(header);
+    take(scalars, header)?;
+    take(task_fields, header)?;
+    let [_, _, used @ ..] = used_parts(header);
+    for part in used {
+        take(part, header)?;
+    }
+    Some(taken)
+}
+
+/// A sample as packed (see [`pack_sample`]): the used parts of the fixed part, then as many
+/// Python frames as it says, then the stack copy it says (into `stack_tail`); the Python frames
+/// past those sent are zero. `dirty_frames` is how many the previous record wrote. True when the
+/// record is well formed.
 fn decode_sample(item: &[u8], sample: &mut SampleRecord, dirty_frames: &mut usize) -> bool {
-    let Some(header) = item.get(..SampleRecord::HEADER_LEN) else { return false };
-    // SAFETY: the header lies within the record, and every byte pattern is a valid SampleRecord
+    // SAFETY: the fixed part of a SampleRecord as bytes; every byte pattern is a valid SampleRecord
     // (plain data).
-    unsafe { std::ptr::copy_nonoverlapping(header.as_ptr(), sample as *mut SampleRecord as *mut u8, header.len()) };
+    let header = unsafe { std::slice::from_raw_parts_mut(sample as *mut SampleRecord as *mut u8, SampleRecord::HEADER_LEN) };
+    let Some(header_len) = unpack_header(item, header) else { return false };
     let frames = sample.frames_sent();
     let stack_len = sample.stack_len as usize;
-    if frames > sample.py_frames.len() || stack_len > STACK_SNAPSHOT_MAX || item.len() != SampleRecord::sent_len(frames, stack_len) {
+    let frame_bytes = frames * size_of::<PyFrameRecord>();
+    if frames > sample.py_frames.len() || stack_len > STACK_SNAPSHOT_MAX || item.len() != header_len + frame_bytes + stack_len {
         return false;
     }
-    let (py_bytes, stack) = item[SampleRecord::HEADER_LEN..].split_at(frames * size_of::<PyFrameRecord>());
+    let (py_bytes, stack) = item[header_len..].split_at(frame_bytes);
     // SAFETY: `frames` fit in `py_frames` (checked), and PyFrameRecord is plain data.
     unsafe { std::ptr::copy_nonoverlapping(py_bytes.as_ptr(), sample.py_frames.as_mut_ptr() as *mut u8, py_bytes.len()) };
     if *dirty_frames > frames {

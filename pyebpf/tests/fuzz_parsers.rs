@@ -9,7 +9,7 @@
 //! CFI one in 100, about 5 s).
 
 use std::cell::Cell;
-use std::mem::size_of;
+use std::mem::{offset_of, size_of};
 
 use proptest::prelude::*;
 use proptest::test_runner::{Config as ProptestConfig, TestRunner};
@@ -17,7 +17,7 @@ use pyebpf::cpython::runtime::runtime_in_elf;
 use pyebpf::kernel_btf::Btf;
 use pyebpf::reader::{Record, RecordBatch};
 use pyebpf::unwind::{unwind_in_image, Snapshot};
-use pyebpf_common::{record_kind, OffCpuEnd, ProcessEvent, SampleRecord, WaitingTasks, MAX_USER_FRAMES};
+use pyebpf_common::{record_kind, OffCpuEnd, ProcessEvent, SampleRecord, TaskRecord, WaitingTasks, MAX_KERNEL_FRAMES, MAX_TASKS, MAX_USER_FRAMES};
 
 fn cases() -> u32 {
     std::env::var("PYEBPF_FUZZ_CASES").ok().and_then(|n| n.parse().ok()).unwrap_or(800_000)
@@ -130,6 +130,54 @@ fn ring_buffer_records_never_panic_and_decode_consistently() {
         let bytes = sample_bytes(frames, frames as u32);
         assert!(matches!(RecordBatch::from_items([&bytes[..]]).next(), Some(Record::Sample(_))), "{frames} frames");
     }
+}
+
+/// The reader keeps only the used entries of a sample's stacks and task chain: whatever lengths a
+/// sample has, it decodes to what was sent (every scalar, every used entry, the Python frames and
+/// the stack copy), and a second sample decoded into the same record does too.
+#[test]
+fn packed_samples_decode_to_what_was_sent() {
+    let lengths = (0..=MAX_USER_FRAMES as u32, 0..=MAX_USER_FRAMES as u32, 0..=MAX_KERNEL_FRAMES as u32, 0..=MAX_TASKS as u32, 0..40usize, 0..300usize);
+    let sample = (lengths, any::<u64>()).prop_map(|((user, bases, kernel, tasks, frames, stack), seed)| {
+        let mut rng = fastrand::Rng::with_seed(seed);
+        let mut bytes: Vec<u8> = std::iter::repeat_with(|| rng.u8(..)).take(SampleRecord::sent_len(frames, stack)).collect();
+        let header = &mut bytes[..SampleRecord::HEADER_LEN];
+        let mut set = |offset: usize, value: u32| header[offset..offset + 4].copy_from_slice(&value.to_ne_bytes());
+        set(offset_of!(SampleRecord, kind), record_kind::SAMPLE);
+        set(offset_of!(SampleRecord, user_len), user);
+        set(offset_of!(SampleRecord, frame_bases_len), bases);
+        set(offset_of!(SampleRecord, kernel_len), kernel);
+        set(offset_of!(SampleRecord, stack_len), stack as u32);
+        set(offset_of!(SampleRecord, py.frames_len), frames as u32);
+        set(offset_of!(SampleRecord, tasks.len), tasks);
+        set(offset_of!(SampleRecord, tasks.frames_len), 0);
+        bytes
+    });
+    runner(cases() / 400)
+        .run(&(sample.clone(), sample), |(first, second)| {
+            let mut batch = RecordBatch::from_items([&first[..], &second[..]]);
+            for sent in [&first, &second] {
+                let Some(Record::Sample(decoded)) = batch.next() else { panic!("a well-formed sample was not decoded") };
+                // SAFETY: reading the bytes of a plain-data value.
+                let decoded_bytes = unsafe { std::slice::from_raw_parts(decoded as *const SampleRecord as *const u8, size_of::<SampleRecord>()) };
+                let user = (decoded.user_len as usize).max(1) * 8;
+                let parts = [
+                    0..offset_of!(SampleRecord, user_stack),
+                    offset_of!(SampleRecord, user_stack)..offset_of!(SampleRecord, user_stack) + user,
+                    offset_of!(SampleRecord, user_frame_bases)..offset_of!(SampleRecord, user_frame_bases) + decoded.frame_bases_len as usize * 8,
+                    offset_of!(SampleRecord, kernel_stack)..offset_of!(SampleRecord, kernel_stack) + decoded.kernel_len as usize * 8,
+                    offset_of!(SampleRecord, tasks)..offset_of!(SampleRecord, tasks.tasks) + decoded.tasks.len as usize * size_of::<TaskRecord>(),
+                    SampleRecord::HEADER_LEN..SampleRecord::sent_len(decoded.frames_sent(), 0),
+                ];
+                for part in parts {
+                    prop_assert_eq!(&decoded_bytes[part.clone()], &sent[part.clone()], "bytes {:?} differ", part);
+                }
+                let stack = &sent[SampleRecord::sent_len(decoded.frames_sent(), 0)..];
+                prop_assert_eq!(&decoded.stack_tail[..decoded.stack_len as usize], stack);
+            }
+            Ok(())
+        })
+        .unwrap();
 }
 
 /// Mutated copies of the running kernel's BTF, and short blobs behind a valid magic: parsing and
