@@ -8,7 +8,7 @@ use aya::maps::{Array, HashMap, MapData, PerCpuArray, RingBuf};
 use aya::programs::tp_btf::BtfTracePointLinkId;
 use aya::programs::{BtfTracePoint, PerfEvent};
 use aya::{Ebpf, EbpfLoader};
-use pyebpf_common::{config_flags, globals, maps, programs, Config, MarkerChain, OffCpuStart, PyProcConfig, PyThreadEntry, SampleRecord};
+use pyebpf_common::{config_flags, globals, maps, programs, Config, MarkerChain, OffCpuStart, PyProcConfig, PyThreadEntry, SampleRecord, STACK_SNAPSHOT_MAX};
 
 use crate::reader::{RecordBatch, RingReader, URGENT_LATENCY, WAKEUP_LATENCY};
 use crate::sampling_clock::{ClockPlan, SamplingClock};
@@ -59,6 +59,24 @@ pub const MAX_RING_BUFFER_KB: u32 = 256 * 1024;
 /// [`MAX_RING_BUFFER_KB`].
 pub fn ring_buffer_kb_fits(kb: u32) -> bool {
     (4..=MAX_RING_BUFFER_KB).contains(&kb) && kb.is_power_of_two()
+}
+
+/// The ring buffer's size unless one is asked for: half a second of the largest samples (a stack
+/// copy each, about 20 KiB) at `frequency_hz` on each of `cpus`, from 1 MiB (room for the copies
+/// of processes not known yet, see [`copies_fit`]) to 4 MiB. The kernel maps the buffer's pages
+/// into pyebpf twice over, so they are much of its memory at the rates fleets run at (2 MiB at
+/// 99 Hz on 2 CPUs), while the reader keeps it nearly empty.
+pub fn ring_buffer_kb_for(frequency_hz: u64, cpus: u32) -> u32 {
+    const LARGEST_SAMPLE: u64 = (SampleRecord::HEADER_LEN + STACK_SNAPSHOT_MAX) as u64;
+    let half_second = frequency_hz.saturating_mul(u64::from(cpus)).saturating_mul(LARGEST_SAMPLE) / 2;
+    let kb = half_second.div_ceil(1024).clamp(1024, 4096) as u32;
+    kb.next_power_of_two()
+}
+
+/// [`ring_buffer_kb_for`] the possible CPUs of this machine (the largest size where they are not
+/// known).
+pub fn default_ring_buffer_kb(frequency_hz: u64) -> u32 {
+    aya::util::nr_cpus().map_or(4096, |cpus| ring_buffer_kb_for(frequency_hz, cpus as u32))
 }
 
 /// How native user stacks are unwound (`--unwind`).
@@ -570,6 +588,18 @@ impl Sampler {
 mod tests {
     use object::{Object, ObjectSymbol};
     use pyebpf_common::{globals, maps, programs};
+
+    use super::{copies_fit, ring_buffer_kb_for};
+
+    #[test]
+    fn the_ring_buffer_grows_with_the_rate_and_the_cpus_within_its_bounds() {
+        assert_eq!(ring_buffer_kb_for(19, 2), 1024);
+        assert_eq!(ring_buffer_kb_for(99, 2), 2048);
+        assert_eq!(ring_buffer_kb_for(99, 4), 4096);
+        assert_eq!(ring_buffer_kb_for(999, 2), 4096);
+        assert_eq!(ring_buffer_kb_for(u64::MAX, u32::MAX), 4096);
+        assert!(copies_fit(ring_buffer_kb_for(1, 1)), "the smallest default leaves no room for stack copies");
+    }
 
     #[test]
     fn the_embedded_object_has_every_map_program_and_global_the_loader_takes() {

@@ -225,9 +225,10 @@ pub struct RecordArgs {
     #[arg(long = "stats")]
     pub stats: bool,
 
-    /// Size of the kernel-to-user sample ring buffer, in KiB (a power of two, at least 4)
-    #[arg(long = "ring-buffer-kb", value_name = "KIB", default_value_t = DEFAULT_RING_BUFFER_KB, value_parser = parse_ring_buffer_kb, allow_negative_numbers = true)]
-    pub ring_buffer_kb: u32,
+    /// Size of the kernel-to-user sample ring buffer, in KiB (a power of two, at least 4).
+    /// Default: half a second of the largest samples at the rate on every CPU, 1024 to 4096
+    #[arg(long = "ring-buffer-kb", value_name = "KIB", value_parser = parse_ring_buffer_kb, allow_negative_numbers = true)]
+    pub ring_buffer_kb: Option<u32>,
 
     /// With -p: also profile the children the given processes start after pyebpf attached
     #[arg(long = "subprocesses", requires = "pid")]
@@ -312,9 +313,6 @@ pub struct OtlpArgs {
 
 /// `--max-python-frames` unless given (and what `top` walks).
 pub const DEFAULT_MAX_PYTHON_FRAMES: u32 = pyebpf_common::MAX_PY_FRAMES as u32;
-
-/// `--ring-buffer-kb` unless given (and `top`'s).
-pub const DEFAULT_RING_BUFFER_KB: u32 = 4096;
 
 /// The longest `--duration` and `--rotate`: a year.
 const MAX_SECONDS: u64 = 365 * 24 * 3600;

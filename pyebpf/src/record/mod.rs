@@ -12,7 +12,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Context, Result};
 
-use crate::bpf::{check_privileges, Sampler, SamplerOptions};
+use crate::bpf::{check_privileges, default_ring_buffer_kb, Sampler, SamplerOptions};
 use crate::cli::{GroupBy, RecordArgs};
 use crate::mode::Mode;
 use crate::otlp::{self, Exporter, Headers, OtlpOptions, TlsFiles};
@@ -178,7 +178,7 @@ fn sampler_options(args: &RecordArgs) -> SamplerOptions {
         kernel_stacks: args.kernel,
         targets: if args.all { None } else { Some(args.pid.clone()) },
         follow_forks: !args.command.is_empty() || args.subprocesses,
-        ring_buffer_kb: args.ring_buffer_kb,
+        ring_buffer_kb: args.ring_buffer_kb.unwrap_or_else(|| default_ring_buffer_kb(args.frequency)),
         program_stats: args.stats,
         unwind: args.unwind,
         gil: mode == Mode::Gil,

@@ -10,8 +10,8 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use ratatui::crossterm::event::{Event, KeyCode, KeyEvent, KeyEventKind, KeyModifiers};
 
-use crate::bpf::{check_privileges, Sampler, SamplerOptions, UnwindMode};
-use crate::cli::{TopArgs, DEFAULT_MAX_PYTHON_FRAMES, DEFAULT_RING_BUFFER_KB};
+use crate::bpf::{check_privileges, default_ring_buffer_kb, Sampler, SamplerOptions, UnwindMode};
+use crate::cli::{TopArgs, DEFAULT_MAX_PYTHON_FRAMES};
 use crate::mode::Mode;
 use crate::process::{self, Watched};
 use crate::python::SamplingOptions;
@@ -125,7 +125,7 @@ fn sampler_options(args: &TopArgs, mode: Mode) -> SamplerOptions {
         kernel_stacks: false,
         targets: (!args.pid.is_empty()).then(|| args.pid.clone()),
         follow_forks: false,
-        ring_buffer_kb: DEFAULT_RING_BUFFER_KB,
+        ring_buffer_kb: default_ring_buffer_kb(args.frequency),
         program_stats: false,
         unwind: UnwindMode::Auto,
         gil: mode == Mode::Gil,
