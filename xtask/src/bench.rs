@@ -48,6 +48,12 @@ const WINDOW_TO: Duration = Duration::from_millis(5000);
 const SLOWDOWN_ROUNDS: usize = 3;
 const SLOWDOWN_ITERATIONS: &str = "30000000";
 const PY_SPY_VERSION: &str = "0.4.3";
+/// The interpreter the static binary (`dist/pyebpf`, musl) is also measured on in the CPU per
+/// sample runs: what it changes (the C library's allocator and `memcpy`) does not depend on the
+/// version.
+const STATIC_VERSION: &str = "3.15";
+/// Its name in the figures.
+const STATIC_PYEBPF: &str = "pyebpf (musl)";
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Profiler {
@@ -78,6 +84,7 @@ impl Profiler {
 
 const PROFILERS: [Profiler; 3] = [Profiler::Pyebpf, Profiler::PySpy, Profiler::Tachyon];
 
+#[derive(Clone)]
 struct Bench {
     root: PathBuf,
     pyebpf: PathBuf,
@@ -262,13 +269,20 @@ impl Bench {
     /// Steady-state CPU per sample and start-up CPU of each profiler, for every version, depth and
     /// frequency.
     fn cpu_per_sample(&self) -> Result<Value> {
+        let dist = self.root.join("dist/pyebpf");
+        let musl = dist.is_file().then(|| Bench { pyebpf: dist, ..self.clone() });
+        if musl.is_none() {
+            eprintln!("  no dist/pyebpf: the static binary is not measured (cargo xtask dist builds it)");
+        }
         let mut rows = Vec::new();
         for &version in &self.versions {
             for depth in DEPTHS {
                 let target = self.spawn_ready(version, "sampling_deep.py", &[&depth.to_string()])?;
                 for hz in FREQUENCIES {
-                    for profiler in PROFILERS.into_iter().filter(|p| p.supports(version)) {
-                        let long = self.attach_measured(profiler, target.pid(), hz, ATTACH_S, &[], Some((WINDOW_FROM, WINDOW_TO)))?;
+                    let profilers = PROFILERS.into_iter().filter(|p| p.supports(version)).map(|p| (p.name(), self, p));
+                    let statically = musl.as_ref().filter(|_| version == STATIC_VERSION).map(|musl| (STATIC_PYEBPF, musl, Profiler::Pyebpf));
+                    for (name, bench, profiler) in profilers.chain(statically) {
+                        let long = bench.attach_measured(profiler, target.pid(), hz, ATTACH_S, &[], Some((WINDOW_FROM, WINDOW_TO)))?;
                         // Samples come at a steady rate over the run, so the window holds its share.
                         let rate = long.samples as f64 / f64::from(ATTACH_S);
                         let window_s = (WINDOW_TO - WINDOW_FROM).as_secs_f64();
@@ -276,7 +290,7 @@ impl Bench {
                         let steady_us = window_cpu * 1e6 / (rate * window_s);
                         let startup_ms = (long.cpu_s - window_cpu / window_s * long.wall_s).max(0.0) * 1e3;
                         let mut row = json!({
-                            "version": version, "depth": depth, "hz": hz, "profiler": profiler.name(),
+                            "version": version, "depth": depth, "hz": hz, "profiler": name,
                             "steady_us_per_sample": steady_us, "startup_cpu_ms": startup_ms,
                             "samples": long.samples, "cpu_s": long.cpu_s, "max_rss_mb": long.max_rss_mb,
                         });
@@ -284,7 +298,7 @@ impl Bench {
                             row["ebpf_us_per_sample"] =
                                 json!(stat_line(&long.stderr, "eBPF program time:").and_then(|l| measure::figure_before(&l, "us per recorded sample")));
                         }
-                        eprintln!("  {version} depth {depth} {hz} Hz {}: {steady_us:.1} us/sample, start-up {startup_ms:.0} ms", profiler.name());
+                        eprintln!("  {version} depth {depth} {hz} Hz {name}: {steady_us:.1} us/sample, start-up {startup_ms:.0} ms");
                         rows.push(row);
                     }
                 }

@@ -8,7 +8,7 @@ use std::process::Command;
 use anyhow::{Context, Result};
 use serde_json::{json, Value};
 
-use super::{Bench, PROFILERS, PY_SPY_VERSION, VERSIONS};
+use super::{Bench, PROFILERS, PY_SPY_VERSION, STATIC_PYEBPF, STATIC_VERSION, VERSIONS};
 
 const README_START: &str = "<!-- bench:start -->";
 const README_END: &str = "<!-- bench:end -->";
@@ -48,7 +48,7 @@ fn find(rows: &Value, pred: impl Fn(&Value) -> bool) -> Option<&Value> {
 fn cpu_table(results: &Value) -> String {
     let rows = &results["cpu_per_sample"];
     let mut md = String::from(
-        "| interpreter | depth | Hz | pyebpf µs/sample | py-spy µs/sample | Tachyon µs/sample | pyebpf ÷ Tachyon | pyebpf ÷ py-spy | start-up CPU ms: pyebpf / py-spy / Tachyon |\n|---|---|---|---|---|---|---|---|---|\n",
+        "| interpreter | depth | Hz | pyebpf µs/sample | static binary (musl) µs/sample | py-spy µs/sample | Tachyon µs/sample | pyebpf ÷ Tachyon | pyebpf ÷ py-spy | start-up CPU ms: pyebpf / py-spy / Tachyon |\n|---|---|---|---|---|---|---|---|---|---|\n",
     );
     for version in VERSIONS {
         for depth in super::DEPTHS {
@@ -61,9 +61,10 @@ fn cpu_table(results: &Value) -> String {
                     _ => "n/a".into(),
                 };
                 let tachyon = if version == "3.15" { num(&steady("Tachyon")) } else { "n/a (3.15 only)".into() };
+                let musl = if version == STATIC_VERSION { num(&steady(STATIC_PYEBPF)) } else { format!("n/a ({STATIC_VERSION} only)") };
                 let _ = writeln!(
                     md,
-                    "| {version} | {depth} | {hz} | {} | {} | {tachyon} | {} | {} | {} / {} / {} |",
+                    "| {version} | {depth} | {hz} | {} | {musl} | {} | {tachyon} | {} | {} | {} / {} / {} |",
                     num(&steady("pyebpf")),
                     num(&steady("py-spy")),
                     ratio("Tachyon"),
@@ -260,6 +261,8 @@ fn targets_table(results: &Value) -> String {
     };
     line("in-kernel ≤ 3 µs/sample, 3.15, 100 deep", format!("{} µs", f(kernel_us)), kernel_us.map(|k| k <= 3.0));
     line("steady CPU ≤ 3 µs/sample, 999 Hz, 3.15, 100 deep", format!("{} µs", f(ours)), ours.map(|o| o <= 3.0));
+    let musl = steady(STATIC_VERSION, 100, 999, STATIC_PYEBPF);
+    line("the same, the static binary (musl)", format!("{} µs", f(musl)), musl.map(|m| m <= 3.0));
     let t = ratio(ours, tachyon);
     line("≤ 0.05× Tachyon (same run)", format!("{}×", f(t)), t.map(|t| t <= 0.05));
     let p = ratio(ours, py_spy);
