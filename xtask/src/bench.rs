@@ -87,7 +87,10 @@ const PROFILERS: [Profiler; 3] = [Profiler::Pyebpf, Profiler::PySpy, Profiler::T
 #[derive(Clone)]
 struct Bench {
     root: PathBuf,
+    /// The release build (glibc).
     pyebpf: PathBuf,
+    /// The binary that ships (`dist/pyebpf`: static, musl).
+    shipped: PathBuf,
     py_spy: PathBuf,
     pythons: PathBuf,
     free_threaded: PathBuf,
@@ -106,7 +109,15 @@ pub struct Selection {
     pub versions: Option<Vec<String>>,
 }
 
-pub fn bench(root: &Path, pyebpf: PathBuf, pythons: &Path, free_threaded: &Path, selection: &Selection) -> Result<()> {
+/// The pyebpf binaries measured.
+pub struct Binaries {
+    /// The release build (glibc), which most sections run.
+    pub release: PathBuf,
+    /// `dist/pyebpf` (static, musl): the always-on section and the CPU per sample on one version.
+    pub shipped: PathBuf,
+}
+
+pub fn bench(root: &Path, binaries: Binaries, pythons: &Path, free_threaded: &Path, selection: &Selection) -> Result<()> {
     let versions = match &selection.versions {
         Some(names) => names
             .iter()
@@ -116,7 +127,8 @@ pub fn bench(root: &Path, pyebpf: PathBuf, pythons: &Path, free_threaded: &Path,
     };
     let bench = Bench {
         root: root.to_path_buf(),
-        pyebpf,
+        pyebpf: binaries.release,
+        shipped: binaries.shipped,
         py_spy: ensure_py_spy(root)?,
         pythons: pythons.to_path_buf(),
         free_threaded: free_threaded.to_path_buf(),
@@ -269,18 +281,14 @@ impl Bench {
     /// Steady-state CPU per sample and start-up CPU of each profiler, for every version, depth and
     /// frequency.
     fn cpu_per_sample(&self) -> Result<Value> {
-        let dist = self.root.join("dist/pyebpf");
-        let musl = dist.is_file().then(|| Bench { pyebpf: dist, ..self.clone() });
-        if musl.is_none() {
-            eprintln!("  no dist/pyebpf: the static binary is not measured (cargo xtask dist builds it)");
-        }
+        let musl = Bench { pyebpf: self.shipped.clone(), ..self.clone() };
         let mut rows = Vec::new();
         for &version in &self.versions {
             for depth in DEPTHS {
                 let target = self.spawn_ready(version, "sampling_deep.py", &[&depth.to_string()])?;
                 for hz in FREQUENCIES {
                     let profilers = PROFILERS.into_iter().filter(|p| p.supports(version)).map(|p| (p.name(), self, p));
-                    let statically = musl.as_ref().filter(|_| version == STATIC_VERSION).map(|musl| (STATIC_PYEBPF, musl, Profiler::Pyebpf));
+                    let statically = (version == STATIC_VERSION).then_some((STATIC_PYEBPF, &musl, Profiler::Pyebpf));
                     for (name, bench, profiler) in profilers.chain(statically) {
                         let long = bench.attach_measured(profiler, target.pid(), hz, ATTACH_S, &[], Some((WINDOW_FROM, WINDOW_TO)))?;
                         // Samples come at a steady rate over the run, so the window holds its share.

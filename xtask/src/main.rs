@@ -84,7 +84,10 @@ fn main() -> Result<()> {
         Task::Bench { report_only: false, only, versions } => {
             let installed = setup(&root)?;
             let selection = bench::Selection { sections: only, versions };
-            bench::bench(&root, build(&root, true)?, &installed.pythons, &installed.free_threaded, &selection)?;
+            // The binary that ships is measured beside the release build: built here, so that
+            // both are of the code benched.
+            let shipped = dist::dist(&root)?.binary;
+            bench::bench(&root, bench::Binaries { release: build(&root, true)?, shipped }, &installed.pythons, &installed.free_threaded, &selection)?;
         }
     }
     Ok(())

@@ -63,11 +63,9 @@ impl Agent {
     }
 }
 
-/// The two profilers' binaries.
+/// The two profilers' binaries: pyebpf's is the one that ships.
 struct Agents {
     pyebpf: PathBuf,
-    /// Which pyebpf binary: the one that ships if it was built, else the release build.
-    pyebpf_build: &'static str,
     otel: PathBuf,
 }
 
@@ -81,13 +79,7 @@ impl Agents {
                 Path::new(OTEL_DEFAULT).parent().expect("a folder").display()
             );
         }
-        let dist = bench.root.join("dist/pyebpf");
-        let (pyebpf, pyebpf_build) = if dist.is_file() {
-            (dist, "dist/pyebpf (static, musl)")
-        } else {
-            (bench.pyebpf.clone(), "target/release/pyebpf (glibc; no dist/pyebpf was built)")
-        };
-        Ok(Agents { pyebpf, pyebpf_build, otel })
+        Ok(Agents { pyebpf: bench.shipped.clone(), otel })
     }
 
     /// The program and arguments of `agent` sampling at `hz` (a rate or a placeholder), sending to
@@ -141,7 +133,7 @@ pub fn always_on(bench: &Bench) -> Result<Value> {
     }
     let version = Command::new(&agents.pyebpf).arg("--version").output().map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string()).unwrap_or_default();
     Ok(json!({
-        "pyebpf_binary": agents.pyebpf_build, "pyebpf_version": version,
+        "pyebpf_binary": "dist/pyebpf (static, musl)", "pyebpf_version": version,
         // Paths from the repository's root, as the README shows them.
         "commands": {
             "pyebpf": agents.command_line(Agent::Pyebpf, "HZ", "127.0.0.1:PORT").replace(&format!("{}/", bench.root.display()), ""),
