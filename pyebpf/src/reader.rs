@@ -463,11 +463,13 @@ const _: () = assert!(USER_STACK + MAX_USER_FRAMES * 8 == FRAME_BASES && FRAME_B
 const _: () = assert!(KERNEL_STACK + MAX_KERNEL_FRAMES * 8 == TASKS);
 const _: () = assert!(TASK_LIST + MAX_TASKS * size_of::<TaskRecord>() == SampleRecord::HEADER_LEN);
 
-/// The parts of a sample's fixed part that hold something, as ranges of it, in the order a packed
-/// sample keeps them: the scalars and the task chain's own fields (whose lengths say how much of
-/// each array is used), then the used entries of the three stacks and of the task chain.
-/// `header` is a sample's fixed part, or at least its first two parts.
-fn used_parts(header: &[u8]) -> [Range<usize>; 6] {
+/// The parts of a sample's fixed part a packed sample keeps first, whatever the sample: the
+/// scalars and the task chain's own fields, where the lengths of the arrays are.
+const LENGTH_PARTS: [Range<usize>; 2] = [0..USER_STACK, TASKS..TASK_LIST];
+
+/// The used entries of a sample's three stacks and task chain, as ranges of its fixed part, in the
+/// order a packed sample keeps them after [`LENGTH_PARTS`], whose lengths `header` is read for.
+fn used_entries(header: &[u8]) -> [Range<usize>; 4] {
     let len_at =
         |offset: usize, max: usize| header.get(offset..offset + 4).map_or(0, |b| u32::from_ne_bytes(b.try_into().unwrap_or_default()) as usize).min(max);
     // Entry 0 of the user stack, the sampled instruction, is read even where no stack was walked.
@@ -476,8 +478,6 @@ fn used_parts(header: &[u8]) -> [Range<usize>; 6] {
     let kernel = len_at(offset_of!(SampleRecord, kernel_len), MAX_KERNEL_FRAMES);
     let tasks = len_at(TASKS + offset_of!(TaskCapture, len), MAX_TASKS);
     [
-        0..USER_STACK,
-        TASKS..TASK_LIST,
         USER_STACK..USER_STACK + user * 8,
         FRAME_BASES..FRAME_BASES + bases * 8,
         KERNEL_STACK..KERNEL_STACK + kernel * 8,
@@ -487,10 +487,10 @@ fn used_parts(header: &[u8]) -> [Range<usize>; 6] {
 
 /// Appends a sample as the consumer takes it: the fixed part sizes its arrays for the deepest
 /// stacks (about 4 KiB, mostly unused), and copying records is most of what the reader and the
-/// decoding do, so only [`used_parts`] are kept, then the Python frames and stack copy as sent.
-/// `item` holds at least the fixed part.
+/// decoding do, so only [`LENGTH_PARTS`] and the [`used_entries`] are kept, then the Python frames
+/// and stack copy as sent. `item` holds at least the fixed part.
 fn pack_sample(item: &[u8], out: &mut Vec<u8>) {
-    for part in used_parts(item) {
+    for part in LENGTH_PARTS.into_iter().chain(used_entries(item)) {
         out.extend_from_slice(&item[part]);
     }
     out.extend_from_slice(&item[SampleRecord::HEADER_LEN..]);
@@ -506,12 +506,10 @@ fn unpack_header(packed: &[u8], header: &mut [u8]) -> Option<usize> {
         taken += bytes.len();
         Some(())
     };
-    // The first two parts have fixed sizes and say how long the others are.
-    let [scalars, task_fields, ..] = used_parts(header);
-    take(scalars, header)?;
-    take(task_fields, header)?;
-    let [_, _, used @ ..] = used_parts(header);
-    for part in used {
+    for part in LENGTH_PARTS {
+        take(part, header)?;
+    }
+    for part in used_entries(header) {
         take(part, header)?;
     }
     Some(taken)
