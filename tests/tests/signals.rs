@@ -146,9 +146,12 @@ fn sigint_and_sigterm_left_ignored_still_stop_and_write() {
         let (child, started, at_start) = start(dir.path(), Left::Ignored, &[signal]);
         wait_until("pyebpf handles the signal", Duration::from_secs(5), || handles(child.id(), signal));
         stops_and_writes(child, Sent { name, signal, after_ms: started.elapsed().as_millis() as u64, at_start }, dir.path());
+        // A loaded machine can take longer than the first moment to reach that instruction; a
+        // signal sent before it would be the dropped case above, so each moment waits for it.
         for moment in MOMENTS_MS {
             let dir = tempfile::tempdir().unwrap();
             let (child, started, at_start) = start(dir.path(), Left::Ignored, &[signal]);
+            wait_until("pyebpf handles the signal", Duration::from_secs(5), || handles(child.id(), signal));
             std::thread::sleep(Duration::from_millis(moment).saturating_sub(started.elapsed()));
             stops_and_writes(child, Sent { name, signal, after_ms: started.elapsed().as_millis() as u64, at_start }, dir.path());
         }
