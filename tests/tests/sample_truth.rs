@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use pyebpf_tests::{debian_python, free_threaded_python, pyebpf_command, pyenv_python, stacks_of, start_ready, system_python_3_11, total, Stack};
+use pyebpf_tests::{count_where, debian_python, free_threaded_python, pyebpf_command, pyenv_python, stacks_of, start_ready, system_python_3_11, total, Stack};
 
 fn python(label: &str) -> PathBuf {
     match label {
@@ -299,4 +299,28 @@ fn rotated_periods_keep_true_stacks_debian_3_13() {
 #[test]
 fn rotated_periods_keep_true_stacks_debian_3_15() {
     check_rotated_periods("3.15");
+}
+
+/// A frame sampled before its first instruction (3.11 and 3.12 point it one code unit before
+/// the code) is on the function's first line, as CPython says; each of `callee`'s frames has
+/// its `def` line or its body's, never none.
+fn check_calls_just_made(label: &str) {
+    let (child, _ready) = start_ready(&python(label), "tight_calls.py", &[]);
+    let (collapsed, stderr) = record_with_env(&["-p", &child.pid().to_string(), "-F", "999", "-d", "2", "--no-native"], &[]);
+    let stacks = stacks_of(&collapsed, child.pid());
+    let script = pyebpf_tests::script("tight_calls.py").display().to_string();
+    let callee: Vec<&str> = stacks.iter().flat_map(|(frames, _)| frames).filter(|f| function_of(f) == "callee").map(String::as_str).collect();
+    let in_callee = count_where(&stacks, |frames| frames.last().is_some_and(|f| function_of(f) == "callee"));
+    assert!(in_callee >= 100, "{label}: {in_callee} samples in callee of {}: {stderr}", total(&stacks));
+    let def = std::fs::read_to_string(&script).unwrap().lines().position(|line| line == "def callee():").unwrap() + 1;
+    let lines = [format!("callee ({script}:{def})"), format!("callee ({script}:{})", def + 1)];
+    let wrong: Vec<&&str> = callee.iter().filter(|f| !lines.iter().any(|line| line == **f)).collect();
+    assert!(wrong.is_empty(), "{label}: callee frames without its lines ({in_callee} samples in callee): {wrong:?}");
+}
+
+#[test]
+fn calls_just_made_are_on_their_first_line() {
+    for label in ["pyenv-3.10.13", "pyenv-3.11.7", "pyenv-3.12.1", "debian-3.13", "debian-3.15"] {
+        check_calls_just_made(label);
+    }
 }

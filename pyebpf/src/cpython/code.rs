@@ -50,7 +50,13 @@ impl CodeInfo {
     /// The source location of the instruction at `instr_ptr` (an address inside this code object's
     /// instructions, or before 3.11 its byte offset, as `DebugOffsets::instr_of` gives it).
     pub fn location_for(&self, instr_ptr: u64) -> Option<Location> {
-        let offset = instr_ptr.checked_sub(self.base_of(instr_ptr))?;
+        let base = self.base_of(instr_ptr);
+        if self.format == LineTable::Locations && instr_ptr.wrapping_add(CODE_UNIT) == base {
+            // 3.11 and 3.12 point a frame that has not started yet one code unit before its first
+            // instruction: it is on its first line, as CPython says (none for interpreter shims).
+            return Some(Location { line: Some(self.first_line).filter(|&line| line > 0), end_line: None, column: None, end_column: None });
+        }
+        let offset = instr_ptr.checked_sub(base)?;
         let line = match self.format {
             LineTable::Locations => return location_for_index(&self.linetable, self.first_line, offset / CODE_UNIT),
             // A frame that has not started yet is on its first line, as CPython says.
@@ -61,11 +67,12 @@ impl CodeInfo {
         Some(Location { line, end_line: None, column: None, end_column: None })
     }
 
-    /// The start of the copy of the instructions holding `instr_ptr`: a thread may run a copy of
-    /// its own, with the same instructions at the same offsets. A pointer in no copy known is
-    /// taken against `co_code_adaptive`, as every build without copies does.
+    /// The start of the copy of the instructions holding `instr_ptr` (or starting one code unit
+    /// after it): a thread may run a copy of its own, with the same instructions at the same
+    /// offsets. A pointer in no copy known is taken against `co_code_adaptive`, as every build
+    /// without copies does.
     fn base_of(&self, instr_ptr: u64) -> u64 {
-        let holds = |&base: &u64| instr_ptr.checked_sub(base).is_some_and(|offset| offset < self.code_bytes);
+        let holds = |&base: &u64| instr_ptr.wrapping_add(CODE_UNIT).checked_sub(base).is_some_and(|offset| offset < self.code_bytes.saturating_add(CODE_UNIT));
         self.copies.iter().copied().find(holds).unwrap_or(self.instructions)
     }
 
@@ -228,6 +235,16 @@ mod tests {
             assert_eq!(code.line_for(copy + unit * CODE_UNIT), code.line_for(main + unit * CODE_UNIT), "code unit {unit}");
         }
         assert_eq!(code.line_for(copy + 8), Some(15));
+        // 3.11 and 3.12: a frame not started yet points one unit before the first instruction.
+        assert_eq!(code.line_for(main - CODE_UNIT), Some(10));
+        assert_eq!(code.line_for(copy - CODE_UNIT), Some(10));
+        assert_eq!(code.line_for(main - 2 * CODE_UNIT), None);
+        assert!(!code.is_interpreter_shim(main - CODE_UNIT));
+        // A size the target made absurd does not overflow the bounds.
+        let code = CodeInfo { code_bytes: u64::MAX, ..code };
+        assert_eq!(code.line_for(main + 8), Some(15));
+        assert_eq!(code.line_for(main - CODE_UNIT), Some(10));
+        assert!(CodeInfo { first_line: 0, linetable: Vec::new(), ..code }.is_interpreter_shim(main - CODE_UNIT));
         image.insert(0x9000, u64::MAX.to_le_bytes().to_vec());
         assert!(matches!(read_copies(&image, 0x9000), Err(PyError::Malformed(_))), "an absurd size is refused");
     }
