@@ -31,10 +31,14 @@ use perf_event_open_sys::ioctls;
 use pyebpf_common::ClockSlot;
 
 /// Ticks a second the clock aims for, each CPU: how finely a slot is divided. More would spread the
-/// samples finer and cost more timer interrupts (about 17 µs each in the VMs this was measured on).
+/// samples finer and cost more timer interrupts (about 15 µs each of the interrupted program's time
+/// in the VMs this was measured on).
 const TICK_BUDGET_HZ: f64 = 400.0;
-/// Ticks per slot at most (at low rates).
-const MAX_TICKS_PER_SLOT: u32 = 16;
+/// Ticks per slot at most (at low rates): the ticks that do not sample cost each CPU their
+/// interrupts whatever runs there, so at fleet rates (19 Hz: 76 ticks a second, not 304) a slot is
+/// divided no finer than at 99 Hz. Finer slots spread a 19 Hz profile's samples a little more
+/// evenly over a periodic program's cycle, which long recordings at those rates do not need.
+const MAX_TICKS_PER_SLOT: u32 = 4;
 /// Slots between moves of a clock, on average: each stretch between moves samples a few phases of
 /// a cycle of a whole number of ticks, so the fewer slots, the more evenly such a cycle is seen;
 /// the more, the less the moves cost. The time between moves is drawn from half to one and a half
@@ -237,7 +241,9 @@ mod tests {
     fn slots_are_divided_finer_at_low_rates_within_the_tick_budget() {
         assert_eq!(ClockPlan::new(99).ticks_per_slot, 4);
         assert_eq!(ClockPlan::new(199).ticks_per_slot, 2);
+        assert_eq!(ClockPlan::new(133).ticks_per_slot, 3);
         assert_eq!(ClockPlan::new(19).ticks_per_slot, MAX_TICKS_PER_SLOT);
+        assert_eq!(ClockPlan::new(49).ticks_per_slot, MAX_TICKS_PER_SLOT);
         assert_eq!(ClockPlan::new(999).ticks_per_slot, 1);
     }
 
