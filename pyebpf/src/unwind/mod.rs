@@ -10,6 +10,8 @@
 //! a frame-pointer prologue puts `rbp`, so the merge places Python segments by the same rule for
 //! both unwinders.
 //!
+//! Each function's rows are tabulated once per file and shared by all processes (see [`rows`]).
+//!
 //! Caches are bounded: a file's unwind sections (only those: the file is read piecemeal) are read
 //! once per (device, inode) and kept for at most [`MAX_FILES`] files and [`MAX_CACHED_BYTES`]; a
 //! process's module list is rebuilt only when [`MapsCache`] has a new snapshot of its maps (it
@@ -29,6 +31,10 @@ use pyebpf_common::{MAX_USER_FRAMES, STACK_SNAPSHOT_MAX};
 
 use crate::maps::{Maps, MapsCache};
 use crate::target_file;
+
+mod rows;
+
+use rows::{Rule, RuleTables};
 
 /// Files whose unwind sections are kept at most (all dropped at once when exceeded).
 const MAX_FILES: usize = 256;
@@ -75,6 +81,33 @@ pub struct Unwound {
 struct FileId {
     dev: (i32, i32),
     inode: u64,
+}
+
+/// The identity given to the vDSO, which every process maps from pyebpf's own copy.
+const VDSO: FileId = FileId { dev: (-1, -1), inode: 0 };
+
+/// Where a process maps a file with unwind sections.
+struct MappedFile {
+    avma: Range<u64>,
+    /// Where the file's stated address 0 lies in the process.
+    base_avma: u64,
+    id: FileId,
+    cfi: Arc<FileCfi>,
+}
+
+/// The tabulated rules and the files one process maps, sorted by address.
+struct Tabulated<'a> {
+    tables: &'a mut RuleTables,
+    files: &'a [MappedFile],
+}
+
+impl Tabulated<'_> {
+    /// The tabulated rule at `avma`, if a file with unwind sections is mapped there.
+    fn rule(&mut self, avma: u64) -> Option<Rule> {
+        let at = self.files.partition_point(|file| file.avma.start <= avma).checked_sub(1)?;
+        let file = self.files.get(at).filter(|file| avma < file.avma.end)?;
+        self.tables.rule(file.id, &file.cfi, avma.wrapping_sub(file.base_avma))
+    }
 }
 
 /// One loadable segment: where its file bytes sit in the file and in the stated address space.
@@ -166,6 +199,7 @@ struct ProcessModules {
     snapshot: Arc<Maps>,
     unwinder: UnwinderX86_64<Data>,
     cache: CacheX86_64,
+    files: Vec<MappedFile>,
 }
 
 /// Unwinds snapshots of many processes, caching what it reads of their files.
@@ -177,6 +211,8 @@ pub struct StackUnwinder {
     /// The kernel's vDSO, read once from pyebpf's own mapping.
     vdso: Option<Option<Arc<FileCfi>>>,
     processes: HashMap<u32, ProcessModules>,
+    /// Rules of the functions unwound so far, by file (dropped with `files`).
+    rules: RuleTables,
 }
 
 impl StackUnwinder {
@@ -193,7 +229,8 @@ impl StackUnwinder {
         let Some(process) = self.processes.get_mut(&pid) else {
             return Unwound { addrs: vec![snapshot.ip], ..Default::default() };
         };
-        unwind_with(&process.unwinder, &mut process.cache, snapshot)
+        let mut tabulated = Tabulated { tables: &mut self.rules, files: &process.files };
+        unwind_with(&process.unwinder, &mut process.cache, &mut tabulated, snapshot)
     }
 
     /// Drops what is known of `pid`'s address space (it exited or replaced its program).
@@ -212,19 +249,22 @@ impl StackUnwinder {
         if self.files.len() >= MAX_FILES || self.cached_bytes >= MAX_CACHED_BYTES {
             self.files.clear();
             self.cached_bytes = 0;
+            self.rules = RuleTables::default();
         }
         let mut unwinder = UnwinderX86_64::new();
-        for module in self.modules(pid, snapshot) {
-            unwinder.add_module(module);
+        let files = self.mapped_files(pid, snapshot);
+        for file in &files {
+            unwinder.add_module(file.cfi.module(format!("{:?}", file.id), file.avma.clone(), file.base_avma));
         }
-        self.processes.insert(pid, ProcessModules { snapshot: snapshot.clone(), unwinder, cache: CacheX86_64::new() });
+        self.processes.insert(pid, ProcessModules { snapshot: snapshot.clone(), unwinder, cache: CacheX86_64::new(), files });
     }
 
-    fn modules(&mut self, pid: u32, maps: &Maps) -> Vec<Module<Data>> {
-        let mut modules = Vec::new();
+    /// The files with unwind sections `maps` holds, by address.
+    fn mapped_files(&mut self, pid: u32, maps: &Maps) -> Vec<MappedFile> {
+        let mut files = Vec::new();
         for entry in maps.executable() {
             let (start, limit) = (entry.start, entry.limit);
-            let (cfi, name) = match &entry.path {
+            let (cfi, id) = match &entry.path {
                 MMapPath::Path(path) => {
                     let id = FileId { dev: (entry.dev.0, entry.dev.1), inode: entry.inode };
                     let cached_bytes = &mut self.cached_bytes;
@@ -233,16 +273,17 @@ impl StackUnwinder {
                         *cached_bytes += cfi.as_ref().map_or(0, |cfi| cfi.size());
                         cfi
                     });
-                    (cfi.clone(), path.to_string_lossy().into_owned())
+                    (cfi.clone(), id)
                 }
-                MMapPath::Vdso => (self.vdso.get_or_insert_with(own_vdso_cfi).clone(), "[vdso]".to_owned()),
+                MMapPath::Vdso => (self.vdso.get_or_insert_with(own_vdso_cfi).clone(), VDSO),
                 _ => continue,
             };
             let Some(cfi) = cfi else { continue };
             let Some(base_avma) = cfi.base_avma(start, entry.offset) else { continue };
-            modules.push(cfi.module(name, start..limit, base_avma));
+            files.push(MappedFile { avma: start..limit, base_avma, id, cfi });
         }
-        modules
+        files.sort_by_key(|file| file.avma.start);
+        files
     }
 }
 
@@ -250,16 +291,19 @@ impl StackUnwinder {
 /// fuzzers reach the unwind-section parsing and unwinding with bytes of their own. None if the
 /// image does not parse.
 pub fn unwind_in_image(image: &[u8], start: u64, snapshot: &Snapshot<'_>) -> Option<Unwound> {
-    let cfi = FileCfi::parse(image).ok()?;
+    let cfi = Arc::new(FileCfi::parse(image).ok()?);
     let limit = start.checked_add(image.len() as u64)?;
+    let base_avma = cfi.base_avma(start, 0)?;
     let mut unwinder = UnwinderX86_64::new();
-    unwinder.add_module(cfi.module("image".to_owned(), start..limit, cfi.base_avma(start, 0)?));
-    Some(unwind_with(&unwinder, &mut CacheX86_64::new(), snapshot))
+    unwinder.add_module(cfi.module("image".to_owned(), start..limit, base_avma));
+    let files = [MappedFile { avma: start..limit, base_avma, id: VDSO, cfi }];
+    let mut tabulated = Tabulated { tables: &mut RuleTables::default(), files: &files };
+    Some(unwind_with(&unwinder, &mut CacheX86_64::new(), &mut tabulated, snapshot))
 }
 
 /// Unwinds `snapshot` frame by frame, keeping each frame's CFA, until the root, an unreadable or
 /// inconsistent frame, or [`MAX_USER_FRAMES`].
-fn unwind_with(unwinder: &UnwinderX86_64<Data>, cache: &mut CacheX86_64, snapshot: &Snapshot<'_>) -> Unwound {
+fn unwind_with(unwinder: &UnwinderX86_64<Data>, cache: &mut CacheX86_64, tabulated: &mut Tabulated<'_>, snapshot: &Snapshot<'_>) -> Unwound {
     let stack = &snapshot.stack[..snapshot.stack.len().min(STACK_SNAPSHOT_MAX)];
     let mut read_stack = |addr: u64| -> Result<u64, ()> {
         let offset = usize::try_from(addr.checked_sub(snapshot.sp).ok_or(())?).map_err(|_| ())?;
@@ -271,7 +315,11 @@ fn unwind_with(unwinder: &UnwinderX86_64<Data>, cache: &mut CacheX86_64, snapsho
     let mut address = FrameAddress::from_instruction_pointer(snapshot.ip);
     let mut previous_sp = snapshot.sp;
     while unwound.addrs.len() < MAX_USER_FRAMES {
-        match unwinder.unwind_frame(address, &mut regs, cache, &mut read_stack) {
+        let step = match tabulated.rule(address.address_for_lookup()) {
+            Some(rule) if rule != Rule::Other => rows::step(rule, !address.is_return_address(), &mut regs, &mut read_stack).map_err(|rows::Stuck| None),
+            _ => unwinder.unwind_frame(address, &mut regs, cache, &mut read_stack).map_err(Some),
+        };
+        match step {
             Ok(Some(return_address)) => {
                 let cfa = regs.sp();
                 // A stack only grows towards its root: anything else is a loop or garbage.
@@ -291,7 +339,7 @@ fn unwind_with(unwinder: &UnwinderX86_64<Data>, cache: &mut CacheX86_64, snapsho
                 break;
             }
             Err(err) => {
-                log::trace!("unwind stopped after {} frames: {err}", unwound.addrs.len());
+                log::trace!("unwind stopped after {} frames: {err:?}", unwound.addrs.len());
                 break;
             }
         }
@@ -397,6 +445,82 @@ mod tests {
         assert!(in_unwind_here >= 6, "{in_unwind_here} return addresses in unwind_here: {unwound:x?}");
         assert!(unwound.frame_bases.windows(2).all(|w| w[0] < w[1]), "frame bases grow rootwards");
         assert!(unwound.frame_bases.first().is_some_and(|&b| b + 16 > sp));
+    }
+
+    /// Every rule tabulated for the functions of this test binary and the C library it maps
+    /// unwinds a frame as framehop does (framehop's own rules are the reference), as the sampled
+    /// frame and as a caller, at every row of every function.
+    #[test]
+    fn tabulated_rules_unwind_as_framehop_does() {
+        let maps = Maps::read_own().unwrap();
+        let files = StackUnwinder::new().mapped_files(std::process::id(), &maps);
+        let own = std::env::current_exe().unwrap();
+        let chosen: Vec<&MappedFile> = files.iter().filter(|file| file.cfi.eh_frame_hdr.is_some()).collect();
+        assert!(chosen.len() >= 2, "this binary and the C library have .eh_frame_hdr: {own:?}");
+        let mut compared = [0usize; 3];
+        for file in chosen {
+            let mut unwinder = UnwinderX86_64::new();
+            unwinder.add_module(file.cfi.module(String::new(), file.avma.clone(), file.base_avma));
+            let mut cache = CacheX86_64::new();
+            let mut tables = RuleTables::default();
+            for svma in row_starts(&file.cfi) {
+                let avma = svma.wrapping_add(file.base_avma);
+                if !file.avma.contains(&avma) {
+                    continue;
+                }
+                let rule = tables.rule(file.id, &file.cfi, svma).expect("an address with a row has a function");
+                if rule == Rule::Other {
+                    compared[2] += 1;
+                    continue;
+                }
+                for address in [FrameAddress::from_instruction_pointer(avma), FrameAddress::from_return_address(avma + 1).unwrap()] {
+                    let (sp, stack) = (0x7ff0_0000_0000u64, synthetic_stack(0x7ff0_0000_0000, svma));
+                    let mut read_stack = |addr: u64| -> Result<u64, ()> {
+                        let word = usize::try_from(addr.checked_sub(sp).ok_or(())? / 8).map_err(|_| ())?;
+                        stack.get(word).copied().ok_or(())
+                    };
+                    let mut theirs = UnwindRegsX86_64::new(address.address(), sp, sp + 0x200);
+                    let mut ours = theirs;
+                    let expected = unwinder.unwind_frame(address, &mut theirs, &mut cache, &mut read_stack).ok();
+                    let got = rows::step(rule, !address.is_return_address(), &mut ours, &mut read_stack).ok();
+                    assert_eq!(got, expected, "{rule:?} at {svma:#x} of {:?}, {address:?}", file.id);
+                    if expected.is_some() {
+                        assert_eq!((ours.ip(), ours.sp(), ours.bp()), (theirs.ip(), theirs.sp(), theirs.bp()), "{rule:?} at {svma:#x}");
+                    }
+                    compared[usize::from(expected.is_none())] += 1;
+                }
+            }
+        }
+        // Thousands of rows stepped both ways, nearly all of them tabulated.
+        assert!(compared[0] > 10_000 && compared[2] * 20 < compared[0], "(stepped, stuck or root, left to framehop): {compared:?}");
+    }
+
+    /// The start of every CFI row of every function `cfi`'s `.eh_frame_hdr` lists.
+    fn row_starts(cfi: &FileCfi) -> Vec<u64> {
+        use gimli::{BaseAddresses, EhFrame, EhFrameHdr, LittleEndian, UnwindSection};
+        let ((hdr_range, hdr), (eh_range, eh)) = (cfi.eh_frame_hdr.clone().unwrap(), cfi.eh_frame.clone().unwrap());
+        let bases = BaseAddresses::default().set_eh_frame_hdr(hdr_range.start).set_eh_frame(eh_range.start);
+        let eh_frame = EhFrame::new(&eh[..], LittleEndian);
+        let header = EhFrameHdr::new(&hdr[..], LittleEndian).parse(&bases, 8).unwrap();
+        let table = header.table().unwrap();
+        let mut entries = table.iter(&bases);
+        let mut starts = Vec::new();
+        let mut context = Box::new(gimli::UnwindContext::new());
+        while let Ok(Some((_, fde_at))) = entries.next() {
+            let Some(fde_offset) = fde_at.pointer().checked_sub(eh_range.start) else { continue };
+            let Ok(fde) = eh_frame.fde_from_offset(&bases, gimli::EhFrameOffset(fde_offset as usize), EhFrame::cie_from_offset) else { continue };
+            let Ok(mut rows) = fde.rows(&eh_frame, &bases, &mut context) else { continue };
+            while let Ok(Some(row)) = rows.next_row() {
+                starts.push(row.start_address());
+            }
+        }
+        starts
+    }
+
+    /// A stack copy whose words are addresses further up it (so frame-pointer steps move
+    /// rootwards), mixed by `seed`, with some zero words (roots).
+    fn synthetic_stack(sp: u64, seed: u64) -> Vec<u64> {
+        (0..512u64).map(|word| if (word ^ seed).is_multiple_of(13) { 0 } else { sp + 8 * (word + 1 + (seed.wrapping_mul(word + 7) % 64)) }).collect()
     }
 
     thread_local! {

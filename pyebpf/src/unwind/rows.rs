@@ -1,0 +1,202 @@
+//! Unwind rules of whole functions, tabulated once per file and shared by every process that maps
+//! it.
+//!
+//! framehop keeps the rule of each address it has unwound, a few hundred per process, and for any
+//! other address runs the function's CFI program from its start up to that address. CPython's eval
+//! loop, built without frame pointers, is one function of thousands of CFI rows, and a busy
+//! interpreter is sampled at an address of it not seen before in most samples: at fleet rates that
+//! run was most of what unwinding cost. Here the first look-up in a function runs its program once to
+//! the end and keeps every row; later look-ups in it, from any process mapping the file, are a
+//! binary search. Rules this table does not express are left to framehop, frame by frame.
+
+use std::collections::HashMap;
+
+use framehop::x86_64::UnwindRegsX86_64;
+use gimli::{BaseAddresses, CfaRule, EhFrame, EhFrameHdr, LittleEndian, RegisterRule, UnwindContext, UnwindSection, X86_64};
+
+use super::{FileCfi, FileId};
+
+/// Rows kept at most over all files (all dropped at once when exceeded): about 20 bytes each.
+const MAX_ROWS: usize = 1 << 17;
+/// Rows of one function kept at most; its addresses past them are left to framehop.
+const MAX_FUNCTION_ROWS: usize = 1 << 14;
+
+/// How to find a frame's caller, for the frames this table handles. The return address is always
+/// at CFA - 8 (other places are left to framehop).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Rule {
+    /// No return address: the stack's root.
+    Root,
+    /// CFA = sp + `cfa_offset`; the caller's rbp is saved at CFA + `bp_at`, or rbp is unchanged.
+    Sp { cfa_offset: u32, bp_at: Option<i32> },
+    /// CFA = rbp + 16, the caller's rbp saved at rbp: a frame-pointer frame.
+    FramePointer,
+    /// Anything else: framehop's path.
+    Other,
+}
+
+/// One function's rows: each row's rule holds from its start to the next row's.
+struct Function {
+    start: u64,
+    end: u64,
+    /// (start - the function's start, rule), ascending.
+    rows: Box<[(u32, Rule)]>,
+}
+
+impl Function {
+    fn rule_at(&self, svma: u64) -> Rule {
+        let Ok(offset) = u32::try_from(svma - self.start) else { return Rule::Other };
+        match self.rows.partition_point(|&(start, _)| start <= offset) {
+            0 => Rule::Other,
+            after => self.rows[after - 1].1,
+        }
+    }
+}
+
+/// The functions tabulated so far, per file.
+#[derive(Default)]
+pub(super) struct RuleTables {
+    /// Each file's functions, by start address.
+    files: HashMap<FileId, Vec<Function>>,
+    rows: usize,
+}
+
+impl RuleTables {
+    /// The rule at `svma` (a stated address) of `file`, whose unwind sections are `cfi`; None where
+    /// the file's `.eh_frame_hdr` covers no function there.
+    pub(super) fn rule(&mut self, file: FileId, cfi: &FileCfi, svma: u64) -> Option<Rule> {
+        let functions = self.files.entry(file).or_default();
+        let at = functions.partition_point(|function| function.start <= svma);
+        if let Some(function) = at.checked_sub(1).map(|i| &functions[i]).filter(|function| svma < function.end) {
+            return Some(function.rule_at(svma));
+        }
+        let function = tabulate(cfi, svma)?;
+        let rule = function.rule_at(svma);
+        if self.rows + function.rows.len() > MAX_ROWS {
+            self.files.clear();
+            self.rows = 0;
+        }
+        self.rows += function.rows.len();
+        let functions = self.files.entry(file).or_default();
+        let at = functions.partition_point(|known| known.start <= function.start);
+        functions.insert(at, function);
+        Some(rule)
+    }
+}
+
+/// Runs the CFI program of the function of `cfi` covering `svma` to its end, keeping every row.
+fn tabulate(cfi: &FileCfi, svma: u64) -> Option<Function> {
+    let (hdr_range, hdr) = cfi.eh_frame_hdr.as_ref()?;
+    let (eh_frame_range, eh_frame) = cfi.eh_frame.as_ref()?;
+    let mut bases = BaseAddresses::default().set_eh_frame_hdr(hdr_range.start).set_eh_frame(eh_frame_range.start);
+    if let Some(got) = &cfi.got {
+        bases = bases.set_got(got.start);
+    }
+    let eh_frame = EhFrame::new(eh_frame, LittleEndian);
+    let header = EhFrameHdr::new(hdr, LittleEndian).parse(&bases, 8).ok()?;
+    let fde = header.table()?.fde_for_address(&eh_frame, &bases, svma, EhFrame::cie_from_offset).ok()?;
+    let (start, end) = (fde.initial_address(), fde.end_address());
+    let mut context = Box::new(UnwindContext::new());
+    let mut table = fde.rows(&eh_frame, &bases, &mut context).ok()?;
+    let mut rows = Vec::new();
+    loop {
+        let row = match table.next_row() {
+            Ok(Some(row)) if rows.len() < MAX_FUNCTION_ROWS => row,
+            Ok(None) => break,
+            // A program that does not parse to its end, or too long: framehop's path from here.
+            Ok(Some(row)) => {
+                rows.push((u32::try_from(row.start_address().checked_sub(start)?).ok()?, Rule::Other));
+                break;
+            }
+            Err(_) => {
+                let resume = rows.last().map_or(0, |&(offset, _)| offset + 1);
+                rows.push((resume, Rule::Other));
+                break;
+            }
+        };
+        let offset = u32::try_from(row.start_address().checked_sub(start)?).ok()?;
+        rows.push((offset, rule_of(row.cfa(), row.register(X86_64::RBP).as_ref(), row.register(X86_64::RA).as_ref())));
+    }
+    Some(Function { start, end, rows: rows.into_boxed_slice() })
+}
+
+/// The rule a row states, where framehop would cache the same rule for it (its own cached rules
+/// are the reference: `tests::tabulated_rules_unwind_as_framehop_does`).
+fn rule_of<T: gimli::ReaderOffset>(cfa: &CfaRule<T>, bp: Option<&RegisterRule<T>>, ra: Option<&RegisterRule<T>>) -> Rule {
+    match ra {
+        None | Some(RegisterRule::Undefined) => return Rule::Root,
+        Some(RegisterRule::Offset(-8)) => {}
+        _ => return Rule::Other,
+    }
+    let bp_at = match bp {
+        None | Some(RegisterRule::Undefined | RegisterRule::SameValue) => None,
+        Some(RegisterRule::Offset(offset)) => Some(*offset),
+        _ => return Rule::Other,
+    };
+    match *cfa {
+        CfaRule::RegisterAndOffset { register: X86_64::RSP, offset } => {
+            // Offsets in whole words, as the stack holds them.
+            let word_aligned = |offset: i64| offset % 8 == 0;
+            let Ok(cfa_offset) = u32::try_from(offset) else { return Rule::Other };
+            if !word_aligned(offset) || bp_at.is_some_and(|at| !word_aligned(at) || i32::try_from(at).is_err()) {
+                return Rule::Other;
+            }
+            Rule::Sp { cfa_offset, bp_at: bp_at.map(|at| at as i32) }
+        }
+        CfaRule::RegisterAndOffset { register: X86_64::RBP, offset: 16 } if bp_at == Some(-16) => Rule::FramePointer,
+        _ => Rule::Other,
+    }
+}
+
+/// Why a frame could not be unwound by its rule.
+#[derive(Debug)]
+pub(super) struct Stuck;
+
+/// Applies `rule` (not [`Rule::Other`]) to the frame in `regs`: the caller's return address, with
+/// `regs` moved to the caller, or None at the stack's root. `first` is the sampled frame itself,
+/// whose stack copy starts at its sp.
+pub(super) fn step(rule: Rule, first: bool, regs: &mut UnwindRegsX86_64, read_stack: &mut impl FnMut(u64) -> Result<u64, ()>) -> Result<Option<u64>, Stuck> {
+    let (sp, bp) = (regs.sp(), regs.bp());
+    let (cfa, caller_bp) = match rule {
+        Rule::Root => return Ok(None),
+        Rule::Other => return Err(Stuck),
+        Rule::Sp { cfa_offset, bp_at } => {
+            let cfa = sp.checked_add(u64::from(cfa_offset)).ok_or(Stuck)?;
+            let caller_bp = match bp_at {
+                None => bp,
+                Some(at) => {
+                    let saved = cfa.checked_add_signed(i64::from(at)).ok_or(Stuck)?;
+                    match read_stack(saved) {
+                        Ok(value) => value,
+                        // An epilogue may have popped rbp already without saying so; the copy
+                        // holds nothing below the sampled sp.
+                        Err(()) if first && saved < sp => bp,
+                        Err(()) => return Err(Stuck),
+                    }
+                }
+            };
+            (cfa, caller_bp)
+        }
+        Rule::FramePointer => {
+            if bp == 0 {
+                return Ok(None);
+            }
+            let cfa = bp.checked_add(16).ok_or(Stuck)?;
+            if cfa <= sp {
+                return Err(Stuck);
+            }
+            (cfa, read_stack(bp).map_err(|()| Stuck)?)
+        }
+    };
+    let return_address = read_stack(cfa.checked_sub(8).ok_or(Stuck)?).map_err(|()| Stuck)?;
+    if return_address == 0 {
+        return Ok(None);
+    }
+    if cfa == sp && return_address == regs.ip() {
+        return Err(Stuck);
+    }
+    regs.set_ip(return_address);
+    regs.set_sp(cfa);
+    regs.set_bp(caller_bp);
+    Ok(Some(return_address))
+}
