@@ -34,11 +34,9 @@ fn slot_sample(ticks_per_slot: u32) -> bool {
             // SAFETY: no preconditions.
             slot.phase = unsafe { bpf_get_prandom_u32() };
             slot.started = 1;
-        } else {
-            slot.phase = slot.phase.wrapping_add(ClockSlot::STEP);
         }
-        slot.tick = 0;
-        slot.target = ClockSlot::target(slot.phase, ticks_per_slot);
+        // SAFETY: no preconditions.
+        slot.start_slot(ticks_per_slot, unsafe { bpf_get_prandom_u32() });
     }
     let sampled = slot.tick == slot.target;
     slot.tick += 1;
