@@ -76,8 +76,12 @@ impl RuleTables {
             self.files.clear();
             self.rows = 0;
         }
-        self.rows += function.rows.len();
         let functions = self.files.entry(file).or_default();
+        // Functions that overlap (only malformed CFI has them) are kept once each.
+        if functions.iter().any(|known| known.start == function.start) {
+            return Some(rule);
+        }
+        self.rows += function.rows.len();
         let at = functions.partition_point(|known| known.start <= function.start);
         functions.insert(at, function);
         Some(rule)
