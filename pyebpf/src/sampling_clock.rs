@@ -336,7 +336,10 @@ mod tests {
     fn worst_stray(ticks_per_slot: u32, seed: u32) -> (f64, f64) {
         let targets = targets(ticks_per_slot, 400, seed);
         let mut worst = (0.0, 0.0);
-        let whole_ticks = |cycle: f64| (cycle * f64::from(ticks_per_slot) - (cycle * f64::from(ticks_per_slot)).round()).abs() < 0.03;
+        let whole_ticks = |cycle: f64| {
+            let ticks = cycle * f64::from(ticks_per_slot);
+            (ticks - ticks.round()).abs() < 0.03
+        };
         for cycle in (1000..3000).map(|c| f64::from(c) / 1000.0).filter(|&c| !whole_ticks(c)) {
             let strays: Vec<f64> = (0..16)
                 .map(|offset| {

@@ -497,17 +497,15 @@ mod tests {
 
     /// The start of every CFI row of every function `cfi`'s `.eh_frame_hdr` lists.
     fn row_starts(cfi: &FileCfi) -> Vec<u64> {
-        use gimli::{BaseAddresses, EhFrame, EhFrameHdr, LittleEndian, UnwindSection};
-        let ((hdr_range, hdr), (eh_range, eh)) = (cfi.eh_frame_hdr.clone().unwrap(), cfi.eh_frame.clone().unwrap());
-        let bases = BaseAddresses::default().set_eh_frame_hdr(hdr_range.start).set_eh_frame(eh_range.start);
-        let eh_frame = EhFrame::new(&eh[..], LittleEndian);
-        let header = EhFrameHdr::new(&hdr[..], LittleEndian).parse(&bases, 8).unwrap();
+        use gimli::{EhFrame, UnwindSection};
+        let rows::EhSections { bases, eh_frame, header } = rows::EhSections::of(cfi).expect("a file with .eh_frame_hdr");
+        let eh_frame_start = cfi.eh_frame.as_ref().expect("an .eh_frame").0.start;
         let table = header.table().unwrap();
         let mut entries = table.iter(&bases);
         let mut starts = Vec::new();
         let mut context = Box::new(gimli::UnwindContext::new());
         while let Ok(Some((_, fde_at))) = entries.next() {
-            let Some(fde_offset) = fde_at.pointer().checked_sub(eh_range.start) else { continue };
+            let Some(fde_offset) = fde_at.pointer().checked_sub(eh_frame_start) else { continue };
             let Ok(fde) = eh_frame.fde_from_offset(&bases, gimli::EhFrameOffset(fde_offset as usize), EhFrame::cie_from_offset) else { continue };
             let Ok(mut rows) = fde.rows(&eh_frame, &bases, &mut context) else { continue };
             while let Ok(Some(row)) = rows.next_row() {

@@ -12,7 +12,7 @@
 use std::collections::HashMap;
 
 use framehop::x86_64::UnwindRegsX86_64;
-use gimli::{BaseAddresses, CfaRule, EhFrame, EhFrameHdr, LittleEndian, RegisterRule, UnwindContext, UnwindSection, X86_64};
+use gimli::{BaseAddresses, CfaRule, EhFrame, EhFrameHdr, EndianSlice, LittleEndian, ParsedEhFrameHdr, RegisterRule, UnwindContext, UnwindSection, X86_64};
 
 use super::{FileCfi, FileId};
 
@@ -77,27 +77,44 @@ impl RuleTables {
             self.rows = 0;
         }
         let functions = self.files.entry(file).or_default();
+        let at = functions.partition_point(|known| known.start <= function.start);
         // Functions that overlap (only malformed CFI has them) are kept once each.
-        if functions.iter().any(|known| known.start == function.start) {
+        if at.checked_sub(1).is_some_and(|before| functions[before].start == function.start) {
             return Some(rule);
         }
         self.rows += function.rows.len();
-        let at = functions.partition_point(|known| known.start <= function.start);
         functions.insert(at, function);
         Some(rule)
     }
 }
 
+type Section<'a> = EndianSlice<'a, LittleEndian>;
+
+/// A file's `.eh_frame` and its parsed `.eh_frame_hdr`, with the addresses their pointers are
+/// relative to.
+pub(super) struct EhSections<'a> {
+    pub bases: BaseAddresses,
+    pub eh_frame: EhFrame<Section<'a>>,
+    pub header: ParsedEhFrameHdr<Section<'a>>,
+}
+
+impl<'a> EhSections<'a> {
+    /// None if `cfi` has no `.eh_frame` and `.eh_frame_hdr`, or the header does not parse.
+    pub(super) fn of(cfi: &'a FileCfi) -> Option<EhSections<'a>> {
+        let (hdr_range, hdr) = cfi.eh_frame_hdr.as_ref()?;
+        let (eh_frame_range, eh_frame) = cfi.eh_frame.as_ref()?;
+        let mut bases = BaseAddresses::default().set_eh_frame_hdr(hdr_range.start).set_eh_frame(eh_frame_range.start);
+        if let Some(got) = &cfi.got {
+            bases = bases.set_got(got.start);
+        }
+        let header = EhFrameHdr::new(hdr, LittleEndian).parse(&bases, 8).ok()?;
+        Some(EhSections { bases, eh_frame: EhFrame::new(eh_frame, LittleEndian), header })
+    }
+}
+
 /// Runs the CFI program of the function of `cfi` covering `svma` to its end, keeping every row.
 fn tabulate(cfi: &FileCfi, svma: u64) -> Option<Function> {
-    let (hdr_range, hdr) = cfi.eh_frame_hdr.as_ref()?;
-    let (eh_frame_range, eh_frame) = cfi.eh_frame.as_ref()?;
-    let mut bases = BaseAddresses::default().set_eh_frame_hdr(hdr_range.start).set_eh_frame(eh_frame_range.start);
-    if let Some(got) = &cfi.got {
-        bases = bases.set_got(got.start);
-    }
-    let eh_frame = EhFrame::new(eh_frame, LittleEndian);
-    let header = EhFrameHdr::new(hdr, LittleEndian).parse(&bases, 8).ok()?;
+    let EhSections { bases, eh_frame, header } = EhSections::of(cfi)?;
     let fde = header.table()?.fde_for_address(&eh_frame, &bases, svma, EhFrame::cie_from_offset).ok()?;
     let (start, end) = (fde.initial_address(), fde.end_address());
     let mut context = Box::new(UnwindContext::new());
@@ -105,13 +122,9 @@ fn tabulate(cfi: &FileCfi, svma: u64) -> Option<Function> {
     let mut rows = Vec::new();
     loop {
         let row = match table.next_row() {
-            Ok(Some(row)) if rows.len() < MAX_FUNCTION_ROWS => row,
+            Ok(Some(row)) => row,
             Ok(None) => break,
-            // A program that does not parse to its end, or too long: framehop's path from here.
-            Ok(Some(row)) => {
-                rows.push((u32::try_from(row.start_address().checked_sub(start)?).ok()?, Rule::Other));
-                break;
-            }
+            // A program that does not parse to its end: framehop's path from here.
             Err(_) => {
                 let resume = rows.last().map_or(0, |&(offset, _)| offset + 1);
                 rows.push((resume, Rule::Other));
@@ -119,6 +132,11 @@ fn tabulate(cfi: &FileCfi, svma: u64) -> Option<Function> {
             }
         };
         let offset = u32::try_from(row.start_address().checked_sub(start)?).ok()?;
+        if rows.len() == MAX_FUNCTION_ROWS {
+            // Too long: framehop's path from here.
+            rows.push((offset, Rule::Other));
+            break;
+        }
         rows.push((offset, rule_of(row.cfa(), row.register(X86_64::RBP).as_ref(), row.register(X86_64::RA).as_ref())));
     }
     Some(Function { start, end, rows: rows.into_boxed_slice() })
