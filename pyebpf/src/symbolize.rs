@@ -1,5 +1,6 @@
 //! Native symbolization of sampled stacks: user frames per process from its maps ([`crate::maps`])
-//! and the ELF files they map (`.symtab`, `.dynsym`, DWARF where present), kernel frames from kallsyms.
+//! and the ELF files they map (`.symtab`, `.dynsym`, DWARF where present; a stripped file's
+//! installed debug file for its symbol table, [`debug_file`]), kernel frames from kallsyms.
 //!
 //! Symbolization runs for every sample, so everything is cached for the whole recording:
 //! - each process's executable mappings, rebuilt only when [`MapsCache`] has a new snapshot of its
@@ -37,6 +38,7 @@ use crate::maps::{self, Maps, MapsCache};
 use crate::stack::{KernelFrame, Module, NativeFrame};
 use open_files::{Location, OpenFiles};
 
+mod debug_file;
 mod open_files;
 
 /// Files blazesym keeps open (and mapped) at most.
@@ -351,7 +353,10 @@ fn symbolize_file(blazesym: &mut blazesym::symbolize::Symbolizer, files: &mut Op
             return (unknown(batch.offsets.len()), None);
         }
     };
-    let mut elf = Elf::new(path.clone());
+    if let Some(symbols) = files.debug_symbols(id) {
+        return symbols.resolve(&batch.offsets);
+    }
+    let mut elf = Elf::new(path);
     elf.debug_syms = files.debug_syms(id);
     match blazesym.symbolize(&Source::Elf(elf), Input::FileOffset(&batch.offsets)) {
         Ok(results) => {

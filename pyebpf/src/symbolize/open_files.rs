@@ -18,6 +18,7 @@ use std::path::{Path, PathBuf};
 
 use blazesym::symbolize::evict::{self, Evict};
 
+use super::debug_file::{DebugSymbols, DEBUG_ROOT};
 use super::FileId;
 use crate::target_file;
 
@@ -36,13 +37,15 @@ struct OpenFile {
     size: u64,
     /// Whether blazesym may follow its debug link, once decided.
     debug_syms: Option<bool>,
+    /// Its functions from its separate debug file, once looked for.
+    debug_symbols: Option<Option<DebugSymbols>>,
 }
 
 impl OpenFile {
     fn new(file: File) -> OpenFile {
         let path = PathBuf::from(format!("/proc/self/fd/{}", file.as_raw_fd()));
         let size = file.metadata().map_or(0, |metadata| metadata.len());
-        OpenFile { _file: file, path, size, debug_syms: None }
+        OpenFile { _file: file, path, size, debug_syms: None, debug_symbols: None }
     }
 
     fn open(location: &Location, id: FileId) -> io::Result<OpenFile> {
@@ -52,14 +55,25 @@ impl OpenFile {
 }
 
 /// The files open for blazesym, by identity.
-#[derive(Default)]
 pub(super) struct OpenFiles {
     files: HashMap<FileId, OpenFile>,
     /// The open files' sizes, added up.
     bytes: u64,
+    /// Where separate debug files are looked for.
+    debug_root: PathBuf,
+}
+
+impl Default for OpenFiles {
+    fn default() -> Self {
+        OpenFiles::with_debug_root(DEBUG_ROOT.into())
+    }
 }
 
 impl OpenFiles {
+    pub fn with_debug_root(debug_root: PathBuf) -> OpenFiles {
+        OpenFiles { files: HashMap::new(), bytes: 0, debug_root }
+    }
+
     pub fn len(&self) -> usize {
         self.files.len()
     }
@@ -87,6 +101,19 @@ impl OpenFiles {
     pub fn debug_syms(&mut self, id: FileId) -> bool {
         let Some(file) = self.files.get_mut(&id) else { return false };
         *file.debug_syms.get_or_insert_with(|| super::may_follow_debug_link(&file.path, id))
+    }
+
+    /// File `id`'s functions from its separate debug file ([`super::debug_file`]), looked for
+    /// when the file is first symbolized.
+    pub fn debug_symbols(&mut self, id: FileId) -> Option<&DebugSymbols> {
+        let root = &self.debug_root;
+        let file = self.files.get_mut(&id)?;
+        file.debug_symbols
+            .get_or_insert_with(|| {
+                let build_id = blazesym::helper::read_elf_build_id(&file.path).ok().flatten()?;
+                DebugSymbols::find(root, &file.path, &build_id)
+            })
+            .as_ref()
     }
 
     /// The file's GNU build ID, read from the open file, or from one opened for this alone.

@@ -163,6 +163,58 @@ fn stripped_code_shows_its_module_and_file_offset() {
     assert_eq!(crate::output::native_name(&frames[1]), expected);
 }
 
+/// The function names `symbolize_file` gives `file`'s offsets, with debug files under `debug_root`.
+fn names_in_file(file: &Path, debug_root: &Path, offsets: &[u64]) -> Vec<Vec<(String, Option<u32>)>> {
+    use std::os::unix::fs::MetadataExt;
+    let metadata = std::fs::metadata(file).unwrap();
+    let id = FileId { dev: (libc::major(metadata.dev()) as i32, libc::minor(metadata.dev()) as i32), inode: metadata.ino() };
+    let mut files = OpenFiles::with_debug_root(debug_root.to_path_buf());
+    let mut blazesym = blazesym::symbolize::Symbolizer::new();
+    let batch = FileBatch { location: Location { pid: std::process::id(), start: 0, limit: 0, path: file }, offsets: offsets.to_vec() };
+    let (resolved, _) = symbolize_file(&mut blazesym, &mut files, id, &batch);
+    resolved.iter().map(|functions| functions.iter().map(|f| (f.name.to_string(), f.line)).collect()).collect()
+}
+
+#[test]
+fn a_stripped_file_is_named_from_its_installed_debug_files_symbol_table() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    // leaf_fn gets glibc's kinds of aliases: a weak one (shorter), a hidden (local) `__GI_` one; and
+    // outer_fn a shorter versioned one, `outer@@V1` in the symbol table.
+    let aliases = "extern void leaf(void) __attribute__((weak, alias(\"leaf_fn\")));\n\
+                   extern void __GI_leaf_fn(void) __attribute__((alias(\"leaf_fn\"), visibility(\"hidden\")));\n\
+                   __asm__(\".symver outer_fn, outer@@V1\");\n";
+    let versions = dir.path().join("versions.map");
+    std::fs::write(&versions, "V1 { global: *; };\n").unwrap();
+    let version_script = format!("-Wl,--version-script={}", versions.display());
+    let flags = ["-g", "-O1", "-rdynamic", "-Wl,--build-id", &version_script];
+    let exe = compile("gcc", &format!("{PROGRAM}{aliases}"), "spin", &flags, dir.path());
+    let (stripped, debug) = (dir.path().join("spin-stripped"), dir.path().join("spin.debug"));
+    let tool = |program: &str, args: &[&Path]| assert!(Command::new(program).args(args).status().expect("binutils run").success(), "{program}");
+    tool("objcopy", &[Path::new("--only-keep-debug"), Path::new("--compress-debug-sections=zlib"), &exe, &debug]);
+    tool("strip", &[Path::new("-o"), &stripped, &exe]);
+    let build_id = object::File::parse(&*std::fs::read(&exe).unwrap()).unwrap().build_id().unwrap().expect("a build ID").to_vec();
+    let root = tempfile::tempdir().unwrap();
+    let hex = |bytes: &[u8]| bytes.iter().map(|byte| format!("{byte:02x}")).collect::<String>();
+    let installed = root.path().join(".build-id").join(hex(&build_id[..1]));
+    std::fs::create_dir_all(&installed).unwrap();
+    std::fs::copy(&debug, installed.join(format!("{}.debug", hex(&build_id[1..])))).unwrap();
+    let offsets = [file_offset_of(&exe, "leaf_fn"), file_offset_of(&exe, "middle_fn") + 4, file_offset_of(&exe, "outer_fn")];
+
+    // The static middle_fn is only in the debug file's .symtab; names come without lines (its DWARF
+    // is not read), leaf_fn by its global name, outer_fn by its shorter one without the version.
+    let named = [vec![("leaf_fn".to_string(), None)], vec![("middle_fn".to_string(), None)], vec![("outer".to_string(), None)]];
+    assert_eq!(names_in_file(&stripped, root.path(), &offsets), named);
+    // The unstripped file still gives its own lines.
+    assert!(names_in_file(&exe, root.path(), &offsets)[1].iter().any(|(name, line)| name == "middle_fn" && line.is_some()));
+
+    let nothing_installed = tempfile::tempdir().unwrap();
+    assert_eq!(names_in_file(&stripped, nothing_installed.path(), &offsets)[1], [], "named without the debug file");
+    // A directory others may change could hold anything under that name.
+    std::fs::set_permissions(&installed, std::fs::Permissions::from_mode(0o777)).unwrap();
+    assert_eq!(names_in_file(&stripped, root.path(), &offsets)[1], [], "read from a directory anyone may change");
+}
+
 #[test]
 fn plt_stubs_are_unknown_rather_than_named_after_init() {
     let dir = tempfile::tempdir().unwrap();
