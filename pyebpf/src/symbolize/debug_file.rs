@@ -83,7 +83,9 @@ impl DebugSymbols {
                 let Some((symbol, within)) = self.address(offset).and_then(|address| self.symbol_at(address)) else { return Arc::from([]) };
                 let name = &self.names[symbol.name.clone()];
                 if name == EVAL_LOOP {
-                    eval_loop = Some(offset - within..offset - within + symbol.size);
+                    // Checked: the target's program headers need not place the function in one segment.
+                    let start = offset.checked_sub(within);
+                    eval_loop = start.and_then(|start| Some(start..start.checked_add(symbol.size)?));
                 }
                 Arc::from([Function { name: name.into(), file: None, line: None }])
             })
