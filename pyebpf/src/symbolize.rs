@@ -442,11 +442,15 @@ fn function(name: &str, code_info: Option<&CodeInfo<'_>>) -> Function {
 fn may_follow_debug_link(path: &Path, id: FileId) -> bool {
     use std::os::unix::fs::MetadataExt;
     let Ok(canonical) = std::fs::canonicalize(path) else { return false };
-    let (Ok(file), Some(Ok(dir))) = (std::fs::symlink_metadata(&canonical), canonical.parent().map(std::fs::symlink_metadata)) else {
-        return false;
-    };
+    let Ok(file) = std::fs::symlink_metadata(&canonical) else { return false };
     let same_file = file.is_file() && file.ino() == id.inode && (libc::major(file.dev()) as i32, libc::minor(file.dev()) as i32) == id.dev;
-    same_file && dir.uid() == 0 && dir.mode() & 0o022 == 0
+    same_file && canonical.parent().is_some_and(only_root_may_change)
+}
+
+/// Whether `dir` is a directory only root may change (owned by root, not group or world writable).
+fn only_root_may_change(dir: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::symlink_metadata(dir).is_ok_and(|meta| meta.is_dir() && meta.uid() == 0 && meta.mode() & 0o022 == 0)
 }
 
 fn pseudo_path(path: &MMapPath) -> Arc<str> {

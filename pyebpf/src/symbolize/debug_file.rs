@@ -20,7 +20,7 @@ use std::sync::Arc;
 
 use object::{Object, ObjectSegment, ObjectSymbol, SymbolKind};
 
-use super::{Function, Resolved, EVAL_LOOP};
+use super::{hex, only_root_may_change, Function, Resolved, EVAL_LOOP};
 use crate::target_file;
 
 /// Where packaged debug files are installed, under `.build-id/NN/REST.debug`.
@@ -56,20 +56,18 @@ pub(super) struct DebugSymbols {
 }
 
 impl DebugSymbols {
-    /// The functions of the debug file under `root` for the file open at `stripped` (build ID
-    /// `build_id`), if that file has no DWARF of its own, one is installed there, and only root may
+    /// The functions of the debug file under `root` for the open file `stripped`, if that file has
+    /// no DWARF of its own, its build ID names a debug file installed there, and only root may
     /// change the directory it is in.
-    pub fn find(root: &Path, stripped: &Path, build_id: &[u8]) -> Option<DebugSymbols> {
-        let segments = stripped_segments(&File::open(stripped).ok()?)?;
+    pub fn find(root: &Path, stripped: &File) -> Option<DebugSymbols> {
+        let (segments, build_id) = stripped_segments(stripped)?;
         let (head, rest) = build_id.split_first()?;
-        let rest: String = rest.iter().map(|byte| format!("{byte:02x}")).collect();
-        let candidate = root.join(".build-id").join(format!("{head:02x}")).join(format!("{rest}.debug"));
+        let candidate = root.join(".build-id").join(hex(&[*head])).join(format!("{}.debug", hex(rest)));
         let canonical = std::fs::canonicalize(&candidate).ok()?;
         if !only_root_may_change(canonical.parent()?) {
             return None;
         }
-        let file = target_file::open_regular(&canonical).ok()?;
-        let (symbols, names) = functions(&file)?;
+        let (symbols, names) = functions(&target_file::open_regular(&canonical).ok()?)?;
         Some(DebugSymbols { segments, symbols, names })
     }
 
@@ -109,19 +107,15 @@ impl DebugSymbols {
     }
 }
 
-fn only_root_may_change(dir: &Path) -> bool {
-    use std::os::unix::fs::MetadataExt;
-    std::fs::symlink_metadata(dir).is_ok_and(|meta| meta.is_dir() && meta.uid() == 0 && meta.mode() & 0o022 == 0)
-}
-
-/// A stripped file's loaded segments, from its program headers (read on demand, not whole); none
-/// for a file with DWARF of its own.
-fn stripped_segments(file: &File) -> Option<Vec<Segment>> {
+/// A stripped file's loaded segments, from its program headers (read on demand, not whole), and
+/// its build ID; none for a file with DWARF of its own.
+fn stripped_segments(file: &File) -> Option<(Vec<Segment>, Vec<u8>)> {
     let cache = object::ReadCache::new(file);
     let elf = object::File::parse(&cache).ok()?;
     if elf.section_by_name(".debug_info").is_some() {
         return None;
     }
+    let build_id = elf.build_id().ok()??.to_vec();
     let segments: Vec<Segment> = elf
         .segments()
         .map(|segment| {
@@ -130,12 +124,15 @@ fn stripped_segments(file: &File) -> Option<Vec<Segment>> {
         })
         .filter(|segment| segment.file_size > 0)
         .collect();
-    (!segments.is_empty()).then_some(segments)
+    (!segments.is_empty()).then_some((segments, build_id))
 }
+
+/// An alias's rank: see [`alias_rank`].
+type AliasRank = (u8, usize, usize);
 
 /// How perf ranks aliases of one function, best first: a global name before a weak one before a
 /// local one (glibc's `__GI_*`), then the fewest leading underscores, then the shortest.
-fn alias_rank<'data>(symbol: &impl ObjectSymbol<'data>, name: &str) -> (u8, usize, usize) {
+fn alias_rank<'data>(symbol: &impl ObjectSymbol<'data>, name: &str) -> AliasRank {
     let binding = if symbol.is_weak() {
         1
     } else if symbol.is_global() {
@@ -151,28 +148,24 @@ fn alias_rank<'data>(symbol: &impl ObjectSymbol<'data>, name: &str) -> (u8, usiz
 fn functions(file: &File) -> Option<(Vec<Symbol>, String)> {
     let cache = object::ReadCache::new(file);
     let elf = object::File::parse(&cache).ok()?;
-    let mut candidates: Vec<(Symbol, (u8, usize, usize))> = Vec::new();
-    let mut names = String::new();
+    // Address, size, rank and name of every sized function symbol.
+    let mut candidates: Vec<(u64, u64, AliasRank, &str)> = Vec::new();
     for symbol in elf.symbols().filter(|symbol| symbol.kind() == SymbolKind::Text && symbol.size() > 0).take(MAX_SYMBOLS) {
         let Ok(name) = symbol.name() else { continue };
         // Versioned definitions are named `clock_gettime@@GLIBC_2.17` there; the version is no
         // part of the function's name.
         let name = name.split_once('@').map_or(name, |(name, _version)| name);
-        let rank = alias_rank(&symbol, name);
-        candidates.push((Symbol { address: symbol.address(), size: symbol.size(), name: names.len()..names.len() + name.len() }, rank));
-        names.push_str(name);
+        candidates.push((symbol.address(), symbol.size(), alias_rank(&symbol, name), name));
     }
-    candidates
-        .sort_by(|(a, a_rank), (b, b_rank)| (a.address, a.size, a_rank, &names[a.name.clone()]).cmp(&(b.address, b.size, b_rank, &names[b.name.clone()])));
-    candidates.dedup_by(|later, kept| later.0.address == kept.0.address && later.0.size == kept.0.size);
-    let mut kept_names = String::new();
+    candidates.sort_unstable();
+    candidates.dedup_by(|later, kept| (later.0, later.1) == (kept.0, kept.1));
+    let mut names = String::new();
     let symbols = candidates
         .into_iter()
-        .map(|(symbol, _)| {
-            let name = kept_names.len()..kept_names.len() + symbol.name.len();
-            kept_names.push_str(&names[symbol.name]);
-            Symbol { name, ..symbol }
+        .map(|(address, size, _, name)| {
+            names.push_str(name);
+            Symbol { address, size, name: names.len() - name.len()..names.len() }
         })
         .collect();
-    Some((symbols, kept_names))
+    Some((symbols, names))
 }

@@ -32,7 +32,7 @@ pub(super) struct Location<'a> {
 
 /// A file pyebpf holds open, and the one path that reaches it.
 struct OpenFile {
-    _file: File,
+    file: File,
     path: PathBuf,
     size: u64,
     /// Whether blazesym may follow its debug link, once decided.
@@ -45,7 +45,7 @@ impl OpenFile {
     fn new(file: File) -> OpenFile {
         let path = PathBuf::from(format!("/proc/self/fd/{}", file.as_raw_fd()));
         let size = file.metadata().map_or(0, |metadata| metadata.len());
-        OpenFile { _file: file, path, size, debug_syms: None, debug_symbols: None }
+        OpenFile { file, path, size, debug_syms: None, debug_symbols: None }
     }
 
     fn open(location: &Location, id: FileId) -> io::Result<OpenFile> {
@@ -108,12 +108,7 @@ impl OpenFiles {
     pub fn debug_symbols(&mut self, id: FileId) -> Option<&DebugSymbols> {
         let root = &self.debug_root;
         let file = self.files.get_mut(&id)?;
-        file.debug_symbols
-            .get_or_insert_with(|| {
-                let build_id = blazesym::helper::read_elf_build_id(&file.path).ok().flatten()?;
-                DebugSymbols::find(root, &file.path, &build_id)
-            })
-            .as_ref()
+        file.debug_symbols.get_or_insert_with(|| DebugSymbols::find(root, &file.file)).as_ref()
     }
 
     /// The file's GNU build ID, read from the open file, or from one opened for this alone.
