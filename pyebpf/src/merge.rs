@@ -68,6 +68,14 @@ impl<L: NativeLevel> NativeStack<'_, L> {
         trusted.iter().any(L::is_start_code) || (trusted.len() > 1 && trusted.last().is_some_and(L::in_libc))
     }
 
+    /// Whether only the C library's code lies past level `end` of a stack unwound to its root,
+    /// but for the outermost level (the program's entry point): the start code that calls `main`
+    /// or a thread's function.
+    pub fn only_start_code_past(&self, end: usize) -> bool {
+        let outer = self.levels.get(end + 1..self.levels.len().saturating_sub(1)).unwrap_or_default();
+        outer.iter().all(|level| level.in_libc() || level.is_start_code())
+    }
+
     /// The level whose stack frame holds `addr`.
     fn level_holding(&self, addr: u64, trusted: usize) -> Option<usize> {
         (0..trusted.min(self.frame_bases.len())).find(|&i| {

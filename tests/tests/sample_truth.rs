@@ -257,7 +257,7 @@ fn check_rotated_periods(version: &str) {
     assert!(periods.len() >= 5, "{version}: {} rotated files", periods.len());
     let paths = ["a", "b"].map(|p| ["<module>", "main", &format!("{p}_outer"), &format!("{p}_mid"), &format!("{p}_leaf"), "spin"].map(String::from));
     let mut native_chains = std::collections::HashSet::new();
-    for (index, period) in periods.iter().enumerate() {
+    for period in &periods {
         let stacks = stacks_of(&std::fs::read_to_string(period).unwrap(), child.pid());
         let (mut python_samples, mut unwound_short, mut wrong) = (0, 0, Vec::new());
         for (frames, n) in &stacks {
@@ -277,16 +277,10 @@ fn check_rotated_periods(version: &str) {
         let all = total(&stacks);
         assert!(python_samples * 10 >= all * 9 && all >= 50, "{version} {}: {python_samples} of {all} samples under <module>", period.display());
         assert!(wrong.is_empty(), "{version} {}: stacks the workload never ran: {wrong:?}", period.display());
-        // The first period holds pyebpf's start-up: samples wait in the ring while it reads the
-        // process, and once the ring has no room for their stack copies they keep only the
-        // frame-pointer walk, which stops in code built without (35 of 498 in a loaded full-suite
-        // run). From then on, 1 in 50 at most.
-        let allowed = if index == 0 { 10 } else { 50 };
-        assert!(
-            unwound_short * allowed <= python_samples,
-            "{version} {}: {unwound_short} of {python_samples} samples without their native part",
-            period.display()
-        );
+        // Before the process's unwinding is settled, a walk that ended in the C library by
+        // chance (in `clock_gettime`) was once trusted, and its short stack repeated through the
+        // first period (up to 131 of 501 in CI): no period may lose more than 1 in 50.
+        assert!(unwound_short * 50 <= python_samples, "{version} {}: {unwound_short} of {python_samples} samples without their native part", period.display());
     }
     assert_eq!(native_chains.len(), 1, "{version}: the native chain below <module> changed between periods: {native_chains:?}");
 }

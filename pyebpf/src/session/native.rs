@@ -128,7 +128,10 @@ impl NativeStacks {
     /// `--unwind auto`, a sample copied because its process was not known yet: the process needs
     /// copies where its frame-pointer walk, sent beside the copy, stops before the stack's root,
     /// as it would alone. A walk that holds is what the sample is told by, as the process's later
-    /// samples will be, and counts towards trusting the process's walks.
+    /// samples will be, and counts towards trusting the process's walks. Where the copy unwound
+    /// to the root it is the judge: a walk through code without frame pointers can end in the C
+    /// library by chance (in `clock_gettime`, called from the interpreter), which by symbols alone
+    /// looks like its start code.
     fn settle_copying(&mut self, record: &SampleRecord, maps: &mut MapsCache, kernel: &mut dyn KernelMaps, table: &mut FrameTable) {
         if self.unwind != UnwindMode::Auto || self.copying.contains(&record.tgid) {
             return;
@@ -144,7 +147,18 @@ impl NativeStacks {
         let bases = &record.user_frame_bases[..(record.frame_bases_len as usize).min(record.user_frame_bases.len())];
         self.ids.user_levels(&mut self.symbolizer, maps, table, record.tgid, walk, &mut self.levels);
         let walk_stack = NativeStack { levels: &self.levels, frame_bases: bases, sp: record.user_sp };
-        if breaks_before_start(self.unwind, record, &walk_stack, walk) {
+        let breaks = match self.unwound.as_ref().filter(|unwound| unwound.complete) {
+            // The copy unwound to the root tells: the walk held if only start code lies past
+            // where it left the stack's code (its last trusted entry).
+            Some(unwound) => {
+                let walk_end = walk_stack.trusted_levels().checked_sub(1).map(|last| walk[last]);
+                self.ids.user_levels(&mut self.symbolizer, maps, table, record.tgid, &unwound.addrs, &mut self.levels);
+                let copy_stack = NativeStack { levels: &self.levels, frame_bases: &unwound.frame_bases, sp: record.user_sp };
+                !walk_end.and_then(|end| unwound.addrs.iter().position(|&addr| addr == end)).is_some_and(|end| copy_stack.only_start_code_past(end))
+            }
+            None => breaks_before_start(self.unwind, record, &walk_stack, walk),
+        };
+        if breaks {
             self.walks_held.remove(&record.tgid);
             copy_stacks(&mut self.copying, record.tgid, kernel);
         } else {

@@ -255,3 +255,57 @@ fn repeats_count_as_resolving_each_sample_would() {
     assert_eq!(rendered(&cached_profile), rendered(&resolved_profile));
     assert_eq!(cached_profile.total_samples(), 38);
 }
+
+/// `--unwind auto`, a process not settled yet: a copied sample whose frame-pointer walk ends in
+/// the C library after two levels (as one in `clock_gettime`, called from an interpreter built
+/// without frame pointers, ends) looks by its symbols like a walk that reached the start code.
+/// The copy beside it, unwound to the root through the interpreter, shows that the walk broke:
+/// the process's stacks are copied from then on, and the sample keeps its whole native stack. A
+/// walk that reached the start code still holds.
+#[test]
+fn a_walk_ending_in_the_c_library_by_chance_is_judged_by_its_copy() {
+    let python = pyebpf_tests::test_pythons().join("usr/bin/python3.13");
+    let (target, _dir) = pyebpf_tests::start_ready(&python, "blocked_threads.py", &[]);
+    std::thread::sleep(Duration::from_millis(200));
+    let pid = target.pid();
+    let auto_session = || {
+        let sampling = SamplingOptions { marker: false, read_only: true, max_frames: 512, async_aware: false };
+        let filter = crate::filter::SampleFilter::default();
+        Session::new(SessionOptions { sampling, no_native: false, filter, unwind: UnwindMode::Auto, mode: Mode::Cpu, kernel: false, details: None })
+    };
+    let mut copied = record(pid, pid, origin::ON_CPU, 0, 0);
+    copy_stack(pid, pid, &mut copied);
+    let stack = &copied.stack_tail[..copied.stack_len as usize];
+    let snapshot = crate::unwind::Snapshot { ip: copied.user_stack[0], sp: copied.user_sp, bp: 0, stack };
+    let mut maps = crate::maps::MapsCache::default();
+    let unwound = crate::unwind::StackUnwinder::new().unwind(&mut maps, pid, &snapshot);
+    assert!(unwound.complete && unwound.addrs.len() > 4, "the copy unwinds to the root: {unwound:?}");
+    // The walk: the blocking call in the C library and its caller there.
+    (copied.user_stack[1], copied.user_len, copied.user_status) = (unwound.addrs[1], 2, 0);
+    let user_frames =
+        |profile: &Profile| profile.timed_stacks().map(|(stack, _, _)| stack.frames.iter().filter(|f| matches!(f, Frame::Native(_))).count()).max();
+
+    // Alone, the walk passes for one that reached the start code: it does not start copying.
+    let mut walk_only = copied.clone();
+    walk_only.stack_len = 0;
+    let (mut kernel, mut stats, mut profile) = (FakeKernel::default(), Stats::default(), Profile::new(100));
+    assert!(auto_session().resolve(&walk_only, &mut kernel, &mut stats, &mut profile));
+    assert!(!kernel.copying.contains(&pid), "the walk alone was taken for a broken one");
+    assert_eq!(user_frames(&profile), Some(2));
+
+    let (mut kernel, mut stats, mut profile) = (FakeKernel::default(), Stats::default(), Profile::new(100));
+    assert!(auto_session().resolve(&copied, &mut kernel, &mut stats, &mut profile));
+    assert!(kernel.copying.contains(&pid), "the walk that ended in the C library by chance was trusted");
+    assert!(user_frames(&profile) >= Some(unwound.addrs.len()), "the sample kept {:?} native frames of {}", user_frames(&profile), unwound.addrs.len());
+
+    // A walk that got as far as the code calling `main` held: only the C library's start code
+    // and the entry point lie past it (and past that, the garbage a walk goes on with there: an
+    // address in the stack).
+    let walked = unwound.addrs.len() - 2;
+    copied.user_stack[..walked].copy_from_slice(&unwound.addrs[..walked]);
+    copied.user_stack[walked] = copied.user_sp + 64;
+    copied.user_len = walked as u32 + 1;
+    let (mut kernel, mut stats, mut profile) = (FakeKernel::default(), Stats::default(), Profile::new(100));
+    assert!(auto_session().resolve(&copied, &mut kernel, &mut stats, &mut profile));
+    assert!(!kernel.copying.contains(&pid), "a walk that reached the start code was taken for a broken one");
+}
