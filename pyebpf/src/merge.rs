@@ -105,19 +105,26 @@ struct Segment {
 pub struct Merger {
     segments: Vec<Segment>,
     placed: Vec<Option<usize>>,
+    /// Where the segments after the last placed one go when that is not below every native
+    /// frame: before this level.
+    rest_before: Option<usize>,
 }
 
 impl Merger {
     /// Merges a native stack and a Python stack, both innermost first, into `emit`.
     ///
-    /// A segment that could not be placed goes right before the next placed one, or, after the
-    /// last, below the native frames that were captured: those are above it, so the order stays right.
+    /// A segment that could not be placed goes right before the next placed one. After the last,
+    /// it goes below the native frames that were captured where the unwind stopped early (those
+    /// are above it); where the unwind reached the start code, its activation is among the native
+    /// frames left ([`Self::place_rest`]).
     pub fn merge<'a, L: NativeLevel, F>(&mut self, native: &NativeStack<'a, L>, python: &'a [PyStackItem<F>], mut emit: impl FnMut(Merged<'a, L, F>)) {
         self.split_segments(python);
         let trusted = native.trusted_levels();
         self.place_segments(native, trusted);
+        self.place_rest(native, trusted);
         let segments = &self.segments;
         let placed = &self.placed;
+        let rest_before = self.rest_before;
         let emit_segments = |emit: &mut dyn FnMut(Merged<'a, L, F>), segments: &[Segment]| {
             for segment in segments {
                 for item in &python[segment.start..segment.end] {
@@ -135,10 +142,32 @@ impl Merger {
                     emit_segments(&mut emit, &segments[next..=k]);
                     next = k + 1;
                 }
+                None if rest_before == Some(level) => {
+                    emit_segments(&mut emit, &segments[next..]);
+                    next = segments.len();
+                    emit(Merged::Native(frames));
+                }
                 _ => emit(Merged::Native(frames)),
             }
         }
         emit_segments(&mut emit, &segments[next..]);
+    }
+
+    /// The segments after the last placed one, where the native stack reached the start code
+    /// (a Python chain cut before its outermost segment's end, or an activation not found by
+    /// name): their activation lies past the last placed level. The first level past it that runs
+    /// Python by name is it; without names they go right past the last placed level, below the
+    /// C code running there: never above the start code.
+    fn place_rest<L: NativeLevel>(&mut self, native: &NativeStack<'_, L>, trusted: usize) {
+        self.rest_before = None;
+        if self.placed.last() != Some(&None) || !native.reaches_start_code() {
+            return;
+        }
+        let from = self.placed.iter().rev().find_map(|&placed| placed).map_or(0, |level| level + 1);
+        match (from..trusted).find(|&level| native.levels[level].runs_python()) {
+            Some(level) => *self.placed.last_mut().expect("checked above") = Some(level),
+            None => self.rest_before = Some(from),
+        }
     }
 
     /// Splits the Python chain into the segments of successive interpreter activations, innermost first.
@@ -352,6 +381,24 @@ mod tests {
         let n = stack(vec![native("leaf"), native("eval"), native("main")]);
         let p = [py("inner"), end(99_999), py("outer"), end(1150)];
         assert_eq!(names(&merge_stacks(&n, &p)), ["leaf", "py:inner", "py:outer", "main"]);
+    }
+
+    /// A chain cut before its outermost segment's end (deeper than the kernel walks): the cut
+    /// segment runs in an activation past the last placed level, never above the start code.
+    #[test]
+    fn a_cut_segment_goes_below_the_start_code() {
+        let p = [py("leaf"), end(1150), py("deep"), py("deeper")];
+        let n = stack(vec![native("cfunc"), native("eval"), native("_PyEval_EvalFrameDefault"), native("PyEval_EvalCode"), native("main"), native("_start")]);
+        assert_eq!(names(&merge_stacks(&n, &p)), ["cfunc", "py:leaf", "py:deep", "py:deeper", "PyEval_EvalCode", "main", "_start"]);
+        // Its activation without a name (3.15's nameless opcode handlers): right past the last
+        // placed level.
+        let n = stack(vec![native("cfunc"), native("handler"), native("handler"), native("PyEval_EvalCode"), native("main"), native("_start")]);
+        assert_eq!(names(&merge_stacks(&n, &p)), ["cfunc", "py:leaf", "py:deep", "py:deeper", "handler", "PyEval_EvalCode", "main", "_start"]);
+        let n = stack(vec![native("handler"), native("PyEval_EvalCode"), native("main"), native("_start")]);
+        assert_eq!(names(&merge_stacks(&n, &[py("deep"), py("deeper")])), ["py:deep", "py:deeper", "handler", "PyEval_EvalCode", "main", "_start"]);
+        // An unwind that stopped early captured only frames above it.
+        let n = stack(vec![native("cfunc"), native("handler")]);
+        assert_eq!(names(&merge_stacks(&n, &[py("deep"), py("deeper")])), ["cfunc", "handler", "py:deep", "py:deeper"]);
     }
 
     #[test]
