@@ -181,6 +181,17 @@ pub struct ProcessDetails {
 /// A frame's index in its profile's [`FrameTable`].
 pub type FrameId = u32;
 
+/// Whether two slices of plain values are equal. `==` on them calls the C library's `memcmp`,
+/// which musl's (the static binary's) runs a byte at a time, on stacks of kilobytes: there they
+/// are compared whole, in vector registers. glibc's is faster than that.
+pub fn same_values<T: Copy + Eq>(a: &[T], b: &[T]) -> bool {
+    if cfg!(target_env = "musl") {
+        a.len() == b.len() && a.iter().zip(b).fold(true, |same, (x, y)| same & (x == y))
+    } else {
+        a == b
+    }
+}
+
 /// Every distinct frame of a recording, once: stacks are slices of ids into it.
 #[derive(Clone, Debug)]
 pub struct FrameTable {
@@ -348,7 +359,7 @@ impl hashbrown::Equivalent<StoredStack> for SampleStack<'_> {
             && self.tid == key.tid
             && self.truncated == key.truncated
             && self.state == key.state
-            && self.frames == &*key.frames
+            && same_values(self.frames, &key.frames)
             && (Arc::ptr_eq(self.comm, &key.comm) || self.comm == &key.comm)
             && self.labels.map(|labels| &**labels) == key.labels.as_deref()
     }

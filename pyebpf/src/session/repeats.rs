@@ -16,7 +16,7 @@ use std::hash::{BuildHasher, Hasher};
 use hashbrown::{DefaultHashBuilder, HashMap, HashTable};
 use pyebpf_common::{origin, PyFrameRecord, SampleRecord};
 
-use crate::stack::FrameId;
+use crate::stack::{same_values, FrameId};
 use crate::stats::SampleCounts;
 use crate::unwind::Unwound;
 
@@ -113,14 +113,14 @@ impl<'r> Identity<'r> {
     }
 
     fn matches(&self, key: &[u8]) -> bool {
-        if key.len() != self.len() || key[..FIXED_LEN] != self.fixed {
+        if key.len() != self.len() || !same_values(&key[..FIXED_LEN], &self.fixed) {
             return false;
         }
         let mut rest = &key[FIXED_LEN..];
         self.parts.iter().all(|part| {
             let (head, tail) = rest.split_at(part.len());
             rest = tail;
-            head == *part
+            same_values(head, part)
         })
     }
 
@@ -199,7 +199,7 @@ impl Repeats {
         }
         let entry = Entry { hash: slot.hash, epoch: slot.epoch, python_state: slot.python_state, key: slot.key, frames: frames.into(), truncated, counts };
         // A stale entry of the same identity is replaced.
-        match self.entries.find_entry(entry.hash, |old| old.hash == entry.hash && old.key == entry.key) {
+        match self.entries.find_entry(entry.hash, |old| old.hash == entry.hash && same_values(&old.key, &entry.key)) {
             Ok(mut old) => {
                 self.bytes -= old.get().key.len() + size_of_val(&old.get().frames[..]);
                 *old.get_mut() = entry;
