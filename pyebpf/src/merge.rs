@@ -105,8 +105,8 @@ struct Segment {
 pub struct Merger {
     segments: Vec<Segment>,
     placed: Vec<Option<usize>>,
-    /// Where the segments after the last placed one go when that is not below every native
-    /// frame: before this level.
+    /// Where the segments past the last placed one go when the native stack reached the start
+    /// code and no level left runs Python by name: right before this level, as its callees.
     rest_before: Option<usize>,
 }
 
@@ -156,8 +156,9 @@ impl Merger {
     /// The segments after the last placed one, where the native stack reached the start code
     /// (a Python chain cut before its outermost segment's end, or an activation not found by
     /// name): their activation lies past the last placed level. The first level past it that runs
-    /// Python by name is it; without names they go right past the last placed level, below the
-    /// C code running there: never above the start code.
+    /// Python by name is it; without names they go right past the last placed level, as callees of
+    /// every native level left: never callers of the start code (C code the segment's innermost
+    /// frame called, if any, then shows as its caller).
     fn place_rest<L: NativeLevel>(&mut self, native: &NativeStack<'_, L>, trusted: usize) {
         self.rest_before = None;
         if self.placed.last() != Some(&None) || !native.reaches_start_code() {
