@@ -32,11 +32,14 @@ impl Drop for Sleeper {
     }
 }
 
-fn wall_session() -> Session {
+/// A session that only reads (never writes a marker), with native frames.
+fn reading_session(filter: SampleFilter, unwind: UnwindMode, mode: Mode, kernel: bool) -> Session {
     let sampling = SamplingOptions { marker: false, read_only: true, max_frames: 512, async_aware: false };
-    let filter = crate::filter::SampleFilter::default();
-    let mut session =
-        Session::new(SessionOptions { sampling, no_native: false, filter, unwind: UnwindMode::Fp, mode: Mode::Wall, kernel: false, details: None });
+    Session::new(SessionOptions { sampling, no_native: false, filter, unwind, mode, kernel, details: None })
+}
+
+fn wall_session() -> Session {
+    let mut session = reading_session(SampleFilter::default(), UnwindMode::Fp, Mode::Wall, false);
     session.start_recording();
     session
 }
@@ -129,10 +132,8 @@ fn the_kernel_is_told_which_processes_are_known_until_they_exit() {
     session.resolve(&record(pid, pid, origin::ON_CPU, monotonic_ns(), 0), &mut kernel, &mut stats, &mut profile);
     assert!(!kernel.known.contains(&pid), "a process checked again later is known already");
 
-    let sampling = SamplingOptions { marker: false, read_only: true, max_frames: 512, async_aware: false };
-    let filter = crate::filter::SampleFilter { comm: Some(regex::Regex::new("^no-such-process$").unwrap()), python_only: false };
-    let mut session =
-        Session::new(SessionOptions { sampling, no_native: false, filter, unwind: UnwindMode::Fp, mode: Mode::Cpu, kernel: false, details: None });
+    let filter = SampleFilter { comm: Some(regex::Regex::new("^no-such-process$").unwrap()), python_only: false };
+    let mut session = reading_session(filter, UnwindMode::Fp, Mode::Cpu, false);
     assert!(!session.resolve(&record(pid, pid, origin::ON_CPU, monotonic_ns(), 0), &mut kernel, &mut stats, &mut profile));
     assert!(kernel.known.contains(&pid), "a process the filter drops is not known");
     session.process_event(&ProcessEvent { kind: 0, tgid: pid, time_ns: 0, comm: [0; pyebpf_common::COMM_LEN] }, &mut kernel);
@@ -140,9 +141,15 @@ fn the_kernel_is_told_which_processes_are_known_until_they_exit() {
 }
 
 fn cpu_session() -> Session {
-    let sampling = SamplingOptions { marker: false, read_only: true, max_frames: 512, async_aware: false };
-    let filter = crate::filter::SampleFilter::default();
-    Session::new(SessionOptions { sampling, no_native: false, filter, unwind: UnwindMode::Fp, mode: Mode::Cpu, kernel: true, details: None })
+    reading_session(SampleFilter::default(), UnwindMode::Fp, Mode::Cpu, true)
+}
+
+/// Debian's 3.13 running `blocked_threads.py`, settled in its waits.
+fn blocked_python() -> (pyebpf_tests::Killed, tempfile::TempDir) {
+    let python = pyebpf_tests::test_pythons().join("usr/bin/python3.13");
+    let started = pyebpf_tests::start_ready(&python, "blocked_threads.py", &[]);
+    std::thread::sleep(Duration::from_millis(200));
+    started
 }
 
 /// Every stack of a profile with its weight and events, frames by what they name and events from
@@ -223,9 +230,7 @@ fn copy_stack(pid: u32, tid: u32, record: &mut SampleRecord) {
 
 #[test]
 fn repeats_count_as_resolving_each_sample_would() {
-    let python = pyebpf_tests::test_pythons().join("usr/bin/python3.13");
-    let (target, _dir) = pyebpf_tests::start_ready(&python, "blocked_threads.py", &[]);
-    std::thread::sleep(Duration::from_millis(200));
+    let (target, _dir) = blocked_python();
     let pid = target.pid();
     let records = varied_records(&mut cpu_session(), &mut FakeKernel::default(), pid);
     let run = |repeats: Repeats| {
@@ -264,15 +269,9 @@ fn repeats_count_as_resolving_each_sample_would() {
 /// walk that reached the start code still holds.
 #[test]
 fn a_walk_ending_in_the_c_library_by_chance_is_judged_by_its_copy() {
-    let python = pyebpf_tests::test_pythons().join("usr/bin/python3.13");
-    let (target, _dir) = pyebpf_tests::start_ready(&python, "blocked_threads.py", &[]);
-    std::thread::sleep(Duration::from_millis(200));
+    let (target, _dir) = blocked_python();
     let pid = target.pid();
-    let auto_session = || {
-        let sampling = SamplingOptions { marker: false, read_only: true, max_frames: 512, async_aware: false };
-        let filter = crate::filter::SampleFilter::default();
-        Session::new(SessionOptions { sampling, no_native: false, filter, unwind: UnwindMode::Auto, mode: Mode::Cpu, kernel: false, details: None })
-    };
+    let auto_session = || reading_session(SampleFilter::default(), UnwindMode::Auto, Mode::Cpu, false);
     let mut copied = record(pid, pid, origin::ON_CPU, 0, 0);
     copy_stack(pid, pid, &mut copied);
     let stack = &copied.stack_tail[..copied.stack_len as usize];
