@@ -237,7 +237,8 @@ pub fn record_collapsed_without_tracefs(args: &[&str]) -> (String, String) {
     record_collapsed_by(pyebpf_without_tracefs(), args)
 }
 
-fn record_collapsed_by(mut pyebpf: Command, args: &[&str]) -> (String, String) {
+/// [`record_collapsed`] by the given command (with its own environment, say).
+pub fn record_collapsed_by(mut pyebpf: Command, args: &[&str]) -> (String, String) {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("profile.folded");
     let output = pyebpf.arg("record").arg("-o").arg(&out).args(args).output().unwrap();

@@ -1,4 +1,4 @@
-//! The sampling clock's state on each CPU, shared by the eBPF program and the clock thread.
+//! The sampling clocks' state on each CPU, shared by the eBPF programs and userspace.
 
 /// One CPU's place in its sampling clock. The perf event ticks `Config::ticks_per_slot` times per
 /// period asked for (a slot), and the eBPF program samples at one tick of each slot, so that the
@@ -73,4 +73,33 @@ impl ClockSlot {
             }
         }
     }
+}
+
+/// The timer clock divides each period into this many slots, and samples in one of them (see
+/// [`ClockSlot`]), at a uniform instant within it.
+pub const TICK_SLOTS: u32 = 4;
+
+/// One CPU's timer clock, the value of the `TICKS` map (the eBPF crate's clock; `T` is the
+/// kernel's `struct bpf_timer` there, 16 opaque bytes to userspace).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Tick<T> {
+    pub timer: T,
+    /// When the current period began (`bpf_ktime_get_ns`).
+    pub period_start_ns: u64,
+    /// Which slot of its period each sample falls in, drawn in blocks.
+    pub slot: ClockSlot,
+    /// [`tick_status`]: whether this CPU's clock started, for userspace to check.
+    pub status: u64,
+}
+
+/// Where a CPU's timer clock is, as its start left it (`status` of the eBPF crate's `Tick`).
+pub mod tick_status {
+    /// Not started (the start hook did not run on this CPU).
+    pub const NOT_STARTED: u64 = 0;
+    pub const STARTED: u64 = 1;
+    /// The kernel refused the timer (older kernels have no pinned or absolute BPF timers).
+    pub const FAILED: u64 = 2;
+    /// The timer could not be set again: the clock stopped.
+    pub const STOPPED: u64 = 3;
 }

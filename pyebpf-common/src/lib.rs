@@ -48,7 +48,7 @@ pub const WAIT_PROCS_WORDS: u32 = 4_194_304 / 64;
 
 mod clock;
 
-pub use clock::ClockSlot;
+pub use clock::{tick_status, ClockSlot, Tick, TICK_SLOTS};
 
 /// Map names: the eBPF crate's map statics are named so (a map is named after its static), and
 /// the loader takes them by these names; a unit test checks the embedded object has every one.
@@ -69,7 +69,10 @@ pub mod maps {
     pub const KNOWN_PROCS: &str = "KNOWN_PROCS";
     pub const LAST_WAKEUP: &str = "LAST_WAKEUP";
     pub const CLOCK: &str = "CLOCK";
-    pub const ALL: [&str; 16] = [
+    pub const TICKS: &str = "TICKS";
+    pub const TICK_RUN_TIME: &str = "TICK_RUN_TIME";
+    pub const PROC_SCRATCH: &str = "PROC_SCRATCH";
+    pub const ALL: [&str; 19] = [
         SAMPLES,
         LOST,
         CONFIG,
@@ -86,6 +89,9 @@ pub mod maps {
         KNOWN_PROCS,
         LAST_WAKEUP,
         CLOCK,
+        TICKS,
+        TICK_RUN_TIME,
+        PROC_SCRATCH,
     ];
 }
 
@@ -106,7 +112,9 @@ pub mod programs {
     /// instead, so the others' verification does not pay for the task walks.
     pub const SAMPLE_TASKS: &str = "sample_tasks";
     pub const SWITCH_TASKS: &str = "switch_tasks";
-    pub const ALL: [&str; 7] = [SAMPLE, FOLLOW_FORK, PROCESS_EXEC, PROCESS_EXIT, SWITCH, SAMPLE_TASKS, SWITCH_TASKS];
+    /// `task_rename` of pyebpf's own threads: starts the timer clock of the CPU it runs on.
+    pub const START_TICK: &str = "start_tick";
+    pub const ALL: [&str; 8] = [SAMPLE, FOLLOW_FORK, PROCESS_EXEC, PROCESS_EXIT, SWITCH, SAMPLE_TASKS, SWITCH_TASKS, START_TICK];
 }
 
 /// Global constants the loader sets before verification: the eBPF crate's statics of these names
@@ -138,6 +146,8 @@ pub mod config_flags {
     /// `KNOWN_PROCS` (`--unwind auto`): until userspace has seen the process and decided, its
     /// samples keep their native part.
     pub const SNAPSHOT_UNKNOWN: u32 = 1 << 6;
+    /// The timer clock adds its callbacks' run time to `TICK_RUN_TIME` (`--stats`).
+    pub const RUN_TIME: u32 = 1 << 7;
 }
 
 /// Bits of [`SampleRecord::user_status`].
@@ -147,6 +157,9 @@ pub mod user_status {
     pub const FP_COMPLETE: u32 = 1 << 0;
     /// The copy of the stack stopped at [`super::STACK_SNAPSHOT_MAX`], not at the stack's end.
     pub const SNAPSHOT_FULL: u32 = 1 << 1;
+    /// The kernel stack was read in the timer clock's soft interrupt: it starts with the clock's
+    /// own frames and the interrupt's, down to the code interrupted.
+    pub const KERNEL_IN_SOFTIRQ: u32 = 1 << 2;
 }
 
 /// Global settings, the single entry of the `CONFIG` array.
@@ -176,6 +189,8 @@ pub struct Config {
     /// [`ClockSlot`]); 0 counts as 1.
     pub ticks_per_slot: u32,
     pub _pad: u32,
+    /// The period asked for, in nanoseconds: the timer clock samples each CPU once in each.
+    pub sample_period_ns: u64,
 }
 
 /// Bits of [`PyCapture::status`].
@@ -658,6 +673,8 @@ mod pod {
     unsafe impl aya::Pod for super::Config {}
     // SAFETY: repr(C) plain data, no padding beyond the explicit field.
     unsafe impl aya::Pod for super::ClockSlot {}
+    // SAFETY: repr(C) plain data without padding (the timer's 16 bytes, then 8-byte fields).
+    unsafe impl aya::Pod for super::Tick<[u64; 2]> {}
     // SAFETY: repr(C) plain data with explicit padding and no invalid bit patterns.
     unsafe impl aya::Pod for super::PyProcConfig {}
     // SAFETY: repr(C) plain data with explicit padding and no invalid bit patterns.

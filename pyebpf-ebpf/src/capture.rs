@@ -6,7 +6,8 @@ use core::ffi::c_void;
 use core::mem::size_of;
 
 use aya_ebpf::{
-    helpers::{bpf_get_current_comm, bpf_get_smp_processor_id, bpf_get_stack, bpf_ktime_get_ns},
+    helpers::{bpf_get_smp_processor_id, bpf_get_stack, bpf_ktime_get_ns, generated},
+    programs::{BtfTracePointContext, PerfEventContext},
     EbpfContext,
 };
 use pyebpf_common::{
@@ -18,7 +19,7 @@ use crate::asyncio::{capture_tasks, clear_tasks, emit_waiting_tasks};
 use crate::emit::{emit_or_count, wakeup_flags};
 use crate::python::{capture_python, registered, uses_marker};
 use crate::user_stack::{copy_stack, stack_len, user_regs, walk_user_stack, wants_snapshot};
-use crate::{KNOWN_PROCS, LOST_SAMPLES, PY_PROCS, SCRATCH};
+use crate::{KNOWN_PROCS, LOST_SAMPLES, PROC_SCRATCH, PY_PROCS, SCRATCH};
 
 /// What a capture stands for: its [`pyebpf_common::origin`], when it is (0: now) and, off CPU,
 /// the state the thread left the CPU in. A capture's weight is a period (a sample) or comes later
@@ -35,9 +36,27 @@ pub struct Origin {
     pub interrupted_regs: bool,
 }
 
+/// A hook's context, as the capture uses it.
+pub trait CaptureContext: EbpfContext {
+    /// Whether the capture runs in a soft interrupt, above the frames of the code interrupted.
+    const IN_SOFTIRQ: bool = false;
+
+    /// Reads the current thread's kernel stack into `buf` (`size` bytes): the bytes written, or
+    /// a negative error.
+    #[inline(always)]
+    fn kernel_stack(&self, buf: *mut c_void, size: u32) -> i64 {
+        // SAFETY: a write of at most `size` bytes, the length of `buf`.
+        unsafe { bpf_get_stack(self.as_ptr(), buf, size, 0) }
+    }
+}
+
+impl CaptureContext for PerfEventContext {}
+
+impl CaptureContext for BtfTracePointContext {}
+
 /// Captures the current thread `tgid`/`tid` and sends the record; a full ring buffer is counted
 /// as a lost sample. With `TASKS`, also its asyncio tasks, where its process's are read.
-pub fn capture_and_emit<C: EbpfContext, const TASKS: bool>(ctx: &C, config: &Config, tgid: u32, tid: u32, origin: &Origin, kernel_stack: bool) {
+pub fn capture_and_emit<C: CaptureContext, const TASKS: bool>(ctx: &C, config: &Config, tgid: u32, tid: u32, origin: &Origin, kernel_stack: bool) {
     // SAFETY: no preconditions.
     let cpu = unsafe { bpf_get_smp_processor_id() };
     let Some(record) = SCRATCH.get_ptr_mut(cpu + origin.scratch_half * config.cpus) else { return };
@@ -45,7 +64,7 @@ pub fn capture_and_emit<C: EbpfContext, const TASKS: bool>(ctx: &C, config: &Con
     // preempt itself on one CPU, so nothing else uses it meanwhile.
     let record = unsafe { &mut *record };
     start_record(record, cpu, tgid, tid, origin);
-    capture_interpreter::<C, TASKS>(ctx, config, tgid, tid, record);
+    capture_interpreter::<C, TASKS>(ctx, config, tgid, tid, origin.scratch_half, record);
     let (ip, sp) = capture_native(ctx, origin, kernel_stack, record);
     let frames = sent_frames(record);
     let stack_len = if ip != 0 && wants_snapshot(config, tgid, record.user_status) { snapshot_stack(sp, frames, record) } else { 0 };
@@ -65,7 +84,12 @@ fn start_record(record: &mut SampleRecord, cpu: u32, tgid: u32, tid: u32, origin
     record.cpu = cpu;
     // SAFETY: no preconditions.
     record.time_ns = if origin.time_ns == 0 { unsafe { bpf_ktime_get_ns() } } else { origin.time_ns };
-    record.comm = bpf_get_current_comm().unwrap_or([0; 16]);
+    // Straight into the record: a copy on the stack would cost the timer clock's callback 16 of its
+    // 512 bytes.
+    // SAFETY: a write of at most the record's 16 comm bytes.
+    if unsafe { generated::bpf_get_current_comm(record.comm.as_mut_ptr() as *mut c_void, record.comm.len() as u32) } != 0 {
+        record.comm = [0; 16];
+    }
     record.origin = origin.origin;
     record.weight_ns = 0;
     record.wait_state = origin.wait_state;
@@ -74,19 +98,26 @@ fn start_record(record: &mut SampleRecord, cpu: u32, tgid: u32, tid: u32, origin
 /// The thread's Python state where its process is registered, and with `TASKS` its asyncio tasks
 /// where its process's are read (and, with `--async-aware` off CPU, that its waiting tasks follow).
 #[inline(always)]
-fn capture_interpreter<C: EbpfContext, const TASKS: bool>(ctx: &C, config: &Config, tgid: u32, tid: u32, record: &mut SampleRecord) {
+fn capture_interpreter<C: EbpfContext, const TASKS: bool>(ctx: &C, config: &Config, tgid: u32, tid: u32, scratch_half: u32, record: &mut SampleRecord) {
     record.py = PyCapture::default();
     clear_tasks(&mut record.tasks);
     let Some((proc_config, thread)) = registered(tgid, tid) else { return };
-    // A copy: userspace may replace the entry while the frames are read.
-    let proc_config = *proc_config;
+    // A copy: userspace may replace the entry while the frames are read. In a map, not on the
+    // stack, which the timer clock's callback has little of.
+    // SAFETY: no preconditions.
+    let Some(copy) = PROC_SCRATCH.get_ptr_mut(unsafe { bpf_get_smp_processor_id() } + scratch_half * config.cpus) else { return };
+    // SAFETY: this CPU's entry of this origin, as the record's.
+    let proc_config = unsafe {
+        *copy = *proc_config;
+        &*copy
+    };
     let gil = config.flags & config_flags::GIL != 0;
-    if !capture_python(ctx, &proc_config, *thread, tid, gil, &mut record.py, &mut record.py_frames) {
+    if !capture_python(ctx, proc_config, *thread, tid, gil, &mut record.py, &mut record.py_frames) {
         return;
     }
     if TASKS && proc_config.flags & py_proc_flags::TASKS != 0 {
         if record.py.frame != 0 {
-            capture_tasks(&proc_config, record.py.tstate, record.py.frames_len, &mut record.tasks, &mut record.py_frames);
+            capture_tasks(proc_config, record.py.tstate, record.py.frames_len, &mut record.tasks, &mut record.py_frames);
         }
         if config.flags & config_flags::WAITING_TASKS != 0 {
             record.tasks.status |= task_status::WAITING_FOLLOWS;
@@ -97,7 +128,7 @@ fn capture_interpreter<C: EbpfContext, const TASKS: bool>(ctx: &C, config: &Conf
 /// The thread's native stacks: the frame-pointer walk of its user stack and (with
 /// `kernel_stack`) its kernel stack; returns its user instruction and stack pointers.
 #[inline(always)]
-fn capture_native<C: EbpfContext>(ctx: &C, origin: &Origin, kernel_stack: bool, record: &mut SampleRecord) -> (u64, u64) {
+fn capture_native<C: CaptureContext>(ctx: &C, origin: &Origin, kernel_stack: bool, record: &mut SampleRecord) -> (u64, u64) {
     let (ip, sp, bp) = user_regs(ctx, origin.interrupted_regs);
     record.user_sp = sp;
     record.user_bp = bp;
@@ -106,6 +137,9 @@ fn capture_native<C: EbpfContext>(ctx: &C, origin: &Origin, kernel_stack: bool, 
     record.frame_bases_len = bases_len;
     record.user_status = if fp_complete { user_status::FP_COMPLETE } else { 0 };
     record.kernel_len = if kernel_stack { kernel_stack_len(ctx, record) } else { 0 };
+    if kernel_stack && C::IN_SOFTIRQ {
+        record.user_status |= user_status::KERNEL_IN_SOFTIRQ;
+    }
     (ip, sp)
 }
 
@@ -123,10 +157,9 @@ fn snapshot_stack(sp: u64, frames: usize, record: &mut SampleRecord) -> usize {
 
 /// Reads the thread's kernel stack into the record; returns its frames.
 #[inline(always)]
-fn kernel_stack_len<C: EbpfContext>(ctx: &C, record: &mut SampleRecord) -> u32 {
+fn kernel_stack_len<C: CaptureContext>(ctx: &C, record: &mut SampleRecord) -> u32 {
     let size = (MAX_KERNEL_FRAMES * size_of::<u64>()) as u32;
-    // SAFETY: a write of at most `size` bytes, the length of `kernel_stack`.
-    stack_len(unsafe { bpf_get_stack(ctx.as_ptr(), record.kernel_stack.as_mut_ptr() as *mut c_void, size, 0) })
+    stack_len(ctx.kernel_stack(record.kernel_stack.as_mut_ptr() as *mut c_void, size))
 }
 
 /// The Python frames the record sends: the walked frames, then the awaiting tasks' (together at

@@ -1,4 +1,5 @@
-//! pyebpf's eBPF programs, one module per hook: the perf-event sampler (`sample`), the scheduler's
+//! pyebpf's eBPF programs, one module per hook: the timer clock (`tick`), the perf-event sampler
+//! of kernels without it (`sample`), the scheduler's
 //! switch hooks for off-CPU time (`switch`) and the process lifecycle (`lifecycle`). Each hook that
 //! captures stacks calls the one capture (`capture`) with its origin and weight; the maps they
 //! share are defined here, and every record leaves through one door (`emit`).
@@ -15,6 +16,7 @@ mod read;
 mod sample;
 mod switch;
 mod task;
+mod tick;
 mod user_stack;
 
 use aya_ebpf::{
@@ -67,6 +69,15 @@ static SNAPSHOT_PROCS: HashMap<u32, u8> = HashMap::with_max_entries(MAX_SNAPSHOT
 /// values are limited to 32 KiB, less than a record with its stack copy.
 #[map]
 static SCRATCH: Array<SampleRecord> = Array::with_max_entries(1, 0);
+
+/// The timer clock's run time (`--stats`): slot 0 sums its callbacks' nanoseconds, slot 1
+/// counts them, slot 2 is when the current one started.
+#[map]
+static TICK_RUN_TIME: PerCpuArray<u64> = PerCpuArray::with_max_entries(3, 0);
+
+/// The capture's copy of its process's configuration, indexed as `SCRATCH`.
+#[map]
+static PROC_SCRATCH: Array<PyProcConfig> = Array::with_max_entries(1, 0);
 
 /// A thread's waiting tasks are built here (`--async-aware` in off-CPU modes): one entry per kind
 /// of hook, as in `SCRATCH`.

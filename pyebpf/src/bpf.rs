@@ -12,6 +12,7 @@ use pyebpf_common::{config_flags, globals, maps, programs, Config, MarkerChain, 
 
 use crate::reader::{RecordBatch, RingReader, URGENT_LATENCY, WAKEUP_LATENCY};
 use crate::sampling_clock::{ClockPlan, SamplingClock};
+use crate::timer_clock::TimerClock;
 
 /// The object built by `cargo xtask build`; empty when the crate was built without it.
 static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/pyebpf-ebpf.o"));
@@ -137,10 +138,18 @@ impl Programs {
     }
 }
 
+/// Set (to anything) to sample with the perf-event clock, as kernels before 6.7 do.
+const PERF_CLOCK_VAR: &str = "PYEBPF_PERF_CLOCK";
+
 /// The running sampler. Dropping it detaches the programs.
 pub struct Sampler {
-    /// The clock sampling every CPU, once started; dropped first, so sampling stops first.
-    clock: Option<SamplingClock>,
+    /// The clock sampling every CPU once started, the timer clock or where it cannot run the
+    /// perf-event clock; dropped first, so sampling stops first.
+    timer_clock: Option<TimerClock>,
+    perf_clock: Option<SamplingClock>,
+    /// Why the timer clock does not sample, where it cannot (its start hook is then not loaded,
+    /// or it did not start): the perf-event clock samples instead.
+    no_timer_clock: Option<String>,
     ebpf: Ebpf,
     frequency_hz: u64,
     /// The sampler and switch hook loaded (with or without asyncio tasks).
@@ -242,7 +251,9 @@ fn load_object(kb: u32, log_level: u8) -> Result<(Ebpf, aya::Btf, u32), BpfError
         .map_max_entries(maps::SAMPLES, kb * 1024)
         // One record per CPU for samples, one for the switch hooks.
         .map_max_entries(maps::SCRATCH, 2 * cpus)
+        .map_max_entries(maps::PROC_SCRATCH, 2 * cpus)
         .map_max_entries(maps::CLOCK, cpus)
+        .map_max_entries(maps::TICKS, cpus)
         .load(EBPF_OBJECT)
         .map_err(|err| if is_permission_error(&err) { BpfError::NotPermitted } else { BpfError::Load(err) })?;
     Ok((ebpf, aya_btf, cpus))
@@ -275,6 +286,7 @@ fn flags_for(options: &SamplerOptions) -> u32 {
         (options.waiting_tasks, config_flags::WAITING_TASKS),
         (options.targets.is_some(), config_flags::FILTER_TARGETS),
         (options.follow_forks, config_flags::FOLLOW_FORKS),
+        (options.program_stats, config_flags::RUN_TIME),
     ];
     wanted.iter().filter(|(on, _)| *on).fold(0, |flags, (_, flag)| flags | flag)
 }
@@ -299,6 +311,7 @@ fn configure(ebpf: &mut Ebpf, options: &SamplerOptions, cpus: u32) -> Result<Has
         urgent_latency_ns: URGENT_LATENCY.as_nanos() as u64,
         ticks_per_slot: ClockPlan::new(options.frequency_hz).ticks_per_slot,
         _pad: 0,
+        sample_period_ns: 1_000_000_000 / options.frequency_hz.max(1),
     };
     let mut config_map: Array<_, Config> =
         Array::try_from(ebpf.map_mut(maps::CONFIG).ok_or(BpfError::StaleObject(maps::CONFIG))?).map_err(map_error(maps::CONFIG))?;
@@ -335,6 +348,20 @@ fn attach_hooks(ebpf: &mut Ebpf, options: &SamplerOptions, btf: &aya::Btf) -> Re
     Ok(loaded)
 }
 
+/// Loads the timer clock's start hook (attached only while the clock starts); returns why the
+/// timer clock cannot sample, if it cannot.
+fn load_timer_clock(ebpf: &mut Ebpf, options: &SamplerOptions, btf: &aya::Btf) -> Result<Option<String>, BpfError> {
+    if std::env::var_os(PERF_CLOCK_VAR).is_some() {
+        return Ok(Some(format!("{PERF_CLOCK_VAR} is set")));
+    }
+    if options.tasks {
+        return Ok(Some("--async-aware: the task walk does not fit a timer callback's stack".into()));
+    }
+    let program: &mut BtfTracePoint = program_mut(ebpf, programs::START_TICK)?;
+    // The verifier's whole log follows the first line.
+    Ok(program.load("task_rename", btf).err().map(|err| format!("this kernel does not load the timer clock: {}", err.to_string().lines().next().unwrap_or(""))))
+}
+
 impl Sampler {
     /// Loads and configures the programs and attaches the lifecycle hooks; [`Sampler::start_sampling`]
     /// then starts the sampling.
@@ -350,12 +377,15 @@ impl Sampler {
         let (mut ebpf, aya_btf, cpus) = load_object(kb, log_level)?;
         let targets = configure(&mut ebpf, options, cpus)?;
         let loaded = attach_hooks(&mut ebpf, options, &aya_btf)?;
+        let no_timer_clock = load_timer_clock(&mut ebpf, options, &aya_btf)?;
         drop(aya_btf);
         release_freed_memory();
         let program_stats = options.program_stats.then(|| aya::sys::enable_stats(aya::sys::Stats::RunTime).ok()).flatten();
         let program: &mut PerfEvent = program_mut(&mut ebpf, loaded.sample)?;
         program.load().map_err(BpfError::Program)?;
-        Sampler::with_maps(ebpf, options, loaded, program_stats, log_level, targets)
+        let mut sampler = Sampler::with_maps(ebpf, options, loaded, program_stats, log_level, targets)?;
+        sampler.no_timer_clock = no_timer_clock;
+        Ok(sampler)
     }
 
     /// The sampler of the loaded object: the maps userspace reads and writes taken out of it, and
@@ -381,7 +411,9 @@ impl Sampler {
         let off_cpu = HashMap::try_from(take_map(&mut ebpf, maps::OFF_CPU)?).map_err(map_error(maps::OFF_CPU))?;
         let short_waits = PerCpuArray::try_from(take_map(&mut ebpf, maps::SHORT_WAITS)?).map_err(map_error(maps::SHORT_WAITS))?;
         Ok(Sampler {
-            clock: None,
+            timer_clock: None,
+            perf_clock: None,
+            no_timer_clock: None,
             ebpf,
             frequency_hz: options.frequency_hz,
             programs,
@@ -447,15 +479,62 @@ impl Sampler {
     /// already carry Python frames.
     pub fn start_sampling(&mut self) -> Result<(), BpfError> {
         let cpus = aya::util::online_cpus().map_err(|(_, err)| BpfError::Cpus(err))?;
+        self.timer_clock = self.start_timer_clock(&cpus)?;
+        if self.timer_clock.is_none() {
+            self.perf_clock = Some(self.start_perf_clock(&cpus)?);
+        }
+        Ok(())
+    }
+
+    /// The timer clock on every CPU of `cpus`, or `None` where it cannot run here.
+    fn start_timer_clock(&mut self, cpus: &[u32]) -> Result<Option<TimerClock>, BpfError> {
+        if self.no_timer_clock.is_some() {
+            return Ok(None);
+        }
+        let ticks = take_map(&mut self.ebpf, maps::TICKS)?;
+        let program: &mut BtfTracePoint = program_mut(&mut self.ebpf, programs::START_TICK)?;
+        match TimerClock::start(program, ticks, cpus) {
+            Ok(clock) => Ok(Some(clock)),
+            Err(err) => {
+                self.no_timer_clock = Some(err.to_string());
+                Ok(None)
+            }
+        }
+    }
+
+    /// The perf-event clock (see `sampling_clock`) on every CPU of `cpus`.
+    fn start_perf_clock(&mut self, cpus: &[u32]) -> Result<SamplingClock, BpfError> {
         let aya::maps::Map::Array(slots) = take_map(&mut self.ebpf, maps::CLOCK)? else { return Err(BpfError::StaleObject(maps::CLOCK)) };
         let program: &mut PerfEvent = program_mut(&mut self.ebpf, self.programs.sample)?;
         let program = program.fd().map_err(BpfError::Program)?.as_fd();
-        let clock = SamplingClock::start(program, &cpus, ClockPlan::new(self.frequency_hz), slots).map_err(|err| match err.kind() {
+        SamplingClock::start(program, cpus, ClockPlan::new(self.frequency_hz), slots).map_err(|err| match err.kind() {
             std::io::ErrorKind::PermissionDenied => BpfError::NotPermitted,
             _ => BpfError::Clock(err),
-        })?;
-        self.clock = Some(clock);
-        Ok(())
+        })
+    }
+
+    /// Whether the timer clock samples (rather than the perf-event clock).
+    pub fn timer_clock(&self) -> bool {
+        self.timer_clock.is_some()
+    }
+
+    /// Which clock samples, and why not the timer clock where it does not.
+    pub fn clock(&self) -> String {
+        match &self.no_timer_clock {
+            None => "timer (one instant drawn at random in each period, on each CPU)".into(),
+            Some(why) => format!("perf-event ({why})"),
+        }
+    }
+
+    /// Time the sampling clock's program ran in the kernel and how often, with `program_stats`:
+    /// the timer clock counts its callbacks itself (the kernel's statistics do not see them).
+    pub fn sampler_run_time(&self) -> Option<(std::time::Duration, u64)> {
+        if !self.timer_clock() {
+            return self.program_run_time(self.programs.sample);
+        }
+        let run_time: PerCpuArray<_, u64> = PerCpuArray::try_from(self.ebpf.map(maps::TICK_RUN_TIME)?).ok()?;
+        let sum = |index: u32| run_time.get(&index, 0).map(|per_cpu| per_cpu.iter().sum::<u64>()).unwrap_or(0);
+        Some((std::time::Duration::from_nanos(sum(0)), sum(1)))
     }
 
     /// Time the sampler program ran in the kernel and how often, with `program_stats`.

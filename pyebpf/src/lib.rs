@@ -29,6 +29,7 @@ pub mod stop_signals;
 pub mod summary;
 pub mod symbolize;
 pub mod target_file;
+pub mod timer_clock;
 pub mod top;
 pub mod unwind;
 pub mod waits;

@@ -1,5 +1,6 @@
-//! The sampling clock: a `cpu-clock` perf event on every CPU, opened by pyebpf itself so that it
-//! can sample at instants that no periodic program can lock on to.
+//! The perf-event sampling clock: a `cpu-clock` perf event on every CPU, opened by pyebpf itself
+//! so that it can sample at instants that no periodic program can lock on to. It samples where the
+//! timer clock (`timer_clock`) cannot: kernels before 6.7.
 //!
 //! A clock that ticks at exact multiples of its period samples a periodic program (a poller, a
 //! frame loop, a fixed-rate batch) at the same phases of its cycle again and again: a 5.025 ms

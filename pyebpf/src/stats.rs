@@ -40,6 +40,8 @@ pub struct Stats {
     pub free_threaded: NamedProcesses,
     /// CPU time pyebpf itself used (user + system), in nanoseconds.
     pub own_cpu_ns: u64,
+    /// Which clock sampled: `timer`, or `perf-event` and why (see `bpf::Sampler::clock`).
+    pub sampling_clock: String,
     /// Time the eBPF sampler ran in the kernel, on the sampled CPUs, and how many times it ran
     /// (every tick of every CPU, also those it drops at once).
     pub program_run_time_ns: u64,
@@ -217,6 +219,7 @@ impl fmt::Display for Stats {
         writeln!(f, "lost samples:               {}", self.lost_samples)?;
         writeln!(f, "  by the reader:            {} ({} batches: the consumer was behind)", self.reader_dropped_samples, self.reader_dropped_batches)?;
         writeln!(f, "pyebpf CPU time:            {:.1} ms ({:.1} us per sample)", self.own_cpu_ns as f64 / 1e6, per(self.own_cpu_ns, self.samples) / 1e3)?;
+        writeln!(f, "sampling clock:             {}", self.sampling_clock)?;
         writeln!(
             f,
             "eBPF program time:          {:.1} ms ({:.2} us per recorded sample, {:.2} us per run)",

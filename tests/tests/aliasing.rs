@@ -6,10 +6,32 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use pyebpf_tests::{debian_python, pyenv_python, record_collapsed as record, stacks_of, start_ready, wait_for_file};
+use pyebpf_tests::{debian_python, pyebpf_command, pyenv_python, record_collapsed_by, stacks_of, start_ready, wait_for_file};
 
 const FUNCTIONS: [&str; 3] = ["alpha", "beta", "gamma"];
 const RUNS: usize = 5;
+
+/// The clock that samples: the timer clock, or the perf-event clock that kernels before 6.7 use
+/// (forced here by its environment variable).
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Clock {
+    Timer,
+    PerfEvent,
+}
+
+/// `pyebpf record ARGS --stats` by `clock`; checks that clock sampled.
+fn record(clock: Clock, args: &[&str]) -> String {
+    let mut pyebpf = pyebpf_command();
+    if clock == Clock::PerfEvent {
+        pyebpf.env("PYEBPF_PERF_CLOCK", "1");
+    }
+    let args: Vec<&str> = args.iter().copied().chain(["--stats"]).collect();
+    let (collapsed, stderr) = record_collapsed_by(pyebpf, &args);
+    let line = stderr.lines().find(|line| line.starts_with("sampling clock:")).unwrap_or_else(|| panic!("no sampling clock in --stats: {stderr}"));
+    let expected = if clock == Clock::Timer { "timer" } else { "perf-event" };
+    assert!(line.split(':').nth(1).is_some_and(|name| name.trim_start().starts_with(expected)), "the {expected} clock did not sample: {line}");
+    collapsed
+}
 
 fn signal(pid: u32, signal: libc::c_int) {
     // SAFETY: kill takes a pid and a signal.
@@ -25,10 +47,10 @@ struct Run {
     samples: u64,
 }
 
-fn one_run(pid: u32, hz: &str, report: &Path) -> Run {
+fn one_run(clock: Clock, pid: u32, hz: &str, report: &Path) -> Run {
     let _ = std::fs::remove_file(report);
     signal(pid, libc::SIGUSR1);
-    let (collapsed, _) = record(&["-p", &pid.to_string(), "-F", hz, "-d", "4", "--no-native"]);
+    let collapsed = record(clock, &["-p", &pid.to_string(), "-F", hz, "-d", "4", "--no-native"]);
     signal(pid, libc::SIGUSR2);
     wait_for_file(report, "periodic_split.py's report");
     let measured: HashMap<String, f64> = serde_json::from_str(&std::fs::read_to_string(report).unwrap()).unwrap();
@@ -45,12 +67,12 @@ fn one_run(pid: u32, hz: &str, report: &Path) -> Run {
 
 /// Five runs of 4 s against one process: each run within `run_points` of the measured split, and
 /// the mean of the five within `mean_points`.
-fn check_split(python: &Path, hz: &str, cycle_ms: &str, (run_points, mean_points): (f64, f64)) {
+fn check_split(clock: Clock, python: &Path, hz: &str, cycle_ms: &str, (run_points, mean_points): (f64, f64)) {
     let dir = tempfile::tempdir().unwrap();
     let report = dir.path().join("report.json");
     let (child, _ready) = start_ready(python, "periodic_split.py", &[cycle_ms, report.to_str().unwrap()]);
-    let runs: Vec<_> = (0..RUNS).map(|_| one_run(child.pid(), hz, &report)).collect();
-    let context = format!("{} at {hz} Hz against a {cycle_ms} ms cycle: {runs:.1?}", python.display());
+    let runs: Vec<_> = (0..RUNS).map(|_| one_run(clock, child.pid(), hz, &report)).collect();
+    let context = format!("{} at {hz} Hz against a {cycle_ms} ms cycle, {clock:?} clock: {runs:.1?}", python.display());
     println!("{context}");
     for run in &runs {
         assert!(run.samples >= 200, "too few samples: {context}");
@@ -66,27 +88,35 @@ fn check_split(python: &Path, hz: &str, cycle_ms: &str, (run_points, mean_points
     }
 }
 
-fn check_both_clocks(python: &Path) {
+fn check_both_rates(clock: Clock, python: &Path) {
     // 199 Hz's period is half the 10 ms cycle: about 800 samples a run, whose chance spread alone
     // is ±1.7 points. Runs here were within 2.5 points, their means within 0.6; the bounds leave
     // room for a loaded machine.
-    check_split(python, "199", "10", (4.0, 1.5));
+    check_split(clock, python, "199", "10", (4.0, 1.5));
     // 99 Hz's period is within 0.01 ms of a 10.1 ms loop (a regular clock samples one phase of it
     // for the whole run). About 400 samples a run: ±2.5 points by chance alone, about half that
     // with the samples spread over the cycle as the clock spreads them. Runs here were within 4.0
     // points; the means of five, over five rounds on 3.10 and 3.13, were 0.0 to 2.0 points off
     // (about 1 point of spread), so their bound is 3; the runs' bound catches a clock locked on.
-    check_split(python, "99", "10.1", (5.0, 3.0));
+    check_split(clock, python, "99", "10.1", (5.0, 3.0));
 }
 
 #[test]
 fn periodic_splits_are_sampled_truly_pyenv_3_10() {
-    check_both_clocks(&pyenv_python("3.10.13"));
+    check_both_rates(Clock::Timer, &pyenv_python("3.10.13"));
 }
 
 #[test]
 fn periodic_splits_are_sampled_truly_debian_3_13() {
-    check_both_clocks(&debian_python("3.13"));
+    check_both_rates(Clock::Timer, &debian_python("3.13"));
+}
+
+/// The clock of kernels without pinned, absolute BPF timers: ticks several times a period and has
+/// its grid moved by a thread (see `sampling_clock`).
+#[test]
+fn periodic_splits_are_sampled_truly_by_the_perf_event_clock() {
+    check_both_rates(Clock::PerfEvent, &debian_python("3.13"));
+    check_split(Clock::PerfEvent, &debian_python("3.13"), "99", "26.42", (8.0, 3.0));
 }
 
 /// A cycle of the period times 1 plus the golden ratio's fractional part: a clock that samples one
@@ -96,10 +126,10 @@ fn periodic_splits_are_sampled_truly_debian_3_13() {
 /// 3.7 points a run and 0.5 on average.
 #[test]
 fn a_cycle_the_golden_walk_resonates_with_is_sampled_truly() {
-    check_split(&debian_python("3.13"), "99", "26.42", (8.0, 3.0));
+    check_split(Clock::Timer, &debian_python("3.13"), "99", "26.42", (8.0, 3.0));
 }
 
 #[test]
 fn periodic_splits_are_sampled_truly_debian_3_15() {
-    check_both_clocks(&debian_python("3.15"));
+    check_both_rates(Clock::Timer, &debian_python("3.15"));
 }

@@ -346,6 +346,11 @@ fn kernel_stacks_end_in_k() {
     // glibc's getppid keeps no frame of its own, so a frame-pointer unwind goes from it to middle_fn.
     let in_kernel = count_where(&stacks, |frames| frames.last().is_some_and(|f| f.ends_with("_[k]")) && frames.iter().any(|f| f == "middle_fn"));
     assert!(in_kernel * 4 > total(&stacks), "{in_kernel} of {} samples end in kernel frames:\n{collapsed}", total(&stacks));
+    // The timer clock reads kernel stacks inside its own soft interrupt: its frames are not the
+    // sampled thread's.
+    let clock_frame = |frame: &String| ["bpf_timer_cb", "hrtimer_run_softirq", "on_tick"].iter().any(|name| frame.contains(name));
+    let with_clock = count_where(&stacks, |frames| frames.iter().any(clock_frame));
+    assert_eq!(with_clock, 0, "samples with the clock's own frames:\n{collapsed}");
 }
 
 #[test]

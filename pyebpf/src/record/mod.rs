@@ -316,10 +316,11 @@ impl Recording {
         self.session.finish(stats);
         stats.lost_samples = sampler.lost_samples();
         (stats.reader_dropped_batches, stats.reader_dropped_samples) = sampler.reader_drops();
-        let run_time = |name| sampler.program_run_time(name).map_or((0, 0), |(time, runs): (Duration, u64)| (time.as_nanos() as u64, runs));
-        (stats.program_run_time_ns, stats.program_runs) = run_time(sampler.programs().sample);
+        let in_ns = |run_time: Option<(Duration, u64)>| run_time.map_or((0, 0), |(time, runs)| (time.as_nanos() as u64, runs));
+        (stats.program_run_time_ns, stats.program_runs) = in_ns(sampler.sampler_run_time());
+        stats.sampling_clock = sampler.clock();
         if mode.counts_waits() {
-            (stats.switch_run_time_ns, stats.switch_runs) = run_time(sampler.programs().switch);
+            (stats.switch_run_time_ns, stats.switch_runs) = in_ns(sampler.program_run_time(sampler.programs().switch));
         }
         stats.own_cpu_ns = own_cpu_ns();
         let (short_intervals, short_ns) = sampler.short_waits();

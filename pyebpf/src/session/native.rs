@@ -11,7 +11,7 @@ use crate::maps::MapsCache;
 use crate::merge::{python_frames, Merged, Merger, NativeStack};
 use crate::native_ids::{IdLevel, NativeIds};
 use crate::python::PyItem;
-use crate::stack::{FrameCarry, FrameId, FrameTable};
+use crate::stack::{Frame, FrameCarry, FrameId, FrameTable};
 use crate::stats::Stats;
 use crate::symbolize::Symbolizer;
 use crate::unwind::{Snapshot, StackUnwinder, Unwound};
@@ -97,6 +97,9 @@ impl NativeStacks {
         out.clear();
         let kernel_len = (record.kernel_len as usize).min(record.kernel_stack.len());
         self.ids.kernel_frames(&mut self.symbolizer, table, &record.kernel_stack[..kernel_len], out);
+        if record.user_status & user_status::KERNEL_IN_SOFTIRQ != 0 {
+            drop_clock_frames(table, out);
+        }
         let unwound = self.unwound.as_ref();
         let (addrs, bases) = match unwound {
             Some(unwound) => (&unwound.addrs[..], &unwound.frame_bases[..]),
@@ -224,6 +227,23 @@ fn breaks_before_start(unwind: UnwindMode, record: &SampleRecord, stack: &Native
 }
 
 /// Has the eBPF program copy `pid`'s stacks from now on, once.
+/// Kernel symbols of a soft interrupt's entry, and of the interrupt exit that runs it.
+const SOFTIRQ_ENTRY: [&str; 2] = ["handle_softirqs", "__do_softirq"];
+const IRQ_EXIT: [&str; 4] = ["__irq_exit_rcu", "irq_exit_rcu", "sysvec_apic_timer_interrupt", "asm_sysvec_apic_timer_interrupt"];
+
+/// Drops the timer clock's own frames from a kernel stack read in its soft interrupt (innermost
+/// first): those down to the soft interrupt's entry, and the exit of the interrupt that ran it,
+/// so the stack is the interrupted code's (none, when it was in user space).
+fn drop_clock_frames(table: &FrameTable, out: &mut Vec<FrameId>) {
+    let name = |id: FrameId| match table.frame(id) {
+        Frame::Kernel(frame) => frame.symbol.as_deref(),
+        _ => None,
+    };
+    let Some(entry) = out.iter().position(|&id| name(id).is_some_and(|name| SOFTIRQ_ENTRY.contains(&name))) else { return };
+    let exit = out[entry + 1..].iter().take_while(|&&id| name(id).is_some_and(|name| IRQ_EXIT.contains(&name))).count();
+    out.drain(..=entry + exit);
+}
+
 fn copy_stacks(copying: &mut HashSet<u32>, pid: u32, kernel: &mut dyn KernelMaps) {
     if copying.insert(pid) {
         if let Err(err) = kernel.copy_stacks_of(pid) {
