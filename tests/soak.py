@@ -42,21 +42,47 @@ def rss_kib(pid):
     return (fields.get("VmRSS"), fields.get("RssAnon"), fields.get("RssFile")) if "VmRSS" in fields else None
 
 
+def timer_clocks_started(pid):
+    """CPUs whose timer clock runs in the `TICKS` map pid holds (status 1: started)."""
+    map_ids = set()
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fdinfo"):
+            try:
+                with open(f"/proc/{pid}/fdinfo/{fd}") as info:
+                    map_ids.update(line.split()[1] for line in info if line.startswith("map_id:"))
+            except OSError:
+                pass
+    except OSError:
+        return 0
+    for map_id in map_ids:
+        show = subprocess.run(["bpftool", "map", "show", "id", map_id], capture_output=True, text=True).stdout
+        if "name TICKS " in show:
+            dump = subprocess.run(["bpftool", "map", "dump", "id", map_id], capture_output=True, text=True).stdout
+            return dump.count('"status": 1')
+    return 0
+
+
+def perf_events(pid):
+    """The perf events pid holds open."""
+    events = 0
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                events += os.readlink(f"/proc/{pid}/fd/{fd}") == "anon_inode:[perf_event]"
+            except OSError:
+                pass
+    except OSError:
+        pass
+    return events
+
+
 def wait_until_sampling(recording):
-    """Until pyebpf holds its sampling clock's perf events, one per CPU (sampling has started), at
-    most 60 s."""
+    """Until every CPU's sampling clock runs (the timer clock's timers, or the perf-event clock's
+    events): sampling has started; at most 60 s."""
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and recording.poll() is None:
-        events = 0
-        try:
-            for fd in os.listdir(f"/proc/{recording.pid}/fd"):
-                try:
-                    events += os.readlink(f"/proc/{recording.pid}/fd/{fd}") == "anon_inode:[perf_event]"
-                except OSError:
-                    pass
-        except OSError:
-            pass
-        if events >= os.cpu_count():
+        cpus = os.cpu_count()
+        if perf_events(recording.pid) >= cpus or timer_clocks_started(recording.pid) >= cpus:
             return
         time.sleep(0.05)
     sys.exit(f"pyebpf did not start sampling: exit status {recording.poll()}")

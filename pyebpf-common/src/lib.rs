@@ -72,7 +72,8 @@ pub mod maps {
     pub const TICKS: &str = "TICKS";
     pub const TICK_RUN_TIME: &str = "TICK_RUN_TIME";
     pub const PROC_SCRATCH: &str = "PROC_SCRATCH";
-    pub const ALL: [&str; 19] = [
+    pub const TASK_WINDOWS: &str = "TASK_WINDOWS";
+    pub const ALL: [&str; 20] = [
         SAMPLES,
         LOST,
         CONFIG,
@@ -92,6 +93,7 @@ pub mod maps {
         TICKS,
         TICK_RUN_TIME,
         PROC_SCRATCH,
+        TASK_WINDOWS,
     ];
 }
 
@@ -112,9 +114,11 @@ pub mod programs {
     /// instead, so the others' verification does not pay for the task walks.
     pub const SAMPLE_TASKS: &str = "sample_tasks";
     pub const SWITCH_TASKS: &str = "switch_tasks";
-    /// `task_rename` of pyebpf's own threads: starts the timer clock of the CPU it runs on.
+    /// `task_rename` of pyebpf's own threads: starts the timer clock of the CPU it runs on (with
+    /// or without asyncio tasks).
     pub const START_TICK: &str = "start_tick";
-    pub const ALL: [&str; 8] = [SAMPLE, FOLLOW_FORK, PROCESS_EXEC, PROCESS_EXIT, SWITCH, SAMPLE_TASKS, SWITCH_TASKS, START_TICK];
+    pub const START_TICK_TASKS: &str = "start_tick_tasks";
+    pub const ALL: [&str; 9] = [SAMPLE, FOLLOW_FORK, PROCESS_EXEC, PROCESS_EXIT, SWITCH, SAMPLE_TASKS, SWITCH_TASKS, START_TICK, START_TICK_TASKS];
 }
 
 /// Global constants the loader sets before verification: the eBPF crate's statics of these names

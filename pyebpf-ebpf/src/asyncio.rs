@@ -6,16 +6,16 @@
 
 use core::ffi::c_void;
 
-use aya_ebpf::helpers::generated;
+use aya_ebpf::helpers::{bpf_get_smp_processor_id, generated};
 use pyebpf_common::{
-    record_kind, task_status, type_flags, AsyncioConfig, PyFrameRecord, PyProcConfig, TaskCapture, TaskRecord, WaitingTasks, MAX_AWAITER_FRAMES,
+    record_kind, task_status, type_flags, AsyncioConfig, PyCapture, PyFrameRecord, PyProcConfig, TaskCapture, TaskRecord, WaitingTasks, MAX_AWAITER_FRAMES,
     MAX_AWAITER_LINKS, MAX_PY_FRAMES, MAX_TASKS, MAX_WAITING_FRAMES, MAX_WAITING_TASKS, PY_FRAME_WINDOW, TASK_NAME_BYTES,
 };
 
 use crate::emit::emit_or_count;
 use crate::frame::frame_record;
 use crate::read::{read_u32, read_u64, read_u8};
-use crate::{BPF_RB_NO_WAKEUP, LOST_SAMPLES, PY_PROCS, WAITING_SCRATCH};
+use crate::{BPF_RB_NO_WAKEUP, CONFIG, LOST_SAMPLES, PY_PROCS, TASK_WINDOWS, WAITING_SCRATCH};
 
 /// A `_PyStackRef`'s tag bits.
 const STACKREF_TAG: u64 = 3;
@@ -69,7 +69,8 @@ struct TaskWalk {
     /// The task to read next; 0 once the chain has ended.
     task: u64,
     coroutines: Coroutines,
-    window: [u8; PY_FRAME_WINDOW],
+    /// In `TASK_WINDOWS`, not on the stack, which the timer clock's callback has little of.
+    window: *mut [u8; PY_FRAME_WINDOW],
 }
 
 /// Forgets the tasks of an earlier capture: only the tasks counted are sent, the rest of the array
@@ -81,11 +82,14 @@ pub fn clear_tasks(tasks: &mut TaskCapture) {
     tasks.frames_len = 0;
 }
 
-/// Reads the running task of the thread state at `tstate` and the tasks awaiting it into
-/// `tasks`; the awaiting tasks' frames go into `frames` from `first_frame` on. Not inlined: its
-/// frame window and the frame walk's must not share one BPF stack frame.
+/// Reads the running task of the thread state of `py` and the tasks awaiting it into `tasks`;
+/// the awaiting tasks' frames go into `frames` after the thread's own, each read through
+/// entry `window` of `TASK_WINDOWS`. Not inlined: its stack frame and the frame walk's must not
+/// add up.
 #[inline(never)]
-pub fn capture_tasks(config: &PyProcConfig, tstate: u64, first_frame: u32, tasks: &mut TaskCapture, frames: &mut [PyFrameRecord; MAX_PY_FRAMES]) {
+pub fn capture_tasks(config: &PyProcConfig, py: &PyCapture, window: u32, tasks: &mut TaskCapture, frames: &mut [PyFrameRecord; MAX_PY_FRAMES]) {
+    let Some(window) = TASK_WINDOWS.get_ptr_mut(window) else { return };
+    let (tstate, first_frame) = (py.tstate, py.frames_len);
     let Some(running) = read_u64(tstate + config.asyncio.thread_running_task as u64) else {
         tasks.status |= task_status::READ_FAILED;
         return;
@@ -101,7 +105,7 @@ pub fn capture_tasks(config: &PyProcConfig, tstate: u64, first_frame: u32, tasks
         next_frame: first_frame,
         task: running,
         coroutines: Coroutines { coro: 0, coro_type: 0, links: 0 },
-        window: [0; PY_FRAME_WINDOW],
+        window,
     };
     // One step per task or per awaiting task's frame; a step past MAX_TASKS tasks marks the cut.
     let steps = (MAX_TASKS + 1 + MAX_AWAITER_FRAMES) as u32;
@@ -127,7 +131,8 @@ unsafe extern "C" fn task_step(_index: u64, context: *mut c_void) -> i64 {
             walk.coroutines.coro = 0;
             return 0;
         }
-        if let Some(record) = walk.coroutines.next_frame(config, &mut walk.window) {
+        // SAFETY: capture_tasks' entry of `TASK_WINDOWS`, this CPU's for this origin.
+        if let Some(record) = walk.coroutines.next_frame(config, unsafe { &mut *walk.window }) {
             // Checked above; the mask is for the verifier, which reloads the field.
             let slot = walk.next_frame as usize & (MAX_PY_FRAMES - 1);
             // SAFETY: `slot` < MAX_PY_FRAMES, the length of the array `frames` points into.
@@ -228,16 +233,21 @@ struct WaitingWalk {
     head: u64,
     node: u64,
     coroutines: Coroutines,
-    window: [u8; PY_FRAME_WINDOW],
+    /// In `TASK_WINDOWS`, not on the stack, which the timer clock's callback has little of.
+    window: *mut [u8; PY_FRAME_WINDOW],
 }
 
 /// Sends the suspended tasks of thread `tid` of `tgid` (thread state `tstate`) as they are now, at
-/// the capture sent just before; `half` is the capture's half of the scratch space.
+/// the capture sent just before; `half` is the capture's half of the scratch space (and of
+/// `TASK_WINDOWS`).
 #[inline(never)]
 pub fn emit_waiting_tasks(tgid: u32, tid: u32, time_ns: u64, tstate: u64, half: u32) {
     // SAFETY: plain data; see python::registered.
     let Some(config) = (unsafe { PY_PROCS.get(tgid) }) else { return };
     let Some(out) = WAITING_SCRATCH.get_ptr_mut(half) else { return };
+    let Some(cpus) = CONFIG.get(0).map(|config| config.cpus) else { return };
+    // SAFETY: no preconditions.
+    let Some(window) = TASK_WINDOWS.get_ptr_mut(unsafe { bpf_get_smp_processor_id() } + half * cpus) else { return };
     // SAFETY: this CPU's scratch record of this half; a program does not preempt itself on one
     // CPU, so nothing else uses it meanwhile.
     unsafe {
@@ -255,7 +265,7 @@ pub fn emit_waiting_tasks(tgid: u32, tid: u32, time_ns: u64, tstate: u64, half: 
         head: tstate + config.asyncio.thread_tasks_head as u64,
         node: first,
         coroutines: Coroutines { coro: 0, coro_type: 0, links: 0 },
-        window: [0; PY_FRAME_WINDOW],
+        window,
     };
     let steps = (MAX_WAITING_TASKS + 1 + MAX_WAITING_FRAMES) as u32;
     // SAFETY: as in capture_tasks; the count also ends a list that loops.
@@ -294,7 +304,8 @@ unsafe extern "C" fn waiting_step(_index: u64, context: *mut c_void) -> i64 {
             walk.coroutines.coro = 0;
             return 0;
         }
-        if let Some(record) = walk.coroutines.next_frame(config, &mut walk.window) {
+        // SAFETY: emit_waiting_tasks' entry of `TASK_WINDOWS`, this CPU's for this origin.
+        if let Some(record) = walk.coroutines.next_frame(config, unsafe { &mut *walk.window }) {
             out.frames[out.frames_len as usize & (MAX_WAITING_FRAMES - 1)] = record;
             out.frames_len += 1;
             out.tasks[(out.len as usize - 1) & (MAX_WAITING_TASKS - 1)].frames_len += 1;

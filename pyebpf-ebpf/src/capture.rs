@@ -117,7 +117,9 @@ fn capture_interpreter<C: EbpfContext, const TASKS: bool>(ctx: &C, config: &Conf
     }
     if TASKS && proc_config.flags & py_proc_flags::TASKS != 0 {
         if record.py.frame != 0 {
-            capture_tasks(proc_config, record.py.tstate, record.py.frames_len, &mut record.tasks, &mut record.py_frames);
+            // SAFETY: no preconditions.
+            let window = unsafe { bpf_get_smp_processor_id() } + scratch_half * config.cpus;
+            capture_tasks(proc_config, &record.py, window, &mut record.tasks, &mut record.py_frames);
         }
         if config.flags & config_flags::WAITING_TASKS != 0 {
             record.tasks.status |= task_status::WAITING_FOLLOWS;

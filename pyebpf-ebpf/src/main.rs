@@ -24,7 +24,7 @@ use aya_ebpf::{
     maps::{Array, HashMap, PerCpuArray, RingBuf},
 };
 use pyebpf_common::{
-    ClockSlot, Config, MarkerChain, OffCpuStart, PyProcConfig, PyThreadEntry, SampleRecord, WaitingTasks, MAX_SNAPSHOT_PROCS, WAIT_PROCS_WORDS,
+    ClockSlot, Config, MarkerChain, OffCpuStart, PyProcConfig, PyThreadEntry, SampleRecord, WaitingTasks, MAX_SNAPSHOT_PROCS, PY_FRAME_WINDOW, WAIT_PROCS_WORDS,
 };
 
 /// Userspace sets the real size at load time (`--ring-buffer-kb`).
@@ -78,6 +78,10 @@ static TICK_RUN_TIME: PerCpuArray<u64> = PerCpuArray::with_max_entries(3, 0);
 /// The capture's copy of its process's configuration, indexed as `SCRATCH`.
 #[map]
 static PROC_SCRATCH: Array<PyProcConfig> = Array::with_max_entries(1, 0);
+
+/// The frame window of an asyncio task walk (`--async-aware`), indexed as `SCRATCH`.
+#[map]
+static TASK_WINDOWS: Array<[u8; PY_FRAME_WINDOW]> = Array::with_max_entries(1, 0);
 
 /// A thread's waiting tasks are built here (`--async-aware` in off-CPU modes): one entry per kind
 /// of hook, as in `SCRATCH`.

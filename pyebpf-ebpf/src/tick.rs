@@ -36,11 +36,20 @@ const CLOCK_MONOTONIC: u64 = 1;
 const BPF_F_TIMER_ABS: u64 = 1;
 const BPF_F_TIMER_CPU_PIN: u64 = 2;
 
-/// Starts this CPU's clock. (Not with `--async-aware`: the task walk's frames on top of the
-/// callback's exceed the 512 bytes of stack a timer callback has; the perf-event clock samples
-/// then.)
+/// Starts this CPU's clock, sampling without asyncio tasks.
 #[btf_tracepoint(function = "task_rename")]
 pub fn start_tick(_ctx: BtfTracePointContext) -> u32 {
+    start::<false>()
+}
+
+/// Starts this CPU's clock, sampling asyncio tasks too (`--async-aware`).
+#[btf_tracepoint(function = "task_rename")]
+pub fn start_tick_tasks(_ctx: BtfTracePointContext) -> u32 {
+    start::<true>()
+}
+
+#[inline(always)]
+fn start<const TASKS: bool>() -> u32 {
     let Some(config) = CONFIG.get(0) else { return 0 };
     // Only pyebpf's own renames start a clock (any process's run this hook while it is attached).
     if (bpf_get_current_pid_tgid() >> 32) as u32 != config.own_tgid {
@@ -57,7 +66,8 @@ pub fn start_tick(_ctx: BtfTracePointContext) -> u32 {
     let map = core::ptr::from_ref(&TICKS).cast_mut().cast::<c_void>();
     // SAFETY: the timer of an entry of the map passed, and a callback taking that map's entries.
     let ready = unsafe {
-        generated::bpf_timer_init(&mut tick.timer, map, CLOCK_MONOTONIC) == 0 && generated::bpf_timer_set_callback(&mut tick.timer, on_tick as *mut c_void) == 0
+        generated::bpf_timer_init(&mut tick.timer, map, CLOCK_MONOTONIC) == 0
+            && generated::bpf_timer_set_callback(&mut tick.timer, on_tick::<TASKS> as *mut c_void) == 0
     };
     if !ready {
         tick.status = tick_status::FAILED;
@@ -118,7 +128,7 @@ impl CaptureContext for TimerContext {
 /// # Safety
 /// Called by the kernel with the entry whose timer fired.
 #[inline(never)]
-unsafe extern "C" fn on_tick(_map: *mut c_void, _key: *mut u32, tick: *mut Tick) -> i64 {
+unsafe extern "C" fn on_tick<const TASKS: bool>(_map: *mut c_void, _key: *mut u32, tick: *mut Tick) -> i64 {
     let Some(config) = CONFIG.get(0) else { return 0 };
     if config.flags & config_flags::RUN_TIME != 0 {
         // SAFETY: no preconditions.
@@ -129,7 +139,7 @@ unsafe extern "C" fn on_tick(_map: *mut c_void, _key: *mut u32, tick: *mut Tick)
         // SAFETY: as above.
         unsafe { (*tick).status = tick_status::STOPPED };
     }
-    sample_current(config);
+    sample_current::<TASKS>(config);
     let Some(config) = CONFIG.get(0) else { return 0 };
     if config.flags & config_flags::RUN_TIME != 0 {
         count_run();
@@ -139,7 +149,7 @@ unsafe extern "C" fn on_tick(_map: *mut c_void, _key: *mut u32, tick: *mut Tick)
 
 /// Samples the thread the timer interrupted, if it is one pyebpf profiles.
 #[inline(always)]
-fn sample_current(config: &Config) {
+fn sample_current<const TASKS: bool>(config: &Config) {
     let pid_tgid = bpf_get_current_pid_tgid();
     let tgid = (pid_tgid >> 32) as u32;
     if tgid == 0 || tgid == config.own_tgid {
@@ -149,7 +159,7 @@ fn sample_current(config: &Config) {
         return;
     }
     let on_cpu = Origin { origin: origin::ON_CPU, time_ns: 0, wait_state: 0, scratch_half: 0, interrupted_regs: false };
-    capture_and_emit::<_, false>(&TimerContext, config, tgid, pid_tgid as u32, &on_cpu, config.flags & config_flags::KERNEL_STACK != 0);
+    capture_and_emit::<_, TASKS>(&TimerContext, config, tgid, pid_tgid as u32, &on_cpu, config.flags & config_flags::KERNEL_STACK != 0);
 }
 
 /// Slots of `TICK_RUN_TIME` (`--stats`: the kernel's own run-time statistics do not see timer

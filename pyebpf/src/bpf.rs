@@ -121,19 +121,20 @@ pub struct SamplerOptions {
     pub off_cpu_min: Option<Duration>,
 }
 
-/// Names of the sampler and switch hook a sampler loads.
+/// Names of the sampler, switch hook and timer clock start a sampler loads.
 #[derive(Clone, Copy, Debug)]
 pub struct Programs {
     pub sample: &'static str,
     pub switch: &'static str,
+    pub start_tick: &'static str,
 }
 
 impl Programs {
     fn for_options(options: &SamplerOptions) -> Self {
         if options.tasks {
-            Programs { sample: programs::SAMPLE_TASKS, switch: programs::SWITCH_TASKS }
+            Programs { sample: programs::SAMPLE_TASKS, switch: programs::SWITCH_TASKS, start_tick: programs::START_TICK_TASKS }
         } else {
-            Programs { sample: programs::SAMPLE, switch: programs::SWITCH }
+            Programs { sample: programs::SAMPLE, switch: programs::SWITCH, start_tick: programs::START_TICK }
         }
     }
 }
@@ -252,6 +253,7 @@ fn load_object(kb: u32, log_level: u8) -> Result<(Ebpf, aya::Btf, u32), BpfError
         // One record per CPU for samples, one for the switch hooks.
         .map_max_entries(maps::SCRATCH, 2 * cpus)
         .map_max_entries(maps::PROC_SCRATCH, 2 * cpus)
+        .map_max_entries(maps::TASK_WINDOWS, 2 * cpus)
         .map_max_entries(maps::CLOCK, cpus)
         .map_max_entries(maps::TICKS, cpus)
         .load(EBPF_OBJECT)
@@ -350,14 +352,11 @@ fn attach_hooks(ebpf: &mut Ebpf, options: &SamplerOptions, btf: &aya::Btf) -> Re
 
 /// Loads the timer clock's start hook (attached only while the clock starts); returns why the
 /// timer clock cannot sample, if it cannot.
-fn load_timer_clock(ebpf: &mut Ebpf, options: &SamplerOptions, btf: &aya::Btf) -> Result<Option<String>, BpfError> {
+fn load_timer_clock(ebpf: &mut Ebpf, programs: Programs, btf: &aya::Btf) -> Result<Option<String>, BpfError> {
     if std::env::var_os(PERF_CLOCK_VAR).is_some() {
         return Ok(Some(format!("{PERF_CLOCK_VAR} is set")));
     }
-    if options.tasks {
-        return Ok(Some("--async-aware: the task walk does not fit a timer callback's stack".into()));
-    }
-    let program: &mut BtfTracePoint = program_mut(ebpf, programs::START_TICK)?;
+    let program: &mut BtfTracePoint = program_mut(ebpf, programs.start_tick)?;
     // The verifier's whole log follows the first line.
     Ok(program.load("task_rename", btf).err().map(|err| format!("this kernel does not load the timer clock: {}", err.to_string().lines().next().unwrap_or(""))))
 }
@@ -377,7 +376,7 @@ impl Sampler {
         let (mut ebpf, aya_btf, cpus) = load_object(kb, log_level)?;
         let targets = configure(&mut ebpf, options, cpus)?;
         let loaded = attach_hooks(&mut ebpf, options, &aya_btf)?;
-        let no_timer_clock = load_timer_clock(&mut ebpf, options, &aya_btf)?;
+        let no_timer_clock = load_timer_clock(&mut ebpf, loaded, &aya_btf)?;
         drop(aya_btf);
         release_freed_memory();
         let program_stats = options.program_stats.then(|| aya::sys::enable_stats(aya::sys::Stats::RunTime).ok()).flatten();
@@ -492,7 +491,7 @@ impl Sampler {
             return Ok(None);
         }
         let ticks = take_map(&mut self.ebpf, maps::TICKS)?;
-        let program: &mut BtfTracePoint = program_mut(&mut self.ebpf, programs::START_TICK)?;
+        let program: &mut BtfTracePoint = program_mut(&mut self.ebpf, self.programs.start_tick)?;
         match TimerClock::start(program, ticks, cpus) {
             Ok(clock) => Ok(Some(clock)),
             Err(err) => {

@@ -166,7 +166,9 @@ fn record_places_tasks_on_debian_3_15() {
 fn record_cuts_task_chains_past_eight() {
     let (child, _dir) = start_ready(&debian_python("3.14"), "async_tree.py", &["deep", "12"]);
     let pid = child.pid().to_string();
-    let (collapsed, stderr) = record_collapsed(&["-p", &pid, "-d", "2", "--async-aware"]);
+    let (collapsed, stderr) = record_collapsed(&["-p", &pid, "-d", "2", "--async-aware", "--stats"]);
+    // The task walk fits on top of the timer clock's callback: it samples here too.
+    assert!(stderr.lines().any(|line| line.starts_with("sampling clock:") && line.contains(" timer ")), "{stderr}");
     let stacks = stacks_of(&collapsed, child.pid());
     let spinning = |frames: &[String]| frames.iter().any(|frame| frame.starts_with("crunch ("));
     let all = count_where(&stacks, spinning);

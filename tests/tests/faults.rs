@@ -199,6 +199,13 @@ fn perf_event_fds(pid: u32) -> usize {
     entries.filter_map(|entry| std::fs::read_link(entry.ok()?.path()).ok()).filter(|target| target.to_string_lossy() == "anon_inode:[perf_event]").count()
 }
 
+/// How many CPUs' timer clocks run in the `TICKS` map the process holds (`status` 1, started).
+fn timer_clocks_started(pid: u32) -> usize {
+    let bpftool = |args: &[&str]| Command::new("bpftool").args(args).output().map(|out| String::from_utf8_lossy(&out.stdout).into_owned()).unwrap_or_default();
+    let ticks = bpf_ids(pid, "map_id").into_iter().map(|id| id.to_string()).find(|id| bpftool(&["map", "show", "id", id]).contains("name TICKS "));
+    ticks.map_or(0, |id| bpftool(&["map", "dump", "id", &id]).matches("\"status\": 1").count())
+}
+
 /// Whether the kernel still has a BPF object of this kind (`prog`, `map`, `link`) and id.
 fn still_loaded(kind: &str, id: u32) -> bool {
     let output = Command::new("bpftool").args([kind, "show", "id", &id.to_string()]).output().expect("bpftool must be installed");
@@ -213,12 +220,13 @@ fn sigkill_leaves_no_bpf_object_loaded() {
     let dir = tempfile::tempdir().unwrap();
     let mut child = Killed(pyebpf_command().args(["record", "-a", "-F", "999", "-o"]).arg(dir.path().join("p.pb.gz")).stderr(Stdio::null()).spawn().unwrap());
     let pid = child.pid();
-    // Sampling has started once the sampling clock's perf events exist (one per CPU).
+    // Sampling has started once every CPU's timer clock runs (or, with the perf-event clock, its
+    // perf events exist, one per CPU). Killed then, no timer may keep a program or map alive.
     let started = Instant::now();
     let cpus = std::thread::available_parallelism().unwrap().get();
     let mut held = Vec::new();
     while started.elapsed() < Duration::from_secs(30) {
-        if perf_event_fds(pid) >= cpus {
+        if timer_clocks_started(pid) >= cpus || perf_event_fds(pid) >= cpus {
             std::thread::sleep(Duration::from_millis(500));
             held = ["prog", "map", "link"].iter().flat_map(|kind| bpf_ids(pid, &format!("{kind}_id")).into_iter().map(move |id| (*kind, id))).collect();
             break;
