@@ -380,8 +380,6 @@ impl Sampler {
         drop(aya_btf);
         release_freed_memory();
         let program_stats = options.program_stats.then(|| aya::sys::enable_stats(aya::sys::Stats::RunTime).ok()).flatten();
-        let program: &mut PerfEvent = program_mut(&mut ebpf, loaded.sample)?;
-        program.load().map_err(BpfError::Program)?;
         let mut sampler = Sampler::with_maps(ebpf, options, loaded, program_stats, log_level, targets)?;
         sampler.no_timer_clock = no_timer_clock;
         Ok(sampler)
@@ -501,10 +499,12 @@ impl Sampler {
         }
     }
 
-    /// The perf-event clock (see `sampling_clock`) on every CPU of `cpus`.
+    /// The perf-event clock (see `sampling_clock`) on every CPU of `cpus`; its program is loaded
+    /// only then (verifying it costs start-up time that the timer clock does not need).
     fn start_perf_clock(&mut self, cpus: &[u32]) -> Result<SamplingClock, BpfError> {
         let aya::maps::Map::Array(slots) = take_map(&mut self.ebpf, maps::CLOCK)? else { return Err(BpfError::StaleObject(maps::CLOCK)) };
         let program: &mut PerfEvent = program_mut(&mut self.ebpf, self.programs.sample)?;
+        program.load().map_err(BpfError::Program)?;
         let program = program.fd().map_err(BpfError::Program)?.as_fd();
         SamplingClock::start(program, cpus, ClockPlan::new(self.frequency_hz), slots).map_err(|err| match err.kind() {
             std::io::ErrorKind::PermissionDenied => BpfError::NotPermitted,
