@@ -59,12 +59,14 @@ impl CaptureContext for BtfTracePointContext {}
 pub fn capture_and_emit<C: CaptureContext, const TASKS: bool>(ctx: &C, config: &Config, tgid: u32, tid: u32, origin: &Origin, kernel_stack: bool) {
     // SAFETY: no preconditions.
     let cpu = unsafe { bpf_get_smp_processor_id() };
-    let Some(record) = SCRATCH.get_ptr_mut(cpu + origin.scratch_half * config.cpus) else { return };
+    // This CPU's entry of this origin in each scratch map.
+    let slot = cpu + origin.scratch_half * config.cpus;
+    let Some(record) = SCRATCH.get_ptr_mut(slot) else { return };
     // SAFETY: `record` points at this CPU's scratch record of this origin; a program does not
     // preempt itself on one CPU, so nothing else uses it meanwhile.
     let record = unsafe { &mut *record };
     start_record(record, cpu, tgid, tid, origin);
-    capture_interpreter::<C, TASKS>(ctx, config, tgid, tid, origin.scratch_half, record);
+    capture_interpreter::<C, TASKS>(ctx, config, tgid, tid, slot, record);
     let (ip, sp) = capture_native(ctx, origin, kernel_stack, record);
     let frames = sent_frames(record);
     let stack_len = if ip != 0 && wants_snapshot(config, tgid, record.user_status) { snapshot_stack(sp, frames, record) } else { 0 };
@@ -97,15 +99,15 @@ fn start_record(record: &mut SampleRecord, cpu: u32, tgid: u32, tid: u32, origin
 
 /// The thread's Python state where its process is registered, and with `TASKS` its asyncio tasks
 /// where its process's are read (and, with `--async-aware` off CPU, that its waiting tasks follow).
+/// `slot` is the capture's entry of the scratch maps.
 #[inline(always)]
-fn capture_interpreter<C: EbpfContext, const TASKS: bool>(ctx: &C, config: &Config, tgid: u32, tid: u32, scratch_half: u32, record: &mut SampleRecord) {
+fn capture_interpreter<C: EbpfContext, const TASKS: bool>(ctx: &C, config: &Config, tgid: u32, tid: u32, slot: u32, record: &mut SampleRecord) {
     record.py = PyCapture::default();
     clear_tasks(&mut record.tasks);
     let Some((proc_config, thread)) = registered(tgid, tid) else { return };
     // A copy: userspace may replace the entry while the frames are read. In a map, not on the
     // stack, which the timer clock's callback has little of.
-    // SAFETY: no preconditions.
-    let Some(copy) = PROC_SCRATCH.get_ptr_mut(unsafe { bpf_get_smp_processor_id() } + scratch_half * config.cpus) else { return };
+    let Some(copy) = PROC_SCRATCH.get_ptr_mut(slot) else { return };
     // SAFETY: this CPU's entry of this origin, as the record's.
     let proc_config = unsafe {
         *copy = *proc_config;
@@ -117,9 +119,7 @@ fn capture_interpreter<C: EbpfContext, const TASKS: bool>(ctx: &C, config: &Conf
     }
     if TASKS && proc_config.flags & py_proc_flags::TASKS != 0 {
         if record.py.frame != 0 {
-            // SAFETY: no preconditions.
-            let window = unsafe { bpf_get_smp_processor_id() } + scratch_half * config.cpus;
-            capture_tasks(proc_config, &record.py, window, &mut record.tasks, &mut record.py_frames);
+            capture_tasks(proc_config, &record.py, slot, &mut record.tasks, &mut record.py_frames);
         }
         if config.flags & config_flags::WAITING_TASKS != 0 {
             record.tasks.status |= task_status::WAITING_FOLLOWS;

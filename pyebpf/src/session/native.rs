@@ -226,7 +226,6 @@ fn breaks_before_start(unwind: UnwindMode, record: &SampleRecord, stack: &Native
     unwind == UnwindMode::Auto && !addrs.is_empty() && record.user_status & user_status::FP_COMPLETE == 0 && !stack.reaches_start_code()
 }
 
-/// Has the eBPF program copy `pid`'s stacks from now on, once.
 /// Kernel symbols of a soft interrupt's entry, and of the interrupt exit that runs it.
 const SOFTIRQ_ENTRY: [&str; 2] = ["handle_softirqs", "__do_softirq"];
 const IRQ_EXIT: [&str; 4] = ["__irq_exit_rcu", "irq_exit_rcu", "sysvec_apic_timer_interrupt", "asm_sysvec_apic_timer_interrupt"];
@@ -244,6 +243,7 @@ fn drop_clock_frames(table: &FrameTable, out: &mut Vec<FrameId>) {
     out.drain(..=entry + exit);
 }
 
+/// Has the eBPF program copy `pid`'s stacks from now on, once.
 fn copy_stacks(copying: &mut HashSet<u32>, pid: u32, kernel: &mut dyn KernelMaps) {
     if copying.insert(pid) {
         if let Err(err) = kernel.copy_stacks_of(pid) {
