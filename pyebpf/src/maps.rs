@@ -8,7 +8,7 @@
 //!
 //! [`MapsCache`] keeps each process's latest snapshot, and re-reads it:
 //! - for samples ([`MapsCache::covering`]): when the process was never read, or an address to be
-//!   resolved falls outside every executable mapping (a new `dlopen`), at most once per
+//!   resolved falls outside every executable mapping and the stacks and heap (a new `dlopen`), at most once per
 //!   [`REFRESH_INTERVAL`], and less often while re-reads find nothing new (up to
 //!   [`MAX_REFRESH_INTERVAL`]): a stack unwound through code without frame pointers ends in junk
 //!   that no re-read explains;
@@ -76,6 +76,14 @@ impl Mapping {
 
     pub fn is_executable(&self) -> bool {
         self.perms.contains(MMPermissions::EXECUTE)
+    }
+
+    /// Whether it is the stack, the heap or a kernel page, which never hold code: a frame-pointer
+    /// chain broken in code built without frame pointers often ends at a stack address, which no
+    /// re-read will explain (anonymous memory may turn executable, a JIT's code; files' data pages
+    /// are left to a re-read too, as `dlopen` maps a file's code over a part of it).
+    fn never_code(&self) -> bool {
+        matches!(self.path, MMapPath::Stack | MMapPath::TStack(_) | MMapPath::Heap | MMapPath::Vvar)
     }
 
     /// The file it maps, where it maps one (not anonymous memory, a pseudo-file or the vDSO).
@@ -146,7 +154,7 @@ impl Maps {
     /// Whether `addr` is either in an executable mapping or could not be code at all: either way a
     /// re-read would not tell more.
     fn explains(&self, addr: u64) -> bool {
-        !could_be_code(addr) || self.find(addr).is_some_and(Mapping::is_executable)
+        !could_be_code(addr) || self.find(addr).is_some_and(|mapping| mapping.is_executable() || mapping.never_code())
     }
 }
 
@@ -303,6 +311,12 @@ mod tests {
             assert!(started.elapsed() < Duration::from_secs(10), "sleep kept mapping");
         };
         let tried = |cache: &MapsCache| cache.processes[&pid].tried_at;
+        // Its stack, where a broken frame-pointer chain often ends: never code, so not read again.
+        let stack = first.mappings().iter().find(|mapping| mapping.path == MMapPath::Stack).expect("sleep has a [stack] mapping");
+        std::thread::sleep(REFRESH_INTERVAL);
+        let read = tried(&cache);
+        cache.covering(pid, &[stack.start + 8]);
+        assert_eq!(tried(&cache), read, "read again for an address on the stack");
         // Junk (the page above the first, which nothing maps): read again, found the same, so the
         // next re-read waits twice as long.
         std::thread::sleep(REFRESH_INTERVAL);
