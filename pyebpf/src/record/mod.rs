@@ -167,6 +167,7 @@ fn session(args: &RecordArgs) -> Session {
             .ok()
             .flatten()
             .map(|_| DetailsWanted { env_var: args.otlp.service_name.env_var().map(str::to_string) }),
+        timed: args.stats,
     })
 }
 

@@ -65,6 +65,8 @@ pub struct SessionOptions {
     pub kernel: bool,
     /// What is read of each process beyond its labels (`record --otlp`).
     pub details: Option<DetailsWanted>,
+    /// Count what unwinding costs in CPU time (`record --stats`).
+    pub timed: bool,
 }
 
 /// Buffers reused from sample to sample, so a sample seen before allocates nothing.
@@ -96,7 +98,7 @@ impl Session {
         Session {
             processes: ProcessTable::with_details(options.details.clone()),
             python: Pythons::new(options.sampling),
-            native: NativeStacks::new(options.unwind, options.no_native),
+            native: NativeStacks::new(options.unwind, options.no_native, options.timed),
             off_cpu: OffCpu::new(options.mode.counts_waits()),
             scratch: Scratch::default(),
             repeats: Repeats::new(),

@@ -28,6 +28,9 @@ pub struct NativeStacks {
     unwind: UnwindMode,
     /// Python frames only (`--no-native`), where the sample has them.
     no_native: bool,
+    /// Whether unwinding's CPU time is counted (`--stats`): two clock reads a sample, each a
+    /// system call.
+    timed: bool,
     /// Processes whose stacks the eBPF program copies (`--unwind auto`).
     copying: HashSet<u32>,
     /// `--unwind auto`: processes whose frame-pointer walks held (reached their root, or start
@@ -43,13 +46,14 @@ pub struct NativeStacks {
 }
 
 impl NativeStacks {
-    pub fn new(unwind: UnwindMode, no_native: bool) -> Self {
+    pub fn new(unwind: UnwindMode, no_native: bool, timed: bool) -> Self {
         NativeStacks {
             symbolizer: Symbolizer::new(),
             ids: NativeIds::default(),
             unwinder: StackUnwinder::new(),
             unwind,
             no_native,
+            timed,
             copying: HashSet::new(),
             walks_held: HashMap::new(),
             levels: Vec::new(),
@@ -63,7 +67,7 @@ impl NativeStacks {
     /// unwinds to, not the copy's bytes (which change with every local), keys its repeats. Not
     /// with `--no-native`, which unwinds only samples without a Python stack.
     pub fn unwind_ahead(&mut self, record: &SampleRecord, maps: &mut MapsCache, stats: &mut Stats) {
-        self.unwound = (record.stack_len > 0 && !self.no_native).then(|| unwind_copy(&mut self.unwinder, maps, record, stats));
+        self.unwound = (record.stack_len > 0 && !self.no_native).then(|| unwind_copy(&mut self.unwinder, maps, record, stats, self.timed));
     }
 
     /// The user stack [`Self::unwind_ahead`] unwound for the sample.
@@ -90,7 +94,7 @@ impl NativeStacks {
         // Unwound from the stack copy where the sample has one (done ahead, but with --no-native),
         // else the kernel's frame-pointer walk.
         if self.unwound.is_none() && record.stack_len > 0 {
-            self.unwound = Some(unwind_copy(&mut self.unwinder, maps, record, stats));
+            self.unwound = Some(unwind_copy(&mut self.unwinder, maps, record, stats, self.timed));
         }
         self.settle_copying(record, maps, kernel, table);
         let out = &mut self.frames;
@@ -252,12 +256,13 @@ fn copy_stacks(copying: &mut HashSet<u32>, pid: u32, kernel: &mut dyn KernelMaps
     }
 }
 
-/// A sample's user stack unwound from its copy, with what it cost counted in `stats`.
-fn unwind_copy(unwinder: &mut StackUnwinder, maps: &mut MapsCache, record: &SampleRecord, stats: &mut Stats) -> Unwound {
+/// A sample's user stack unwound from its copy, counted in `stats`, with its CPU time if `timed`.
+fn unwind_copy(unwinder: &mut StackUnwinder, maps: &mut MapsCache, record: &SampleRecord, stats: &mut Stats, timed: bool) -> Unwound {
     let stack = &record.stack_tail[..(record.stack_len as usize).min(record.stack_tail.len())];
-    let started = thread_cpu_ns();
+    let started = if timed { thread_cpu_ns() } else { 0 };
     let unwound = unwinder.unwind(maps, record.tgid, &Snapshot { ip: record.user_stack[0], sp: record.user_sp, bp: record.user_bp, stack });
-    stats.count_unwind(&unwound, stack.len(), record.user_status & user_status::SNAPSHOT_FULL != 0, thread_cpu_ns().saturating_sub(started));
+    let cpu_ns = if timed { thread_cpu_ns().saturating_sub(started) } else { 0 };
+    stats.count_unwind(&unwound, stack.len(), record.user_status & user_status::SNAPSHOT_FULL != 0, cpu_ns);
     unwound
 }
 

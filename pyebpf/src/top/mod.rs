@@ -155,6 +155,7 @@ fn session(args: &TopArgs) -> Session {
         mode: args.mode.mode,
         kernel: false,
         details: None,
+        timed: false,
     })
 }
 
