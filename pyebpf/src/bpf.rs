@@ -304,9 +304,10 @@ fn configure(ebpf: &mut Ebpf, options: &SamplerOptions, cpus: u32) -> Result<Has
     let config = Config {
         own_tgid: std::process::id(),
         flags: flags_for(options),
-        // A sixteenth: woken at once, the reader still has most of the buffer to spare while it
-        // gets a CPU (a deep stack at 999 Hz fills 4 MiB in a quarter of a second).
-        wakeup_bytes: kb * 1024 / 16,
+        // A quarter: woken at once, the reader still has most of the buffer to spare while it
+        // gets a CPU (a deep stack at 999 Hz fills 4 MiB in a quarter of a second); each wake-up
+        // costs both threads tens of microseconds, so fewer and larger batches.
+        wakeup_bytes: kb * 1024 / 4,
         cpus,
         off_cpu_min_ns,
         wakeup_latency_ns: WAKEUP_LATENCY.as_nanos() as u64,

@@ -29,7 +29,7 @@ use pyebpf_common::{
 /// reader at the first record this long after its last wakeup. Short enough that a process's
 /// samples are resolved while it runs (its code objects are read from it); long enough that busy
 /// hosts wake the reader ten times a second, not at every sample.
-pub const WAKEUP_LATENCY: Duration = Duration::from_millis(100);
+pub const WAKEUP_LATENCY: Duration = Duration::from_millis(250);
 
 /// The same for a sample of a process userspace does not know yet, or of a Python thread it has
 /// not registered: a short-lived process must be attached, and a new thread registered, while they
