@@ -138,6 +138,7 @@ fn replay(marker: bool, keep: impl Fn(&SampleRecord) -> bool) -> (u64, usize, Pr
         mode: Mode::Cpu,
         kernel: true,
         details: None,
+        timed: false,
     });
     let mut stats = Stats::default();
     let mut sampler = session
