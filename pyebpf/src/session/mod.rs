@@ -69,6 +69,11 @@ pub struct SessionOptions {
     pub timed: bool,
 }
 
+/// For this long after its first sample, a Python process's samples reach userspace within the
+/// urgent latency ([`crate::reader::URGENT_LATENCY`]), not the batching one: a process that lives
+/// less than the batching latency would otherwise exit before its code objects were read.
+const YOUNG_PYTHON: Duration = Duration::from_secs(1);
+
 /// Buffers reused from sample to sample, so a sample seen before allocates nothing.
 #[derive(Default)]
 struct Scratch {
@@ -186,7 +191,7 @@ impl Session {
         let sample = SampleStack { pid: record.tgid, tid: record.tid, comm: &comm, frames, truncated: outcome.is_cut(), labels: Some(&labels), state };
         self.off_cpu.count(record, sample, stats, profile);
         // Only now: until the process is known, its samples come soon and with copies.
-        if self.python.classified(record.tgid) && self.native.unwinding_settled(record) {
+        if self.python.classified(record.tgid) && self.native.unwinding_settled(record) && !self.young_python(record.tgid) {
             self.processes.known(record.tgid, kernel);
         }
         true
@@ -253,6 +258,11 @@ impl Session {
             return None;
         }
         Some((comm, labels))
+    }
+
+    /// Whether `pid` is a Python process first sampled less than [`YOUNG_PYTHON`] ago.
+    fn young_python(&self, pid: u32) -> bool {
+        self.python.is_python(pid) && self.processes.sampled_for(pid) < YOUNG_PYTHON
     }
 
     /// Tells the eBPF program that the process's samples need not reach userspace soon, once what

@@ -30,6 +30,7 @@ struct Sampled {
     /// `starttime` from /proc/PID/stat: with the PID, the process's identity.
     start_time: Option<u64>,
     labels: Arc<ProcessLabels>,
+    first_sample: Instant,
     last_sample: Instant,
 }
 
@@ -72,10 +73,15 @@ impl ProcessTable {
         let sampled = entry.sampled.get_or_insert_with(|| {
             let mut labels = read_labels(pid);
             labels.details = wanted.map(|env_var| Arc::new(read_details(pid, env_var.as_deref(), python_version())));
-            Sampled { start_time: start_time(pid), labels: Arc::new(labels), last_sample: Instant::now() }
+            Sampled { start_time: start_time(pid), labels: Arc::new(labels), first_sample: Instant::now(), last_sample: Instant::now() }
         });
         sampled.last_sample = Instant::now();
         sampled.labels.clone()
+    }
+
+    /// How long since the first sample of `pid` the filter kept (zero before it).
+    pub fn sampled_for(&self, pid: u32) -> Duration {
+        self.entries.get(&pid).and_then(|entry| entry.sampled.as_ref()).map_or(Duration::ZERO, |sampled| sampled.first_sample.elapsed())
     }
 
     fn entry(&mut self, pid: u32, fallback: &[u8]) -> &mut Entry {

@@ -140,6 +140,22 @@ fn the_kernel_is_told_which_processes_are_known_until_they_exit() {
     assert!(!kernel.known.contains(&pid), "an exited process is still known");
 }
 
+/// A Python process's samples keep coming soon for its first second, so that one that lives less
+/// than the batching latency is read while it runs; past it, the process is known.
+#[test]
+fn a_python_process_is_known_to_the_kernel_once_past_its_first_second() {
+    let (target, _dir) = blocked_python();
+    let pid = target.pid();
+    let (mut kernel, mut stats, mut profile) = (FakeKernel::default(), Stats::default(), Profile::new(100));
+    let mut session = cpu_session();
+    let records = varied_records(&mut session, &mut kernel, pid);
+    assert!(session.resolve(&records[0], &mut kernel, &mut stats, &mut profile));
+    assert!(!kernel.known.contains(&pid), "a Python process is known at its first sample");
+    std::thread::sleep(YOUNG_PYTHON);
+    assert!(session.resolve(&records[1], &mut kernel, &mut stats, &mut profile));
+    assert!(kernel.known.contains(&pid), "a Python process sampled for a second is not known yet");
+}
+
 fn cpu_session() -> Session {
     reading_session(SampleFilter::default(), UnwindMode::Fp, Mode::Cpu, true)
 }
