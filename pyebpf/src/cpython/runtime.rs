@@ -2,10 +2,14 @@
 //! opened inside `/proc/PID/root` (so containers work; see [`crate::target_file`]), its `.PyRuntime` section or `_PyRuntime`
 //! symbol, plus the load bias of where the file is mapped.
 
+use std::collections::HashMap;
+use std::fs::Metadata;
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
+use std::sync::{LazyLock, Mutex};
 
 use object::read::ReadCache;
-use object::{Object, ObjectSection, ObjectSegment, ObjectSymbol, ReadRef};
+use object::{Object, ObjectSection, ObjectSegment, ObjectSymbol, ReadRef, SectionIndex};
 use procfs::process::{MMapPath, Process};
 
 use super::offsets::PyVersion;
@@ -14,6 +18,38 @@ use crate::maps::{Maps, MapsError};
 
 /// Largest ELF file read to look for the runtime.
 const MAX_ELF_SIZE: u64 = 512 << 20;
+
+/// Interpreter files read, kept at most (all dropped at once beyond).
+const MAX_KNOWN_FILES: usize = 256;
+
+/// What each interpreter file read holds ([`ElfFacts`]), by the file's identity and version: a host
+/// that starts the same interpreter again and again (cron jobs, command-line tools) has each new
+/// process cost a `stat` here, not a parse of the file's symbol tables.
+static KNOWN_FILES: LazyLock<Mutex<HashMap<FileKey, Option<ElfFacts>>>> = LazyLock::new(Mutex::default);
+
+/// A file's identity and version: a file written since (in place or replaced) has another
+/// size, modification or status-change time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct FileKey {
+    dev: u64,
+    inode: u64,
+    size: u64,
+    modified_ns: i128,
+    changed_ns: i128,
+}
+
+impl FileKey {
+    fn of(metadata: &Metadata) -> FileKey {
+        let ns = |secs: i64, nanos: i64| i128::from(secs) * 1_000_000_000 + i128::from(nanos);
+        FileKey {
+            dev: metadata.dev(),
+            inode: metadata.ino(),
+            size: metadata.len(),
+            modified_ns: ns(metadata.mtime(), metadata.mtime_nsec()),
+            changed_ns: ns(metadata.ctime(), metadata.ctime_nsec()),
+        }
+    }
+}
 
 /// Whether a mapped file looks like a CPython interpreter or its shared library (Python 2 and 3,
 /// so that versions pyebpf does not read are named as such).
@@ -131,9 +167,27 @@ pub struct PythonElf {
 }
 
 /// What the ELF file `pid` maps at `path` holds of CPython, given where its first page is mapped;
-/// `None` if it is not ELF, an error only when the file cannot be opened.
+/// `None` if it is not ELF, an error only when the file cannot be opened. Read once per file
+/// ([`KNOWN_FILES`]).
 fn runtime_in_file(pid: u32, path: &Path, mapped_at: u64) -> std::io::Result<Option<PythonElf>> {
-    Ok(open_elf(pid, path)?.and_then(|data| runtime_in_elf(&data, mapped_at)))
+    let file = crate::target_file::open_in_root(pid, path)?;
+    let metadata = file.metadata()?;
+    if metadata.len() > MAX_ELF_SIZE {
+        return Ok(None);
+    }
+    let key = FileKey::of(&metadata);
+    let known = KNOWN_FILES.lock().ok().and_then(|files| files.get(&key).copied());
+    let facts = known.unwrap_or_else(|| {
+        let facts = elf_facts(&ReadCache::new(file));
+        if let Ok(mut files) = KNOWN_FILES.lock() {
+            if files.len() >= MAX_KNOWN_FILES {
+                files.clear();
+            }
+            files.insert(key, facts);
+        }
+        facts
+    });
+    Ok(facts.map(|facts| facts.mapped_at(mapped_at)))
 }
 
 /// The file `pid` maps at `path`, opened in its root to be read on demand (headers and the tables
@@ -148,31 +202,90 @@ pub(super) fn open_elf(pid: u32, path: &Path) -> std::io::Result<Option<ReadCach
 
 /// [`runtime_in_file`] on the file's bytes, however they are read (public for fuzzing).
 pub fn runtime_in_elf<'data, R: ReadRef<'data>>(data: R, mapped_at: u64) -> Option<PythonElf> {
+    elf_facts(data).map(|facts| facts.mapped_at(mapped_at))
+}
+
+/// What an ELF file holds of CPython, at the file's own addresses: the same in every process.
+#[derive(Clone, Copy, Debug)]
+struct ElfFacts {
+    runtime: Option<u64>,
+    version: Option<PyVersion>,
+    embeds_python: bool,
+    /// The page of the first loadable segment, which is mapped where the file's first page is.
+    first_page: u64,
+}
+
+impl ElfFacts {
+    fn mapped_at(&self, mapped_at: u64) -> PythonElf {
+        let bias = mapped_at.wrapping_sub(self.first_page);
+        PythonElf { runtime: self.runtime.map(|address| address.wrapping_add(bias)), version: self.version, embeds_python: self.embeds_python }
+    }
+}
+
+fn elf_facts<'data, R: ReadRef<'data>>(data: R) -> Option<ElfFacts> {
     let elf = object::File::parse(data).ok()?;
-    let defined = |name: &str| elf.dynamic_symbols().chain(elf.symbols()).find(|symbol| symbol.name() == Ok(name) && symbol.is_definition());
-    let runtime = elf.section_by_name(".PyRuntime").map(|section| section.address()).or_else(|| defined("_PyRuntime").map(|symbol| symbol.address()));
-    let bias = load_bias(&elf, mapped_at);
-    Some(PythonElf {
-        runtime: runtime.map(|address| address.wrapping_add(bias)),
-        version: py_version(&elf, data),
-        embeds_python: defined("Py_Initialize").is_some(),
+    let symbols = CPythonSymbols::of(&elf);
+    let runtime = elf.section_by_name(".PyRuntime").map(|section| section.address()).or(symbols.runtime);
+    Some(ElfFacts {
+        runtime,
+        version: symbols.py_version.and_then(|(section, address)| py_version(&elf, data, section, address)),
+        embeds_python: symbols.initialize,
+        first_page: first_page(&elf),
     })
+}
+
+/// The symbols of CPython's looked for, each the first definition of its name among the dynamic
+/// symbols and then the others, found in one pass that ends once all are.
+#[derive(Default)]
+struct CPythonSymbols {
+    runtime: Option<u64>,
+    py_version: Option<(SectionIndex, u64)>,
+    initialize: bool,
+}
+
+impl CPythonSymbols {
+    fn of<'data, R: ReadRef<'data>>(elf: &object::File<'data, R>) -> CPythonSymbols {
+        let mut found = CPythonSymbols::default();
+        for symbol in elf.dynamic_symbols().chain(elf.symbols()) {
+            if !symbol.is_definition() {
+                continue;
+            }
+            match symbol.name() {
+                Ok("_PyRuntime") => {
+                    found.runtime.get_or_insert(symbol.address());
+                }
+                Ok("Py_Version") => {
+                    if found.py_version.is_none() {
+                        found.py_version = symbol.section_index().map(|section| (section, symbol.address()));
+                    }
+                }
+                Ok("Py_Initialize") => found.initialize = true,
+                _ => continue,
+            }
+            if found.runtime.is_some() && found.py_version.is_some() && found.initialize {
+                break;
+            }
+        }
+        found
+    }
 }
 
 /// What to add to the file's addresses to get where they are mapped, given where its first page
 /// is: the first loadable segment (file offset 0) is mapped at `mapped_at`.
 pub(super) fn load_bias<'data, R: ReadRef<'data>>(elf: &object::File<'data, R>, mapped_at: u64) -> u64 {
-    let first_vaddr = elf.segments().map(|segment| segment.address()).min().unwrap_or(0) & !0xfff;
-    mapped_at.wrapping_sub(first_vaddr)
+    mapped_at.wrapping_sub(first_page(elf))
 }
 
-/// The constant `Py_Version` (`PY_VERSION_HEX`) as the file stores it, read alone: its section
-/// (`.rodata`, megabytes in a static interpreter) is not read whole.
-fn py_version<'data, R: ReadRef<'data>>(elf: &object::File<'data, R>, data: R) -> Option<PyVersion> {
-    let symbol = elf.dynamic_symbols().chain(elf.symbols()).find(|symbol| symbol.name() == Ok("Py_Version") && symbol.is_definition())?;
-    let section = elf.section_by_index(symbol.section_index()?).ok()?;
+fn first_page<'data, R: ReadRef<'data>>(elf: &object::File<'data, R>) -> u64 {
+    elf.segments().map(|segment| segment.address()).min().unwrap_or(0) & !0xfff
+}
+
+/// The constant `Py_Version` (`PY_VERSION_HEX`) as the file stores it at `address` of `section`,
+/// read alone: its section (`.rodata`, megabytes in a static interpreter) is not read whole.
+fn py_version<'data, R: ReadRef<'data>>(elf: &object::File<'data, R>, data: R, section: SectionIndex, address: u64) -> Option<PyVersion> {
+    let section = elf.section_by_index(section).ok()?;
     let (offset, size) = section.file_range()?;
-    let within = symbol.address().checked_sub(section.address())?;
+    let within = address.checked_sub(section.address())?;
     if within.checked_add(4)? > size {
         return None;
     }
@@ -202,5 +315,22 @@ mod tests {
         assert!(is_python_file(Path::new("/usr/lib/libpython2.7.so.1.0")));
         assert!(!is_python_file(Path::new("/srv/python3_app.py")));
         assert!(!is_python_file(Path::new("/usr/bin/perl")));
+    }
+
+    #[test]
+    fn an_interpreter_file_is_read_once_until_it_is_written() {
+        let dir = tempfile::tempdir().unwrap();
+        let copy = dir.path().join("python3.11");
+        std::fs::copy("/usr/bin/python3.11", &copy).unwrap();
+        let pid = std::process::id();
+        let first = runtime_in_file(pid, &copy, 0x5555_0000_0000).unwrap().expect("Debian's python3.11 is ELF");
+        assert!(first.runtime.is_some() && first.version.is_some() && first.embeds_python, "{first:?}");
+        assert!(KNOWN_FILES.lock().unwrap().contains_key(&FileKey::of(&std::fs::metadata(&copy).unwrap())));
+        // Known, mapped elsewhere: moved with it.
+        let moved = runtime_in_file(pid, &copy, 0x5555_0010_0000).unwrap().unwrap();
+        assert_eq!(moved.runtime.unwrap().wrapping_sub(first.runtime.unwrap()), 0x10_0000);
+        // Written in place: what is known of it no longer holds.
+        std::fs::write(&copy, b"not an ELF file").unwrap();
+        assert!(runtime_in_file(pid, &copy, 0x5555_0000_0000).unwrap().is_none());
     }
 }
