@@ -8,8 +8,8 @@
 //!
 //! [`MapsCache`] keeps each process's latest snapshot, and re-reads it:
 //! - for samples ([`MapsCache::covering`]): when the process was never read, or an address to be
-//!   resolved falls outside every executable mapping and the stacks and heap (a new `dlopen`), at most once per
-//!   [`REFRESH_INTERVAL`], and less often while re-reads find nothing new (up to
+//!   resolved falls outside every executable mapping and the stacks and heap (a new `dlopen`), at
+//!   most once per [`REFRESH_INTERVAL`], and less often while re-reads find nothing new (up to
 //!   [`MAX_REFRESH_INTERVAL`]): a stack unwound through code without frame pointers ends in junk
 //!   that no re-read explains;
 //! - for a reader that waits for a file to be mapped ([`MapsCache::newer_than`]): when the snapshot
