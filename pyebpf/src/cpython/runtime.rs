@@ -3,7 +3,7 @@
 //! symbol, plus the load bias of where the file is mapped.
 
 use std::collections::HashMap;
-use std::fs::Metadata;
+use std::fs::{File, Metadata};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::{LazyLock, Mutex};
@@ -170,11 +170,7 @@ pub struct PythonElf {
 /// `None` if it is not ELF, an error only when the file cannot be opened. Read once per file
 /// ([`KNOWN_FILES`]).
 fn runtime_in_file(pid: u32, path: &Path, mapped_at: u64) -> std::io::Result<Option<PythonElf>> {
-    let file = crate::target_file::open_in_root(pid, path)?;
-    let metadata = file.metadata()?;
-    if metadata.len() > MAX_ELF_SIZE {
-        return Ok(None);
-    }
+    let Some((file, metadata)) = open_bounded(pid, path)? else { return Ok(None) };
     let key = FileKey::of(&metadata);
     let known = KNOWN_FILES.lock().ok().and_then(|files| files.get(&key).copied());
     let facts = known.unwrap_or_else(|| {
@@ -192,12 +188,16 @@ fn runtime_in_file(pid: u32, path: &Path, mapped_at: u64) -> std::io::Result<Opt
 
 /// The file `pid` maps at `path`, opened in its root to be read on demand (headers and the tables
 /// looked at only, not the whole, often 8 MB, interpreter); `None` past `MAX_ELF_SIZE`.
-pub(super) fn open_elf(pid: u32, path: &Path) -> std::io::Result<Option<ReadCache<std::fs::File>>> {
+pub(super) fn open_elf(pid: u32, path: &Path) -> std::io::Result<Option<ReadCache<File>>> {
+    Ok(open_bounded(pid, path)?.map(|(file, _)| ReadCache::new(file)))
+}
+
+/// The file `pid` maps at `path`, opened in its root, with its metadata; `None` past
+/// `MAX_ELF_SIZE`.
+fn open_bounded(pid: u32, path: &Path) -> std::io::Result<Option<(File, Metadata)>> {
     let file = crate::target_file::open_in_root(pid, path)?;
-    if file.metadata()?.len() > MAX_ELF_SIZE {
-        return Ok(None);
-    }
-    Ok(Some(ReadCache::new(file)))
+    let metadata = file.metadata()?;
+    Ok((metadata.len() <= MAX_ELF_SIZE).then_some((file, metadata)))
 }
 
 /// [`runtime_in_file`] on the file's bytes, however they are read (public for fuzzing).
