@@ -259,9 +259,9 @@ fn copy_stacks(copying: &mut HashSet<u32>, pid: u32, kernel: &mut dyn KernelMaps
 /// A sample's user stack unwound from its copy, counted in `stats`, with its CPU time if `timed`.
 fn unwind_copy(unwinder: &mut StackUnwinder, maps: &mut MapsCache, record: &SampleRecord, stats: &mut Stats, timed: bool) -> Unwound {
     let stack = &record.stack_tail[..(record.stack_len as usize).min(record.stack_tail.len())];
-    let started = if timed { thread_cpu_ns() } else { 0 };
+    let started = timed.then(thread_cpu_ns);
     let unwound = unwinder.unwind(maps, record.tgid, &Snapshot { ip: record.user_stack[0], sp: record.user_sp, bp: record.user_bp, stack });
-    let cpu_ns = if timed { thread_cpu_ns().saturating_sub(started) } else { 0 };
+    let cpu_ns = started.map_or(0, |started| thread_cpu_ns().saturating_sub(started));
     stats.count_unwind(&unwound, stack.len(), record.user_status & user_status::SNAPSHOT_FULL != 0, cpu_ns);
     unwound
 }
