@@ -138,14 +138,17 @@ pub fn comm_to_string(comm: &[u8]) -> String {
     String::from_utf8_lossy(&comm[..end]).into_owned()
 }
 
-/// For a process in a PID namespace other than pyebpf's (a container), its threads' ids as the
-/// process sees them mapped to the host's; `None` when it shares pyebpf's namespace.
-pub fn namespace_tids(pid: u32) -> Option<HashMap<u32, u32>> {
+/// Whether `pid` is in pyebpf's PID namespace; None if that cannot be read (it exited). A process
+/// never changes its PID namespace, so the answer holds for its life.
+pub fn shares_pid_namespace(pid: u32) -> Option<bool> {
     let ns = |path: String| std::fs::read_link(path).ok();
     let theirs = ns(format!("/proc/{pid}/ns/pid"))?;
-    if Some(&theirs) == ns("/proc/self/ns/pid".into()).as_ref() {
-        return None;
-    }
+    Some(Some(&theirs) == ns("/proc/self/ns/pid".into()).as_ref())
+}
+
+/// For a process in a PID namespace other than pyebpf's (a container, see
+/// [`shares_pid_namespace`]), its threads' ids as the process sees them mapped to the host's.
+pub fn namespace_tids(pid: u32) -> Option<HashMap<u32, u32>> {
     let tasks = procfs::process::Process::new(pid as i32).ok()?.tasks().ok()?;
     let map = tasks
         .filter_map(|task| {

@@ -169,6 +169,9 @@ pub struct PyProcess<M = ProcessMemory> {
     malformed: bool,
     /// A thread list read found more than one interpreter.
     subinterpreters: bool,
+    /// Whether the process is in pyebpf's PID namespace, once read (thread lists need no id
+    /// mapping then).
+    shares_pid_namespace: Option<bool>,
 }
 
 impl PyProcess<ProcessMemory> {
@@ -227,6 +230,7 @@ impl<M: ReadMemory> PyProcess<M> {
             decoded: false,
             malformed: false,
             subinterpreters: false,
+            shares_pid_namespace: None,
         }
     }
 

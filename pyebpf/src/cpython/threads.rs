@@ -65,13 +65,19 @@ impl<M: ReadMemory> PyProcess<M> {
             self.interpreter_threads(interp, &mut seen, &mut threads)?;
             interp = self.mem.read_u64(interp.wrapping_add(self.offsets.interp_next))?;
         }
-        self.to_host_tids(&mut threads);
+        self.translate_to_host_tids(&mut threads);
         Ok(threads)
     }
 
     /// `native_thread_id` is the id in the process's own PID namespace; the kernel (and the eBPF
     /// program) name threads by the host's ids. Threads with no host id (exited) are dropped.
-    fn to_host_tids(&self, threads: &mut Vec<PyThread>) {
+    fn translate_to_host_tids(&mut self, threads: &mut Vec<PyThread>) {
+        if self.shares_pid_namespace.is_none() {
+            self.shares_pid_namespace = crate::process::shares_pid_namespace(self.pid);
+        }
+        if self.shares_pid_namespace != Some(false) {
+            return;
+        }
         if let Some(map) = crate::process::namespace_tids(self.pid) {
             threads.retain_mut(|thread| match map.get(&thread.tid) {
                 Some(&host) => {
