@@ -10,7 +10,7 @@ use aya::programs::{BtfTracePoint, PerfEvent};
 use aya::{Ebpf, EbpfLoader};
 use pyebpf_common::{config_flags, globals, maps, programs, Config, MarkerChain, OffCpuStart, PyProcConfig, PyThreadEntry, SampleRecord, STACK_SNAPSHOT_MAX};
 
-use crate::reader::{RecordBatch, RingReader, URGENT_LATENCY, WAKEUP_LATENCY};
+use crate::reader::{wakeup_latency, RecordBatch, RingReader, URGENT_LATENCY};
 use crate::sampling_clock::{ClockPlan, SamplingClock};
 use crate::timer_clock::TimerClock;
 
@@ -62,15 +62,18 @@ pub fn ring_buffer_kb_fits(kb: u32) -> bool {
     (4..=MAX_RING_BUFFER_KB).contains(&kb) && kb.is_power_of_two()
 }
 
-/// The ring buffer's size unless one is asked for: half a second of the largest samples (a stack
-/// copy each, about 20 KiB) at `frequency_hz` on each of `cpus`, from 1 MiB (room for the copies
-/// of processes not known yet, see [`copies_fit`]) to 4 MiB. The kernel maps the buffer's pages
-/// into pyebpf twice over, so they are much of its memory at the rates fleets run at (2 MiB at
-/// 99 Hz on 2 CPUs), while the reader keeps it nearly empty.
+/// The ring buffer's size unless one is asked for: two wakeup latencies ([`wakeup_latency`]) of
+/// the largest samples (a stack copy each, about 20 KiB) at `frequency_hz` on each of `cpus`, so
+/// that a batch is mostly delivered by the latency bound rather than by a quarter of the buffer
+/// filling; from 1 MiB (room for the copies of processes not known yet, see [`copies_fit`]) to
+/// 4 MiB. The kernel maps the buffer's pages into pyebpf twice over, so they are much of its memory
+/// at the rates fleets run at (2 MiB from 19 to 99 Hz on 2 CPUs), while the reader keeps it nearly
+/// empty.
 pub fn ring_buffer_kb_for(frequency_hz: u64, cpus: u32) -> u32 {
     const LARGEST_SAMPLE: u64 = (SampleRecord::HEADER_LEN + STACK_SNAPSHOT_MAX) as u64;
-    let half_second = frequency_hz.saturating_mul(u64::from(cpus)).saturating_mul(LARGEST_SAMPLE) / 2;
-    let kb = half_second.div_ceil(1024).clamp(1024, 4096) as u32;
+    let per_second = frequency_hz.saturating_mul(u64::from(cpus)).saturating_mul(LARGEST_SAMPLE);
+    let two_latencies = u64::try_from(u128::from(per_second) * 2 * wakeup_latency(frequency_hz).as_millis() / 1000).unwrap_or(u64::MAX);
+    let kb = two_latencies.div_ceil(1024).clamp(1024, 4096) as u32;
     kb.next_power_of_two()
 }
 
@@ -310,7 +313,7 @@ fn configure(ebpf: &mut Ebpf, options: &SamplerOptions, cpus: u32) -> Result<Has
         wakeup_bytes: kb * 1024 / 4,
         cpus,
         off_cpu_min_ns,
-        wakeup_latency_ns: WAKEUP_LATENCY.as_nanos() as u64,
+        wakeup_latency_ns: wakeup_latency(options.frequency_hz).as_nanos() as u64,
         urgent_latency_ns: URGENT_LATENCY.as_nanos() as u64,
         ticks_per_slot: ClockPlan::new(options.frequency_hz).ticks_per_slot,
         _pad: 0,
@@ -417,7 +420,7 @@ impl Sampler {
             programs,
             _program_stats: program_stats,
             kernel_log,
-            samples: RingReader::start(samples, options.ring_buffer_kb as usize * 1024).map_err(BpfError::Poll)?,
+            samples: RingReader::start(samples, options.ring_buffer_kb as usize * 1024, wakeup_latency(options.frequency_hz)).map_err(BpfError::Poll)?,
             lost,
             targets,
             py_procs,
@@ -672,7 +675,9 @@ mod tests {
 
     #[test]
     fn the_ring_buffer_grows_with_the_rate_and_the_cpus_within_its_bounds() {
-        assert_eq!(ring_buffer_kb_for(19, 2), 1024);
+        assert_eq!(ring_buffer_kb_for(19, 2), 2048);
+        assert_eq!(ring_buffer_kb_for(19, 1), 1024);
+        assert_eq!(ring_buffer_kb_for(49, 2), 2048);
         assert_eq!(ring_buffer_kb_for(99, 2), 2048);
         assert_eq!(ring_buffer_kb_for(99, 4), 4096);
         assert_eq!(ring_buffer_kb_for(999, 2), 4096);

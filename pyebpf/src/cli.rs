@@ -226,7 +226,7 @@ pub struct RecordArgs {
     pub stats: bool,
 
     /// Size of the kernel-to-user sample ring buffer, in KiB (a power of two, at least 4).
-    /// Default: half a second of the largest samples at the rate on every CPU, 1024 to 4096
+    /// Default: about two wake-up bounds (25 sampling periods, 0.25 to 1 s) of the largest samples at the rate on every CPU, 1024 to 4096
     #[arg(long = "ring-buffer-kb", value_name = "KIB", value_parser = parse_ring_buffer_kb, allow_negative_numbers = true)]
     pub ring_buffer_kb: Option<u32>,
 

@@ -3,7 +3,7 @@
 //! so a slow consumer step (a cold DWARF parse can take seconds) never leaves the ring buffer full.
 //!
 //! The thread sleeps until there is work: the eBPF program wakes it once a batch is pending or the
-//! last wakeup is older than a latency bound ([`WAKEUP_LATENCY`], [`URGENT_LATENCY`]), so an idle
+//! last wakeup is older than a latency bound ([`wakeup_latency`], [`URGENT_LATENCY`]), so an idle
 //! host never wakes it; the consumer wakes it (an eventfd) to drain at once or to stop.
 //!
 //! Batches are raw record bytes in buffers that travel back to the reader once consumed, so the
@@ -25,22 +25,33 @@ use pyebpf_common::{
     STACK_SNAPSHOT_MAX,
 };
 
-/// How long records wait in the ring buffer at most while more keep coming: the kernel wakes the
-/// reader at the first record this long after its last wakeup. Short enough that a process's
-/// samples are resolved while it runs (its code objects are read from it); long enough that busy
-/// hosts wake the reader four times a second, not at every sample: each wake-up costs the reader
-/// and the consumer tens of microseconds, more than resolving a sample of a hot loop.
-pub const WAKEUP_LATENCY: Duration = Duration::from_millis(250);
+/// How long records wait in the ring buffer at most while more keep coming, at `frequency_hz`:
+/// about [`BATCH_PERIODS`] sampling periods, from [`MIN_WAKEUP_LATENCY`] to [`MAX_WAKEUP_LATENCY`]
+/// (the kernel wakes the reader at the first record this long after its last wakeup). Each wake-up
+/// costs the reader and the consumer tens of microseconds, more than resolving a sample of a hot
+/// loop: a busy host wakes them once a batch of samples, not at every sample, and at the rates
+/// fleets run at (19 Hz) about once a second. Short enough that a process's samples are resolved
+/// while it runs (its code objects are read from it; a process in its first second has the
+/// urgent bound).
+pub fn wakeup_latency(frequency_hz: u64) -> Duration {
+    let periods = Duration::from_nanos(BATCH_PERIODS.saturating_mul(1_000_000_000) / frequency_hz.max(1));
+    periods.clamp(MIN_WAKEUP_LATENCY, MAX_WAKEUP_LATENCY)
+}
+
+/// Sampling periods a batch spans, within the bounds below.
+const BATCH_PERIODS: u64 = 25;
+const MIN_WAKEUP_LATENCY: Duration = Duration::from_millis(250);
+const MAX_WAKEUP_LATENCY: Duration = Duration::from_secs(1);
 
 /// The same for a sample of a process userspace does not know yet, or of a Python thread it has
 /// not registered: a short-lived process must be attached, and a new thread registered, while they
 /// run.
 pub const URGENT_LATENCY: Duration = Duration::from_millis(10);
 
-/// Once records came, the reader looks again this long after unless woken before: the kernel wakes
-/// it only at a record, so the last records before a quiet spell would otherwise wait for the next.
-/// After a look that finds nothing, it sleeps until woken.
-const LOOK_AGAIN: Duration = Duration::from_millis(2 * WAKEUP_LATENCY.as_millis() as u64);
+/// Once records came, the reader looks again this many wakeup latencies after unless woken
+/// before: the kernel wakes it only at a record, so the last records before a quiet spell would
+/// otherwise wait for the next. After a look that finds nothing, it sleeps until woken.
+const LOOK_AGAIN_LATENCIES: u32 = 2;
 
 /// Record bytes waiting for the consumer at most, unless four ring buffers' worth is more.
 const MAX_QUEUED_BYTES: usize = 64 << 20;
@@ -129,7 +140,8 @@ unsafe impl Send for OwnedRing {}
 
 impl RingReader {
     /// Starts the thread; `ring_bytes` is the ring buffer's size.
-    pub fn start(ring: RingBuf<MapData>, ring_bytes: usize) -> std::io::Result<RingReader> {
+    /// `latency`: the kernel's [`wakeup_latency`].
+    pub fn start(ring: RingBuf<MapData>, ring_bytes: usize, latency: Duration) -> std::io::Result<RingReader> {
         let (sender, batches) = tokio::sync::mpsc::channel(MAX_QUEUED_BATCHES);
         let (recycle, recycled) = mpsc::channel();
         // SAFETY: eventfd takes a count and flags and returns a new descriptor or -1.
@@ -148,7 +160,14 @@ impl RingReader {
             spare_bytes: AtomicUsize::new(0),
             drops: ReaderDrops::default(),
         });
-        let reader = Reader { ring: OwnedRing(ring), sender, recycled, shared: shared.clone(), max_queued: MAX_QUEUED_BYTES.max(4 * ring_bytes) };
+        let reader = Reader {
+            ring: OwnedRing(ring),
+            sender,
+            recycled,
+            shared: shared.clone(),
+            max_queued: MAX_QUEUED_BYTES.max(4 * ring_bytes),
+            look_again: latency * LOOK_AGAIN_LATENCIES,
+        };
         let thread = std::thread::Builder::new().name("pyebpf-reader".into()).spawn(move || reader.run())?;
         Ok(RingReader { batches, recycle, shared, thread: Some(thread) })
     }
@@ -236,6 +255,7 @@ struct Reader {
     recycled: mpsc::Receiver<RawBatch>,
     shared: Arc<Shared>,
     max_queued: usize,
+    look_again: Duration,
 }
 
 impl Reader {
@@ -256,7 +276,7 @@ impl Reader {
             // Read after the wakeup was taken: a drain asked for later wakes the thread again.
             let asked = self.shared.drains.load(Ordering::Acquire);
             drain(&mut self.ring.0, &mut batch);
-            timeout = (!batch.ends.is_empty()).then_some(LOOK_AGAIN);
+            timeout = (!batch.ends.is_empty()).then_some(self.look_again);
             if !batch.ends.is_empty() {
                 batch = match self.send(batch) {
                     Some(kept) => kept,
@@ -541,4 +561,20 @@ fn decode_sample(item: &[u8], sample: &mut SampleRecord, dirty_frames: &mut usiz
     *dirty_frames = frames;
     sample.stack_tail[..stack_len].copy_from_slice(stack);
     true
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::wakeup_latency;
+
+    #[test]
+    fn a_batch_spans_about_25_periods_within_a_quarter_second_and_a_second() {
+        assert_eq!(wakeup_latency(19), Duration::from_secs(1));
+        assert_eq!(wakeup_latency(49), Duration::from_nanos(25_000_000_000 / 49));
+        assert_eq!(wakeup_latency(99), Duration::from_nanos(25_000_000_000 / 99));
+        assert_eq!(wakeup_latency(999), Duration::from_millis(250));
+        assert_eq!(wakeup_latency(0), Duration::from_secs(1));
+    }
 }
