@@ -168,9 +168,10 @@ fn command_mode_follows_children_and_ends_with_the_command() {
 
 #[test]
 fn tests_without_tracefs_do_not_see_a_tracefs_mounted_on_the_host() {
-    // The "host" here is a private namespace with tracefs and debugfs mounted, as a developer's
-    // machine may have them; the wrapper must hide both before running its program.
-    let check = "mount -t tracefs tracefs /sys/kernel/tracing && mount -t debugfs debugfs /sys/kernel/debug \
+    // The "host" here is a private namespace with tracefs and debugfs mounted (or already there,
+    // as on a developer's machine); the wrapper must hide both before running its program.
+    let check = "(mountpoint -q /sys/kernel/tracing || mount -t tracefs tracefs /sys/kernel/tracing) \
+                 && (mountpoint -q /sys/kernel/debug || mount -t debugfs debugfs /sys/kernel/debug) \
                  && test -e /sys/kernel/tracing/events && test -e /sys/kernel/debug/tracing/events && exec \"$@\"";
     let wrapped_shell = without_tracefs("sh".as_ref());
     let output = Command::new("unshare")
