@@ -75,9 +75,69 @@ impl ClockSlot {
     }
 }
 
-/// The timer clock divides each period into this many slots, and samples in one of them (see
-/// [`ClockSlot`]), at a uniform instant within it.
-pub const TICK_SLOTS: u32 = 4;
+/// Where in its period the timer clock samples, period after period: each period is cut into
+/// [`Strata::COUNT`] strata and samples at a uniform instant within one of them, and each block of
+/// that many periods samples every stratum once. The order within a block is what keeps a cycle
+/// from being seen at a few phases: the periods a whole number `m` apart (those that see one
+/// phase of a cycle of `m` periods) fall each in a different run of `m` strata, for every `m` that
+/// divides the block, so a cycle of one, two or four periods is sampled evenly over its phases
+/// rather than by chance. The order is drawn for each block: the period's index times a random
+/// odd step from a random start, its bits then flipped by a random binary tree (Owen's
+/// scrambling), so no cycle is seen at one phase block after block, as it is by a fixed order or
+/// a Kronecker walk.
+///
+/// Simulated over 4 s runs at 199 Hz of a 60/30/10 split (`timer_clock`'s tests), the share
+/// sampled strayed a fifth to a third as far as random instants' (0.34 to 0.62 points against 1.73) at
+/// cycles of one, two and four periods, and at worst 1.2 times as far (2.03 points, a cycle of
+/// 1.03 periods) over cycles from a tenth of a period to 30 periods. Blocks of 4 periods in a
+/// drawn order, before it, strayed 1.5 points at two periods: which slots a block's odd periods
+/// got was left to chance.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Strata {
+    /// Periods of the current block sampled so far.
+    pub index: u32,
+    /// The block's random start and step (odd), in strata.
+    pub start: u32,
+    pub step: u32,
+    /// The block's random bits: bit `2^k - 1 + p` flips bit `k` (from the top) of strata whose
+    /// `k` bits above it are `p`.
+    pub flips: u32,
+}
+
+impl Strata {
+    const BITS: u32 = 5;
+    /// Strata a period is cut into, and periods a block.
+    pub const COUNT: u32 = 1 << Self::BITS;
+
+    /// The stratum the next period samples; `flips` and `order` are fresh random words, used at
+    /// the first period of a block.
+    #[inline(always)]
+    pub fn next(&mut self, flips: u32, order: u32) -> u32 {
+        if self.index == 0 || self.index >= Self::COUNT {
+            self.index = 0;
+            self.flips = flips;
+            self.start = order % Self::COUNT;
+            self.step = ((order >> Self::BITS) % Self::COUNT) | 1;
+        }
+        let ordered = (self.start + self.step * self.index) % Self::COUNT;
+        self.index += 1;
+        self.scramble(ordered)
+    }
+
+    /// Flips each bit of `stratum` by the block's bit for the bits above it.
+    #[inline(always)]
+    fn scramble(&self, stratum: u32) -> u32 {
+        let mut scrambled = 0;
+        for k in 0..Self::BITS {
+            let bit = Self::BITS - 1 - k;
+            let above = stratum >> (bit + 1);
+            let flip = (self.flips >> ((1 << k) - 1 + above)) & 1;
+            scrambled |= (((stratum >> bit) & 1) ^ flip) << bit;
+        }
+        scrambled
+    }
+}
 
 /// One CPU's timer clock, the value of the `TICKS` map (the eBPF crate's clock; `T` is the
 /// kernel's `struct bpf_timer` there, 16 opaque bytes to userspace).
@@ -87,8 +147,8 @@ pub struct Tick<T> {
     pub timer: T,
     /// When the current period began (`bpf_ktime_get_ns`).
     pub period_start_ns: u64,
-    /// Which slot of its period each sample falls in, drawn in blocks.
-    pub slot: ClockSlot,
+    /// Which stratum of its period each sample falls in.
+    pub strata: Strata,
     /// [`tick_status`]: whether this CPU's clock started, for userspace to check.
     pub status: u64,
 }

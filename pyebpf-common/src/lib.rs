@@ -48,7 +48,7 @@ pub const WAIT_PROCS_WORDS: u32 = 4_194_304 / 64;
 
 mod clock;
 
-pub use clock::{tick_status, ClockSlot, Tick, TICK_SLOTS};
+pub use clock::{tick_status, ClockSlot, Strata, Tick};
 
 /// Map names: the eBPF crate's map statics are named so (a map is named after its static), and
 /// the loader takes them by these names; a unit test checks the embedded object has every one.

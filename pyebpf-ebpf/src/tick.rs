@@ -1,5 +1,6 @@
 //! The timer clock: a BPF timer on every CPU that fires once in each period asked for, at an
-//! instant drawn at random within it, and samples whatever thread it interrupts there.
+//! instant drawn at random within it (spread over blocks of periods as [`Strata`] says), and
+//! samples whatever thread it interrupts there.
 //!
 //! Nothing in it is periodic, so no periodic program can lock on to it, and it costs one timer
 //! interrupt per sample (the perf-event clock of `sample` ticks several times per period and
@@ -21,7 +22,7 @@ use aya_ebpf::{
     programs::BtfTracePointContext,
     EbpfContext,
 };
-use pyebpf_common::{config_flags, origin, tick_status, Config, TICK_SLOTS};
+use pyebpf_common::{config_flags, origin, tick_status, Config, Strata};
 
 use crate::capture::{capture_and_emit, CaptureContext, Origin};
 use crate::{CONFIG, TARGETS, TICK_RUN_TIME};
@@ -79,9 +80,9 @@ fn start<const TASKS: bool>() -> u32 {
     0
 }
 
-/// Sets the timer for a random instant of the next period (in a slot drawn as
-/// [`pyebpf_common::ClockSlot`] draws it); returns whether it is set. A clock
-/// that fell a whole period behind (its CPU went offline) starts its periods again from now.
+/// Sets the timer for a random instant of the next period (in a stratum of it drawn as
+/// [`Strata`] draws it); returns whether it is set. A clock that fell a whole period behind (its
+/// CPU went offline) starts its periods again from now.
 #[inline(never)]
 fn schedule(tick: &mut Tick, period_ns: u64) -> bool {
     let period_ns = if period_ns == 0 { 1 } else { period_ns };
@@ -92,10 +93,10 @@ fn schedule(tick: &mut Tick, period_ns: u64) -> bool {
         tick.period_start_ns = now;
     }
     // SAFETY: no preconditions.
-    tick.slot.start_slot(TICK_SLOTS, unsafe { bpf_get_prandom_u32() });
-    // A uniform instant within the drawn slot: `TICK_SLOTS` slots of the period, in 2^-32 steps.
+    let stratum = tick.strata.next(unsafe { bpf_get_prandom_u32() }, unsafe { bpf_get_prandom_u32() });
+    // A uniform instant within the stratum, as a fraction of the period in 2^-32 steps.
     // SAFETY: no preconditions.
-    let within = ((u64::from(tick.slot.target) << 32) | u64::from(unsafe { bpf_get_prandom_u32() })) / u64::from(TICK_SLOTS);
+    let within = ((u64::from(stratum) << 32) | u64::from(unsafe { bpf_get_prandom_u32() })) / u64::from(Strata::COUNT);
     // In 2^-16 steps (a 1 s period's product still fits): the eBPF target has no 128-bit product.
     let at = tick.period_start_ns + (((within >> 16) * period_ns) >> 16);
     // SAFETY: an initialised timer of a map entry.

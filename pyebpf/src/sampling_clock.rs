@@ -236,7 +236,7 @@ fn open_event(program: BorrowedFd<'_>, cpu: u32, period_ns: u64) -> io::Result<O
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     #[test]
@@ -282,7 +282,7 @@ mod tests {
     }
 
     /// A small xorshift: the random words the eBPF program draws, reproducibly.
-    fn random_words(mut state: u32) -> impl FnMut() -> u32 {
+    pub(crate) fn random_words(mut state: u32) -> impl FnMut() -> u32 {
         move || {
             state ^= state << 13;
             state ^= state >> 17;

@@ -83,3 +83,94 @@ fn rename_on(cpu: u32) -> std::io::Result<()> {
             .unwrap_or_else(|_| Err(std::io::Error::other("the clock's start thread panicked")))
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashSet;
+
+    use pyebpf_common::Strata;
+
+    use crate::sampling_clock::tests::random_words;
+
+    const COUNT: usize = Strata::COUNT as usize;
+
+    /// The strata of `periods` periods, as the eBPF program draws them.
+    fn strata(periods: usize, seed: u32) -> Vec<u32> {
+        let mut random = random_words(seed);
+        let mut strata = Strata::default();
+        (0..periods).map(|_| strata.next(random(), random())).collect()
+    }
+
+    #[test]
+    fn each_block_samples_every_stratum_once_in_its_own_order() {
+        let all = strata(COUNT * 1000, 0x1234_5678);
+        let mut orders = HashSet::new();
+        for block in all.chunks(COUNT) {
+            let mut sorted = block.to_vec();
+            sorted.sort_unstable();
+            assert_eq!(sorted, (0..Strata::COUNT).collect::<Vec<_>>(), "{block:?}");
+            orders.insert(block.to_vec());
+        }
+        assert!(orders.len() >= 990, "{} orders of 1000 blocks", orders.len());
+    }
+
+    #[test]
+    fn periods_a_cycle_apart_sample_different_parts_of_the_period() {
+        // A cycle of `m` periods is seen at one phase by the periods `m` apart: the block's
+        // 32 / m of them fall one in each 32 / m-th of the period (each run of `m` strata).
+        for block in strata(COUNT * 200, 0x9e37_79b9).chunks(COUNT) {
+            for m in [2, 4, 8, 16, 32] {
+                for first in 0..m {
+                    let parts: HashSet<u32> = block.iter().skip(first).step_by(m).map(|s| s / m as u32).collect();
+                    assert_eq!(parts.len(), COUNT / m, "a cycle of {m} periods: {block:?}");
+                }
+            }
+        }
+    }
+
+    /// How far the share sampled of the first 60% of a cycle of `cycle` periods strays from 60%
+    /// over runs of 800 periods (4 s at 199 Hz), as a root mean square, in points.
+    fn stray(cycle: f64, runs: u32, random: &mut impl FnMut() -> u32) -> f64 {
+        let fraction = |word: u32| f64::from(word) / 2f64.powi(32);
+        let squares: f64 = (0..runs)
+            .map(|_| {
+                let start = fraction(random()) * cycle;
+                let mut strata = Strata::default();
+                let inside = (0..800)
+                    .filter(|&period| {
+                        let stratum = strata.next(random(), random());
+                        let at = start + f64::from(period) + (f64::from(stratum) + fraction(random())) / COUNT as f64;
+                        at % cycle < 0.6 * cycle
+                    })
+                    .count();
+                (100.0 * inside as f64 / 800.0 - 60.0).powi(2)
+            })
+            .sum();
+        (squares / f64::from(runs)).sqrt()
+    }
+
+    #[test]
+    fn a_split_strays_less_than_by_chance_at_whole_periods_and_never_much_more() {
+        let mut random = random_words(0x0bad_f00d);
+        // Random instants: a binomial spread of 800 samples at 60%.
+        let chance = 100.0 * (0.6f64 * 0.4 / 800.0).sqrt();
+        // The aliasing tests' cycles: 10 ms at 199 Hz, 10.1 ms at 99 Hz.
+        for cycle in [10.0 / (1000.0 / 199.0), 10.1 / (1000.0 / 99.0), 1.0, 2.0, 4.0] {
+            let stray = stray(cycle, 400, &mut random);
+            assert!(stray < 0.5 * chance, "a cycle of {cycle:.4} periods: {stray:.2} points, chance {chance:.2}");
+        }
+        // Every cycle from a tenth of a period to 30 periods; the largest of many estimates of
+        // 400 runs each is about a tenth above its true value.
+        let mut worst = (0.0, 0.0);
+        let mut cycle = 0.1;
+        while cycle < 30.0 {
+            let stray = stray(cycle, 400, &mut random);
+            if stray > worst.0 {
+                worst = (stray, cycle);
+            }
+            cycle *= 1.03;
+        }
+        assert!(worst.0 < 1.5 * chance, "a cycle of {:.3} periods: {:.2} points, chance {chance:.2}", worst.1, worst.0);
+        println!("worst: a cycle of {:.3} periods, {:.2} points (chance {chance:.2})", worst.1, worst.0);
+    }
+}
