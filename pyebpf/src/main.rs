@@ -9,6 +9,9 @@ fn main() {
         report!("cannot install the stop-signal handlers: {err}");
         std::process::exit(1);
     }
+    // Diagnostics (why a process's maps or memory could not be read, and the like) only when asked
+    // for, e.g. RUST_LOG=pyebpf=debug: a profile's users see `record --stats` and the summary.
+    env_logger::Builder::new().filter_level(log::LevelFilter::Off).parse_env("RUST_LOG").init();
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         // A bad value is one line, like every other error; clap's usage help stays for the rest.

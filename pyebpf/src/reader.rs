@@ -267,7 +267,7 @@ impl Reader {
         let mut timeout = None;
         loop {
             if let Err(err) = wait_readable(fd, wake, timeout) {
-                log::warn!("cannot poll the sample ring buffer: {err}");
+                crate::report!("cannot poll the sample ring buffer, no more samples are read: {err}");
                 return;
             }
             if self.shared.stop.load(Ordering::Relaxed) {

@@ -266,7 +266,7 @@ async fn record(args: &RecordArgs, watched: &Watched, mut periods: Periods) -> R
     // What the kernel sent before the stop is still in the ring buffer or the reader's queue; a
     // reader that stopped has handed over what it could, and the profile is written all the same.
     if let Err(err) = run.sampler.drain_samples(&mut batch).await {
-        log::warn!("{err}");
+        crate::report!("the last samples were not all read: {err}");
     }
     run.add(&mut batch);
     run.session.count_open_waits(&mut run.sampler, &mut run.stats, &mut run.profile);
