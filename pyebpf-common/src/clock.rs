@@ -87,9 +87,9 @@ impl ClockSlot {
 /// a Kronecker walk.
 ///
 /// Simulated over 4 s runs at 199 Hz of a 60/30/10 split (`timer_clock`'s tests), the share
-/// sampled strayed a fifth to a third as far as random instants' (0.34 to 0.62 points against 1.73) at
-/// cycles of one, two and four periods, and at worst 1.2 times as far (2.03 points, a cycle of
-/// 1.03 periods) over cycles from a tenth of a period to 30 periods. Blocks of 4 periods in a
+/// sampled strayed a fifth to a third as far as random instants' (0.34 to 0.6 points against 1.73) at
+/// cycles of one, two and four periods, and at worst 1.2 times as far (2.0 to 2.1 points, the
+/// cycle depending on the draw) over cycles from a tenth of a period to 30 periods. Blocks of 4 periods in a
 /// drawn order, before it, strayed 1.5 points at two periods: which slots a block's odd periods
 /// got was left to chance.
 #[repr(C)]
@@ -110,13 +110,14 @@ impl Strata {
     /// Strata a period is cut into, and periods a block.
     pub const COUNT: u32 = 1 << Self::BITS;
 
-    /// The stratum the next period samples; `flips` and `order` are fresh random words, used at
+    /// The stratum the next period samples; `random` gives fresh random words, drawn only at
     /// the first period of a block.
     #[inline(always)]
-    pub fn next(&mut self, flips: u32, order: u32) -> u32 {
+    pub fn next(&mut self, mut random: impl FnMut() -> u32) -> u32 {
         if self.index == 0 || self.index >= Self::COUNT {
             self.index = 0;
-            self.flips = flips;
+            self.flips = random();
+            let order = random();
             self.start = order % Self::COUNT;
             self.step = ((order >> Self::BITS) % Self::COUNT) | 1;
         }

@@ -93,7 +93,7 @@ fn schedule(tick: &mut Tick, period_ns: u64) -> bool {
         tick.period_start_ns = now;
     }
     // SAFETY: no preconditions.
-    let stratum = tick.strata.next(unsafe { bpf_get_prandom_u32() }, unsafe { bpf_get_prandom_u32() });
+    let stratum = tick.strata.next(|| unsafe { bpf_get_prandom_u32() });
     // A uniform instant within the stratum, as a fraction of the period in 2^-32 steps.
     // SAFETY: no preconditions.
     let within = ((u64::from(stratum) << 32) | u64::from(unsafe { bpf_get_prandom_u32() })) / u64::from(Strata::COUNT);

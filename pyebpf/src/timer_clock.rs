@@ -98,7 +98,7 @@ mod tests {
     fn strata(periods: usize, seed: u32) -> Vec<u32> {
         let mut random = random_words(seed);
         let mut strata = Strata::default();
-        (0..periods).map(|_| strata.next(random(), random())).collect()
+        (0..periods).map(|_| strata.next(&mut random)).collect()
     }
 
     #[test]
@@ -138,7 +138,7 @@ mod tests {
                 let mut strata = Strata::default();
                 let inside = (0..800)
                     .filter(|&period| {
-                        let stratum = strata.next(random(), random());
+                        let stratum = strata.next(&mut *random);
                         let at = start + f64::from(period) + (f64::from(stratum) + fraction(random())) / COUNT as f64;
                         at % cycle < 0.6 * cycle
                     })
