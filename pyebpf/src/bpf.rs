@@ -62,18 +62,18 @@ pub fn ring_buffer_kb_fits(kb: u32) -> bool {
     (4..=MAX_RING_BUFFER_KB).contains(&kb) && kb.is_power_of_two()
 }
 
-/// The ring buffer's size unless one is asked for: two wakeup latencies ([`wakeup_latency`]) of
+/// The ring buffer's size unless one is asked for: half a wakeup latency ([`wakeup_latency`]) of
 /// the largest samples (a stack copy each, about 20 KiB) at `frequency_hz` on each of `cpus`, so
-/// that a batch is mostly delivered by the latency bound rather than by a quarter of the buffer
-/// filling; from 1 MiB (room for the copies of processes not known yet, see [`copies_fit`]) to
-/// 4 MiB. The kernel maps the buffer's pages into pyebpf twice over, so they are much of its memory
-/// at the rates fleets run at (2 MiB from 19 to 99 Hz on 2 CPUs), while the reader keeps it nearly
-/// empty.
+/// that a batch of typical samples (a third of that) is delivered by the latency bound or by half
+/// the buffer filling, whichever comes first; from 1 MiB (room for the copies of processes not
+/// known yet, see [`copies_fit`]) to 4 MiB. The kernel maps the buffer's pages into pyebpf twice
+/// over, so they are much of its memory at the rates fleets run at (1 MiB at 19 Hz, 2 MiB at 49
+/// and 99 Hz on 2 CPUs), while the reader keeps it nearly empty.
 pub fn ring_buffer_kb_for(frequency_hz: u64, cpus: u32) -> u32 {
     const LARGEST_SAMPLE: u64 = (SampleRecord::HEADER_LEN + STACK_SNAPSHOT_MAX) as u64;
     let per_second = frequency_hz.saturating_mul(u64::from(cpus)).saturating_mul(LARGEST_SAMPLE);
-    let two_latencies = u64::try_from(u128::from(per_second) * 2 * wakeup_latency(frequency_hz).as_millis() / 1000).unwrap_or(u64::MAX);
-    let kb = two_latencies.div_ceil(1024).clamp(1024, 4096) as u32;
+    let half_latency = u64::try_from(u128::from(per_second) * wakeup_latency(frequency_hz).as_millis() / 2000).unwrap_or(u64::MAX);
+    let kb = half_latency.div_ceil(1024).clamp(1024, 4096) as u32;
     kb.next_power_of_two()
 }
 
@@ -307,10 +307,10 @@ fn configure(ebpf: &mut Ebpf, options: &SamplerOptions, cpus: u32) -> Result<Has
     let config = Config {
         own_tgid: std::process::id(),
         flags: flags_for(options),
-        // A quarter: woken at once, the reader still has most of the buffer to spare while it
-        // gets a CPU (a deep stack at 999 Hz fills 4 MiB in a quarter of a second); each wake-up
-        // costs both threads tens of microseconds, so fewer and larger batches.
-        wakeup_bytes: kb * 1024 / 4,
+        // Half: woken at once, the reader still has half the buffer to spare while it gets a CPU
+        // (a deep stack at 999 Hz fills 2 MiB in an eighth of a second); each wake-up costs both
+        // threads tens of microseconds, and a larger batch is resolved with warmer caches.
+        wakeup_bytes: kb * 1024 / 2,
         cpus,
         off_cpu_min_ns,
         wakeup_latency_ns: wakeup_latency(options.frequency_hz).as_nanos() as u64,
@@ -675,7 +675,7 @@ mod tests {
 
     #[test]
     fn the_ring_buffer_grows_with_the_rate_and_the_cpus_within_its_bounds() {
-        assert_eq!(ring_buffer_kb_for(19, 2), 2048);
+        assert_eq!(ring_buffer_kb_for(19, 2), 1024);
         assert_eq!(ring_buffer_kb_for(19, 1), 1024);
         assert_eq!(ring_buffer_kb_for(49, 2), 2048);
         assert_eq!(ring_buffer_kb_for(99, 2), 2048);

@@ -226,7 +226,8 @@ pub struct RecordArgs {
     pub stats: bool,
 
     /// Size of the kernel-to-user sample ring buffer, in KiB (a power of two, at least 4).
-    /// Default: about two wake-up bounds (25 sampling periods, 0.25 to 1 s) of the largest samples at the rate on every CPU, 1024 to 4096
+    /// Default: about half a wake-up bound (100 sampling periods, 0.25 to 2 s) of the largest samples at the rate on every CPU, 1024 to 4096.
+    /// The reader is woken once half of it is pending, or a wake-up bound after its last wake-up
     #[arg(long = "ring-buffer-kb", value_name = "KIB", value_parser = parse_ring_buffer_kb, allow_negative_numbers = true)]
     pub ring_buffer_kb: Option<u32>,
 

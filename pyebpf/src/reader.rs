@@ -29,19 +29,19 @@ use pyebpf_common::{
 /// about [`BATCH_PERIODS`] sampling periods, from [`MIN_WAKEUP_LATENCY`] to [`MAX_WAKEUP_LATENCY`]
 /// (the kernel wakes the reader at the first record this long after its last wakeup). Each wake-up
 /// costs the reader and the consumer tens of microseconds, more than resolving a sample of a hot
-/// loop: a busy host wakes them once a batch of samples, not at every sample, and at the rates
-/// fleets run at (19 Hz) about once a second. Short enough that a process's samples are resolved
-/// while it runs (its code objects are read from it; a process in its first second has the
-/// urgent bound).
+/// loop, and a batch resolved at once finds the caches warm: a busy host wakes them once a batch
+/// of samples, not at every sample, and at the rates fleets run at (19 to 99 Hz) every 1 to 2 s.
+/// Short enough that a process's samples are resolved while it runs (its code objects are read
+/// from it; a process in its first second has the urgent bound).
 pub fn wakeup_latency(frequency_hz: u64) -> Duration {
     let periods = Duration::from_nanos(BATCH_PERIODS.saturating_mul(1_000_000_000) / frequency_hz.max(1));
     periods.clamp(MIN_WAKEUP_LATENCY, MAX_WAKEUP_LATENCY)
 }
 
 /// Sampling periods a batch spans, within the bounds below.
-const BATCH_PERIODS: u64 = 25;
+const BATCH_PERIODS: u64 = 100;
 const MIN_WAKEUP_LATENCY: Duration = Duration::from_millis(250);
-const MAX_WAKEUP_LATENCY: Duration = Duration::from_secs(1);
+const MAX_WAKEUP_LATENCY: Duration = Duration::from_secs(2);
 
 /// The same for a sample of a process userspace does not know yet, or of a Python thread it has
 /// not registered: a short-lived process must be attached, and a new thread registered, while they
@@ -570,11 +570,12 @@ mod tests {
     use super::wakeup_latency;
 
     #[test]
-    fn a_batch_spans_about_25_periods_within_a_quarter_second_and_a_second() {
-        assert_eq!(wakeup_latency(19), Duration::from_secs(1));
-        assert_eq!(wakeup_latency(49), Duration::from_nanos(25_000_000_000 / 49));
-        assert_eq!(wakeup_latency(99), Duration::from_nanos(25_000_000_000 / 99));
+    fn a_batch_spans_about_100_periods_within_a_quarter_second_and_two_seconds() {
+        assert_eq!(wakeup_latency(19), Duration::from_secs(2));
+        assert_eq!(wakeup_latency(49), Duration::from_secs(2));
+        assert_eq!(wakeup_latency(99), Duration::from_nanos(100_000_000_000 / 99));
+        assert_eq!(wakeup_latency(199), Duration::from_nanos(100_000_000_000 / 199));
         assert_eq!(wakeup_latency(999), Duration::from_millis(250));
-        assert_eq!(wakeup_latency(0), Duration::from_secs(1));
+        assert_eq!(wakeup_latency(0), Duration::from_secs(2));
     }
 }
