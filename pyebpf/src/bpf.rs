@@ -235,19 +235,19 @@ fn kernel_log_level() -> u8 {
 /// Loads the object with its globals and map sizes set; returns it, the kernel's BTF as aya reads
 /// it (to load the BTF-typed hooks) and the number of possible CPUs.
 fn load_object(kb: u32, log_level: u8) -> Result<(Ebpf, aya::Btf, u32), BpfError> {
-    // Every program reads kernel types (the current task, fork's task_structs), so a kernel
-    // without BTF is reported here, in one line, rather than as a verifier log.
-    // The hooks read the ids of the tasks they are given at these offsets, constants to the
-    // verifier once set (see the eBPF crate's `task` module). Read, and the parsed types dropped,
-    // before aya parses its own copy: the kernel's types take megabytes parsed, and the two at
-    // once would set pyebpf's peak memory.
+    // Every program reads kernel types, so a kernel without BTF is reported here, in one line. The
+    // hooks read task ids at these offsets, constants to the verifier (the eBPF crate's `task`).
+    // The types take megabytes parsed; two copies at once would set pyebpf's peak memory, so this
+    // one and the loader's own are dropped before the one kept to attach the hooks is parsed.
     let (task_pid_offset, task_tgid_offset) = {
         let kernel_btf = Btf::from_kernel()?;
         (kernel_btf.member_offset("task_struct", "pid")?, kernel_btf.member_offset("task_struct", "tgid")?)
     };
+    let mut loader = EbpfLoader::new();
+    loader.btf(None);
     let aya_btf = aya::Btf::from_sys_fs().map_err(BpfError::AyaBtf)?;
     let cpus = aya::util::nr_cpus().map_err(|(_, err)| BpfError::Cpus(err))? as u32;
-    let ebpf = EbpfLoader::new()
+    let ebpf = loader
         .btf(Some(&aya_btf))
         .override_global(aya_log::LEVEL, &log_level, false)
         .override_global(globals::TASK_PID_OFFSET, &task_pid_offset, true)
