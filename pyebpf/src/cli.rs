@@ -204,6 +204,13 @@ pub struct RecordArgs {
     #[arg(long = "no-native")]
     pub no_native: bool,
 
+    /// Give native frames their source lines and inlined calls, from the DWARF of files that
+    /// carry their own (built with `-g`). Without it they are named from symbol tables, function
+    /// names only: parsed DWARF stays in memory for the run (tens of MB for an interpreter built
+    /// with `-g`) and every new address in it costs a look-up
+    #[arg(long = "native-lines")]
+    pub native_lines: bool,
+
     /// Don't use CPython 3.15's last_profiled_frame marker: the eBPF program walks every Python
     /// frame chain in full at each sample (for comparison; costs more per sample)
     #[arg(long = "no-cache")]

@@ -1,6 +1,9 @@
 //! Native symbolization of sampled stacks: user frames per process from its maps ([`crate::maps`])
-//! and the ELF files they map (`.symtab`, `.dynsym`, DWARF where present; a stripped file's
-//! installed debug file for its symbol table, [`debug_file`]), kernel frames from kallsyms.
+//! and the ELF files they map (`.symtab`, `.dynsym`; a stripped file's installed debug file for
+//! its symbol table, [`debug_file`]), kernel frames from kallsyms. A file's own DWARF gives lines
+//! and inlined calls only when asked for (`--native-lines`): blazesym keeps what it parsed of it
+//! and the pages it touched for the whole run, tens of MB for an interpreter built with `-g`, and
+//! each new address in it costs a look-up there.
 //!
 //! Symbolization runs for every sample, so everything is cached for the whole recording:
 //! - each process's executable mappings, rebuilt only when [`MapsCache`] has a new snapshot of its
@@ -142,22 +145,26 @@ pub struct Symbolizer {
     eval_loops: HashMap<FileId, Range<u64>>,
     /// What every address in an eval loop resolves to.
     eval_loop: Resolved,
+    /// Whether files' own DWARF is read, for lines and inlined calls.
+    lines: bool,
 }
 
 impl Default for Symbolizer {
     fn default() -> Self {
-        Self::new()
+        Self::new(false)
     }
 }
 
 impl Symbolizer {
-    pub fn new() -> Symbolizer {
+    /// A symbolizer naming functions from symbol tables, and with `lines` also their lines and
+    /// inlined calls from the files' own DWARF.
+    pub fn new(lines: bool) -> Symbolizer {
         let blazesym = blazesym::symbolize::Symbolizer::builder()
             // Files are identified by device and inode already; skipping blazesym's re-check saves a
             // stat per lookup and keeps files of exited processes usable.
             .enable_auto_reload(false)
-            .enable_code_info(true)
-            .enable_inlined_fns(true)
+            .enable_code_info(lines)
+            .enable_inlined_fns(lines)
             .enable_demangling(true)
             .build();
         Symbolizer {
@@ -170,6 +177,7 @@ impl Symbolizer {
             kernel: HashMap::new(),
             eval_loops: HashMap::new(),
             eval_loop: Arc::new([Function { name: EVAL_LOOP.into(), file: None, line: None }]),
+            lines,
         }
     }
 
@@ -312,7 +320,7 @@ impl Symbolizer {
         for (id, mut batch) in by_file {
             batch.offsets.sort_unstable();
             batch.offsets.dedup();
-            let (resolved, eval_loop) = symbolize_file(&mut self.blazesym, &mut self.open_files, id, &batch);
+            let (resolved, eval_loop) = symbolize_file(&mut self.blazesym, &mut self.open_files, id, &batch, self.lines);
             self.by_file_offset.extend(batch.offsets.into_iter().map(|offset| (id, offset)).zip(resolved));
             if let Some(range) = eval_loop {
                 self.eval_loops.insert(id, range);
@@ -340,11 +348,17 @@ impl Symbolizer {
     }
 }
 
-/// Symbolizes file offsets in one file, and finds where its [`EVAL_LOOP`] lies if one of them is
-/// in it. A file opened before stays open, so late samples of a process that has exited still
-/// resolve. A file that cannot be opened or read gives unknown results, remembered like any other
-/// so it is not retried every sample.
-fn symbolize_file(blazesym: &mut blazesym::symbolize::Symbolizer, files: &mut OpenFiles, id: FileId, batch: &FileBatch) -> (Vec<Resolved>, Option<Range<u64>>) {
+/// Symbolizes file offsets in one file (with `lines`, from its DWARF too), and finds where its
+/// [`EVAL_LOOP`] lies if one of them is in it. A file opened before stays open, so late samples of
+/// a process that has exited still resolve. A file that cannot be opened or read gives unknown
+/// results, remembered like any other so it is not retried every sample.
+fn symbolize_file(
+    blazesym: &mut blazesym::symbolize::Symbolizer,
+    files: &mut OpenFiles,
+    id: FileId,
+    batch: &FileBatch,
+    lines: bool,
+) -> (Vec<Resolved>, Option<Range<u64>>) {
     let name = batch.location.path.display();
     let path = match files.path(id, &batch.location) {
         Ok(path) => path.to_path_buf(),
@@ -357,7 +371,7 @@ fn symbolize_file(blazesym: &mut blazesym::symbolize::Symbolizer, files: &mut Op
         return symbols.resolve(&batch.offsets);
     }
     let mut elf = Elf::new(path);
-    elf.debug_syms = files.debug_syms(id);
+    elf.debug_syms = lines && files.debug_syms(id);
     match blazesym.symbolize(&Source::Elf(elf), Input::FileOffset(&batch.offsets)) {
         Ok(results) => {
             let eval_loop = batch.offsets.iter().zip(&results).find_map(|(&offset, result)| eval_loop_range(offset, result));

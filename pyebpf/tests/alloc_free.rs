@@ -133,6 +133,7 @@ fn replay(marker: bool, keep: impl Fn(&SampleRecord) -> bool) -> (u64, usize, Pr
     let mut session = Session::new(SessionOptions {
         sampling: options,
         no_native: false,
+        native_lines: false,
         filter: SampleFilter::default(),
         unwind: UnwindMode::Auto,
         mode: Mode::Cpu,

@@ -159,6 +159,7 @@ fn session(args: &RecordArgs) -> Session {
     Session::new(SessionOptions {
         sampling,
         no_native: args.no_native,
+        native_lines: args.native_lines,
         filter: args.filter.sample_filter(),
         unwind: args.unwind,
         mode: args.mode.mode,

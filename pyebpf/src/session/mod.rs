@@ -57,6 +57,8 @@ pub struct SessionOptions {
     pub sampling: SamplingOptions,
     /// Python frames only where a sample has them (`--no-native`).
     pub no_native: bool,
+    /// Native frames' lines and inlined calls from DWARF (`--native-lines`).
+    pub native_lines: bool,
     pub filter: SampleFilter,
     pub unwind: UnwindMode,
     /// What the profile measures: which records count, and how much.
@@ -103,7 +105,7 @@ impl Session {
         Session {
             processes: ProcessTable::with_details(options.details.clone()),
             python: Pythons::new(options.sampling),
-            native: NativeStacks::new(options.unwind, options.no_native, options.timed),
+            native: NativeStacks::new(options.unwind, options.no_native, options.native_lines, options.timed),
             off_cpu: OffCpu::new(options.mode.counts_waits()),
             scratch: Scratch::default(),
             repeats: Repeats::new(),

@@ -46,9 +46,9 @@ pub struct NativeStacks {
 }
 
 impl NativeStacks {
-    pub fn new(unwind: UnwindMode, no_native: bool, timed: bool) -> Self {
+    pub fn new(unwind: UnwindMode, no_native: bool, native_lines: bool, timed: bool) -> Self {
         NativeStacks {
-            symbolizer: Symbolizer::new(),
+            symbolizer: Symbolizer::new(native_lines),
             ids: NativeIds::default(),
             unwinder: StackUnwinder::new(),
             unwind,

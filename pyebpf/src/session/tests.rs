@@ -35,7 +35,7 @@ impl Drop for Sleeper {
 /// A session that only reads (never writes a marker), with native frames.
 fn reading_session(filter: SampleFilter, unwind: UnwindMode, mode: Mode, kernel: bool) -> Session {
     let sampling = SamplingOptions { marker: false, read_only: true, max_frames: 512, async_aware: false };
-    Session::new(SessionOptions { sampling, no_native: false, filter, unwind, mode, kernel, details: None, timed: true })
+    Session::new(SessionOptions { sampling, no_native: false, native_lines: false, filter, unwind, mode, kernel, details: None, timed: true })
 }
 
 fn wall_session() -> Session {

@@ -46,7 +46,8 @@ for (;;) pause();
 }
 "#;
 
-/// A symbolizer with its own maps, as a sample resolver pairs them.
+/// A symbolizer with its own maps, as a sample resolver pairs them: symbol tables only, as by
+/// default.
 #[derive(Default)]
 struct Resolving {
     symbolizer: Symbolizer,
@@ -54,6 +55,11 @@ struct Resolving {
 }
 
 impl Resolving {
+    /// One that reads lines and inlined calls from DWARF too (`--native-lines`).
+    fn with_lines() -> Resolving {
+        Resolving { symbolizer: Symbolizer::new(true), maps: MapsCache::default() }
+    }
+
     fn user_frames(&mut self, pid: u32, stack: &[u64]) -> Vec<NativeFrame> {
         self.symbolizer.user_frames(&mut self.maps, pid, stack)
     }
@@ -132,9 +138,9 @@ fn finds_functions_files_and_lines_in_a_running_program() {
     let mut program = Running::start(&exe);
     let [leaf, middle, outer] = program.addresses()[..] else { panic!("three addresses") };
 
-    let mut symbolizer = Resolving::default();
     // As bpf_get_stack gives them: the sampled IP, then return addresses just past each call.
-    let frames = symbolizer.user_frames(program.pid(), &[leaf + 1, middle + 5, outer + 5]);
+    let stack = [leaf + 1, middle + 5, outer + 5];
+    let frames = Resolving::with_lines().user_frames(program.pid(), &stack);
     assert_eq!(names(&frames), ["leaf_fn", "middle_fn", "outer_fn"], "{frames:#?}");
     let module = frames[0].module.as_ref().expect("module of a mapped address");
     assert_eq!(Path::new(&*module.path), exe);
@@ -143,6 +149,12 @@ fn finds_functions_files_and_lines_in_a_running_program() {
     assert_eq!(frames[0].line, Some(5));
     // Return addresses are reported at the call instruction, one byte back.
     assert_eq!(frames[1].addr, middle + 4);
+
+    // By default the same frames come from the symbol table alone: names, no files or lines.
+    let named = Resolving::default().user_frames(program.pid(), &stack);
+    assert_eq!(names(&named), ["leaf_fn", "middle_fn", "outer_fn"], "{named:#?}");
+    assert!(named.iter().all(|frame| frame.file.is_none() && frame.line.is_none()), "{named:#?}");
+    assert_eq!(named.iter().map(|frame| frame.addr).collect::<Vec<_>>(), frames.iter().map(|frame| frame.addr).collect::<Vec<_>>());
 }
 
 #[test]
@@ -163,7 +175,8 @@ fn stripped_code_shows_its_module_and_file_offset() {
     assert_eq!(crate::output::native_name(&frames[1]), expected);
 }
 
-/// The function names `symbolize_file` gives `file`'s offsets, with debug files under `debug_root`.
+/// The function names `symbolize_file` gives `file`'s offsets, with debug files under `debug_root`
+/// (and the file's own DWARF, as with `--native-lines`).
 fn names_in_file(file: &Path, debug_root: &Path, offsets: &[u64]) -> Vec<Vec<(String, Option<u32>)>> {
     use std::os::unix::fs::MetadataExt;
     let metadata = std::fs::metadata(file).unwrap();
@@ -171,7 +184,7 @@ fn names_in_file(file: &Path, debug_root: &Path, offsets: &[u64]) -> Vec<Vec<(St
     let mut files = OpenFiles::with_debug_root(debug_root.to_path_buf());
     let mut blazesym = blazesym::symbolize::Symbolizer::new();
     let batch = FileBatch { location: Location { pid: std::process::id(), start: 0, limit: 0, path: file }, offsets: offsets.to_vec() };
-    let (resolved, _) = symbolize_file(&mut blazesym, &mut files, id, &batch);
+    let (resolved, _) = symbolize_file(&mut blazesym, &mut files, id, &batch, true);
     resolved.iter().map(|functions| functions.iter().map(|f| (f.name.to_string(), f.line)).collect()).collect()
 }
 
@@ -341,7 +354,7 @@ fn a_file_once_opened_is_read_even_after_the_target_puts_a_fifo_at_its_path() {
     std::thread::spawn(move || {
         let mut blazesym = blazesym::symbolize::Symbolizer::new();
         let batch = FileBatch { location: Location { pid, start: 0, limit: 0, path: &exe }, offsets };
-        let (resolved, _) = symbolize_file(&mut blazesym, &mut files, id, &batch);
+        let (resolved, _) = symbolize_file(&mut blazesym, &mut files, id, &batch, true);
         let names: Vec<String> = resolved.iter().map(|functions| functions.iter().map(|f| f.name.to_string()).collect()).collect();
         let _ = sender.send((names, files.build_id(id, &batch.location), may_follow_debug_link(&path, id)));
     });
@@ -388,7 +401,7 @@ fn kernel_addresses_resolve_through_kallsyms() {
         .expect("`schedule` in /proc/kallsyms");
     assert_ne!(address, 0, "/proc/kallsyms hides addresses: run as root (kptr_restrict)");
 
-    let frames = Symbolizer::new().kernel_frames(&[address + 4, address + 9]);
+    let frames = Symbolizer::default().kernel_frames(&[address + 4, address + 9]);
     let names: Vec<_> = frames.iter().map(|frame| frame.symbol.as_deref()).collect();
     assert_eq!(names, [Some("schedule"), Some("schedule")]);
     assert_eq!(frames[1].addr, address + 8);
@@ -403,11 +416,11 @@ fn the_eval_loop_is_looked_up_once_per_file() {
     let lines = |frames: &[NativeFrame]| frames.iter().map(|frame| frame.line).collect::<Vec<_>>();
 
     // Looked up, an address in the eval loop has its line (and those of any call inlined there).
-    let looked_up = Resolving::default().user_frames(program.pid(), &[eval_loop + 8]);
+    let looked_up = Resolving::with_lines().user_frames(program.pid(), &[eval_loop + 8]);
     assert!(names(&looked_up).ends_with(&["_PyEval_EvalFrameDefault"]) && looked_up.iter().all(|frame| frame.line.is_some()), "{looked_up:?}");
 
     // Once an address there resolved, the others are the function alone, without a look-up.
-    let mut resolving = Resolving::default();
+    let mut resolving = Resolving::with_lines();
     let first = resolving.user_frames(program.pid(), &[eval_loop]);
     assert_eq!(names(&first), ["_PyEval_EvalFrameDefault"]);
     let later = resolving.user_frames(program.pid(), &[eval_loop + 8]);

@@ -150,6 +150,7 @@ fn session(args: &TopArgs) -> Session {
     Session::new(SessionOptions {
         sampling,
         no_native: false,
+        native_lines: false,
         filter: args.filter.sample_filter(),
         unwind: UnwindMode::Auto,
         mode: args.mode.mode,
