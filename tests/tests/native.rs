@@ -109,6 +109,32 @@ fn pprof_output_reads_in_go_tool_pprof() {
     assert!(raw.contains("leaf_fn") && raw.contains("samples/count"), "-raw:\n{raw}");
 }
 
+#[test]
+fn native_lines_come_from_dwarf_only_with_native_lines() {
+    let dir = tempfile::tempdir().unwrap();
+    let binary = compile_c(dir.path(), "spin", SPIN_C, &["-g", "-O1", "-fno-omit-frame-pointer", "-mno-omit-leaf-frame-pointer"]);
+    let spinner = Killed(Command::new(&binary).spawn().unwrap());
+    std::thread::sleep(Duration::from_millis(100));
+    let pid = spinner.pid().to_string();
+    // The locations `go tool pprof -raw` lists for leaf_fn: `N: 0xADDR M=1 leaf_fn FILE:LINE s=0`.
+    let leaf_locations = |extra: &[&str], name: &str| -> Vec<String> {
+        let profile = dir.path().join(name);
+        let mut args = vec!["record", "-p", &pid, "-d", "2", "-F", "99", "-o", profile.to_str().unwrap()];
+        args.extend_from_slice(extra);
+        let output = run_pyebpf(&args);
+        assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+        go_pprof(&["-raw"], &profile).lines().filter(|line| line.contains(" leaf_fn ")).map(str::to_string).collect()
+    };
+
+    // By default from the symbol table: the function, without a file or line.
+    let plain = leaf_locations(&[], "plain.pb.gz");
+    assert!(!plain.is_empty() && plain.iter().all(|line| line.contains(" leaf_fn :0 ")), "{plain:#?}");
+    // Asked for, from the binary's own DWARF.
+    let with_lines = leaf_locations(&["--native-lines"], "lines.pb.gz");
+    let source = format!("{}:", dir.path().join("spin.c").display());
+    assert!(!with_lines.is_empty() && with_lines.iter().all(|line| line.contains(&source)), "{with_lines:#?} (want {source}LINE)");
+}
+
 fn interrupted_recording_still_writes(signal: i32, file: &str) {
     let dir = tempfile::tempdir().unwrap();
     let _spinner = spin(dir.path(), &[]);
