@@ -47,6 +47,7 @@ pub const MAX_WAITING_FRAMES: usize = 64;
 pub const WAIT_PROCS_WORDS: u32 = 4_194_304 / 64;
 
 mod clock;
+pub mod unwind;
 
 pub use clock::{tick_status, ClockSlot, Strata, Tick};
 
@@ -73,7 +74,8 @@ pub mod maps {
     pub const TICK_RUN_TIME: &str = "TICK_RUN_TIME";
     pub const PROC_SCRATCH: &str = "PROC_SCRATCH";
     pub const TASK_WINDOWS: &str = "TASK_WINDOWS";
-    pub const ALL: [&str; 20] = [
+    pub const UNWIND_PAGES: &str = "UNWIND_PAGES";
+    pub const ALL: [&str; 21] = [
         SAMPLES,
         LOST,
         CONFIG,
@@ -94,6 +96,7 @@ pub mod maps {
         TICK_RUN_TIME,
         PROC_SCRATCH,
         TASK_WINDOWS,
+        UNWIND_PAGES,
     ];
 }
 
@@ -164,6 +167,8 @@ pub mod user_status {
     /// The kernel stack was read in the timer clock's soft interrupt: it starts with the clock's
     /// own frames and the interrupt's, down to the code interrupted.
     pub const KERNEL_IN_SOFTIRQ: u32 = 1 << 2;
+    /// The eBPF program unwound the user stack to its root by the rules in `UNWIND_PAGES`.
+    pub const RULES_UNWOUND: u32 = 1 << 3;
 }
 
 /// Global settings, the single entry of the `CONFIG` array.

@@ -23,6 +23,7 @@ use aya_ebpf::{
     macros::map,
     maps::{Array, HashMap, PerCpuArray, RingBuf},
 };
+use pyebpf_common::unwind::{UnwindPage, UnwindPageKey, MAX_UNWIND_PAGES};
 use pyebpf_common::{
     ClockSlot, Config, MarkerChain, OffCpuStart, PyProcConfig, PyThreadEntry, SampleRecord, WaitingTasks, MAX_SNAPSHOT_PROCS, PY_FRAME_WINDOW, WAIT_PROCS_WORDS,
 };
@@ -63,6 +64,11 @@ static PY_MARKERS: HashMap<u32, MarkerChain> = HashMap::with_max_entries(65536, 
 /// Processes whose user stack is copied at each sample (`--unwind auto` adds them).
 #[map]
 static SNAPSHOT_PROCS: HashMap<u32, u8> = HashMap::with_max_entries(MAX_SNAPSHOT_PROCS, 0);
+
+/// The rules the program unwinds copied processes' stacks by, a page of code each. Not
+/// preallocated, for the same reason as `PY_MARKERS`, and so unused room costs nothing.
+#[map]
+static UNWIND_PAGES: HashMap<UnwindPageKey, UnwindPage> = HashMap::with_max_entries(MAX_UNWIND_PAGES, BPF_F_NO_PREALLOC);
 
 /// The record is built here (it is too large for the stack), then its used part is sent. One
 /// entry per CPU and kind of hook (userspace sets the count), indexed by CPU: a per-CPU array's

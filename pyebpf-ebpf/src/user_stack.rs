@@ -1,5 +1,6 @@
-//! The user stack at a capture: the thread's user registers, the frame-pointer walk, and the copy
-//! of the stack for CFI unwinding in userspace.
+//! The user stack at a capture: the thread's user registers, the frame-pointer walk, the unwind
+//! by rules userspace derived from call frame information, and the copy of the stack for CFI
+//! unwinding in userspace where those rules do not reach.
 
 use core::ffi::c_void;
 use core::mem::size_of;
@@ -8,9 +9,12 @@ use aya_ebpf::{
     helpers::{bpf_get_current_task_btf, bpf_probe_read_kernel, bpf_probe_read_user, bpf_task_pt_regs, generated},
     EbpfContext,
 };
-use pyebpf_common::{config_flags, user_status, Config, MAX_USER_FRAMES, STACK_CHUNK, STACK_SNAPSHOT_MAX};
+use pyebpf_common::unwind::{
+    unwind_row, UnwindPage, UnwindPageKey, UNWIND_PAGE_ROWS, UNWIND_PAGE_SIZE, UNWIND_STRETCHES, UNWIND_STRETCH_ROWS, UNWIND_STRETCH_SIZE,
+};
+use pyebpf_common::{config_flags, user_status, Config, SampleRecord, MAX_USER_FRAMES, STACK_CHUNK, STACK_SNAPSHOT_MAX};
 
-use crate::{KNOWN_PROCS, SNAPSHOT_PROCS};
+use crate::{KNOWN_PROCS, SNAPSHOT_PROCS, UNWIND_PAGES};
 
 /// Whether the sample carries a copy of its user stack: every sample's, a process's that
 /// userspace asked for, or one whose frame-pointer walk broke in a process userspace has not
@@ -127,4 +131,130 @@ pub fn walk_user_stack(ip: u64, sp: u64, mut bp: u64, stack: &mut [u64; MAX_USER
         bp = frame[0];
     }
     (frames, based, complete)
+}
+
+/// Whether userspace settled on copying `tgid`'s stacks: only then may the program unwind them by
+/// rules instead, as userspace reads no frame-pointer walk of a copied process.
+pub fn copies_settled(config: &Config, tgid: u32) -> bool {
+    config.flags & config_flags::SNAPSHOT_ALL != 0 || SNAPSHOT_PROCS.get_ptr(tgid).is_some()
+}
+
+/// An unwind by rules, shared between `unwind_by_rules` and its `bpf_loop` steps.
+struct RulesWalk {
+    record: *mut SampleRecord,
+    key: UnwindPageKey,
+    /// The frame being unwound: its instruction (or return) address and registers. Its index is
+    /// the record's `frame_bases_len`: kept in map memory, which the verifier does not follow
+    /// value by value, it checks one step for all frames rather than one per frame.
+    pc: u64,
+    sp: u64,
+    bp: u64,
+    /// Set once the walk reached the stack's root.
+    root: bool,
+}
+
+/// Unwinds the user stack from `ip`, `sp`, `bp` by the rules in `UNWIND_PAGES`, into the
+/// record's user stack and frame bases (CFA - 16, as userspace's unwinder reports them), with the
+/// same steps and checks as that unwinder. True if it reached the stack's root; otherwise the
+/// record's user stack is left part written, and the caller copies the stack instead. Not
+/// inlined, and a `bpf_loop`: the verifier checks one step, not every path through 126.
+#[inline(never)]
+pub fn unwind_by_rules(tgid: u32, ip: u64, sp: u64, bp: u64, record: &mut SampleRecord) -> bool {
+    record.user_stack[0] = ip;
+    record.frame_bases_len = 0;
+    let mut walk = RulesWalk { record, key: UnwindPageKey { tgid, _pad: 0, page: 0 }, pc: ip, sp, bp, root: false };
+    // SAFETY: the callback is a BPF subprogram taking this context; the kernel bounds the count.
+    unsafe { generated::bpf_loop((MAX_USER_FRAMES - 1) as u32, rules_step as *mut c_void, &mut walk as *mut RulesWalk as *mut c_void, 0) };
+    walk.root
+}
+
+/// One frame of an unwind by rules: 0 goes on to its caller, 1 stops (at the root, or where a
+/// page or rule is missing, a read fails or the stack does not grow).
+///
+/// # Safety
+/// `context` must be the `RulesWalk` of `unwind_by_rules`, whose record outlives the loop.
+#[inline(never)]
+unsafe extern "C" fn rules_step(_index: u64, context: *mut c_void) -> i64 {
+    // SAFETY: bpf_loop passes unwind_by_rules' `RulesWalk` back unchanged.
+    let walk = unsafe { &mut *(context as *mut RulesWalk) };
+    // SAFETY: unwind_by_rules' record, alive for the whole loop.
+    let record = unsafe { &mut *walk.record };
+    let frame = record.frame_bases_len as usize;
+    if frame + 1 >= MAX_USER_FRAMES {
+        return 1;
+    }
+    let first = frame == 0;
+    // A caller's rule is that of its call instruction, just before the return address.
+    let lookup = if first { walk.pc } else { walk.pc.wrapping_sub(1) };
+    walk.key.page = lookup & !(UNWIND_PAGE_SIZE - 1);
+    // SAFETY: a map value, read while this program runs; userspace replaces, never edits, one.
+    let Some(page) = (unsafe { UNWIND_PAGES.get(walk.key) }) else { return 1 };
+    let row = row_at(page, (lookup & (UNWIND_PAGE_SIZE - 1)) as u32);
+    let (sp, bp) = (walk.sp, walk.bp);
+    let (cfa, caller_bp) = match unwind_row::kind(row) {
+        unwind_row::ROOT => return reached_root(walk, record),
+        unwind_row::SP => (sp.wrapping_add(u64::from(unwind_row::cfa_words(row)) * 8), bp),
+        unwind_row::SP_SAVED_BP => {
+            let cfa = sp.wrapping_add(u64::from(unwind_row::cfa_words(row)) * 8);
+            let saved = cfa.wrapping_sub(u64::from(unwind_row::bp_words(row)) * 8);
+            // In an epilogue that popped rbp already, the slot lies below sp: rbp is the caller's.
+            if first && saved < sp {
+                (cfa, bp)
+            } else {
+                // SAFETY: a checked user read.
+                let Ok(caller_bp) = (unsafe { bpf_probe_read_user(saved as *const u64) }) else { return 1 };
+                (cfa, caller_bp)
+            }
+        }
+        // A zero frame pointer ends the chain, as its root.
+        unwind_row::FRAME_POINTER if bp == 0 => return reached_root(walk, record),
+        unwind_row::FRAME_POINTER => {
+            // SAFETY: a checked user read.
+            let Ok(caller_bp) = (unsafe { bpf_probe_read_user(bp as *const u64) }) else { return 1 };
+            (bp.wrapping_add(16), caller_bp)
+        }
+        _ => return 1,
+    };
+    // A stack only grows towards its root: anything else is a loop or garbage.
+    if cfa <= sp {
+        return 1;
+    }
+    // SAFETY: a checked user read.
+    let Ok(ret) = (unsafe { bpf_probe_read_user((cfa - 8) as *const u64) }) else { return 1 };
+    // A zero return address is the root (thread entry code clears it).
+    if ret == 0 {
+        return reached_root(walk, record);
+    }
+    record.user_frame_bases[frame] = cfa - 16;
+    record.user_stack[frame + 1] = ret;
+    record.frame_bases_len = frame as u32 + 1;
+    (walk.pc, walk.sp, walk.bp) = (ret, cfa, caller_bp);
+    0
+}
+
+/// Ends the walk at its root: the record holds its frames so far. Returns bpf_loop's "stop".
+#[inline(always)]
+fn reached_root(walk: &mut RulesWalk, record: &mut SampleRecord) -> i64 {
+    // The frames unwound so far, and their bases: all but the root's.
+    record.user_len = record.frame_bases_len + 1;
+    record.user_status |= user_status::RULES_UNWOUND;
+    walk.root = true;
+    1
+}
+
+/// The row of `page` in force at `offset`: the last whose offset is at most it. The rows after
+/// the last used stop the scan, so it needs no bound on the rows used (one the verifier would
+/// follow into a path per row).
+#[inline(always)]
+fn row_at(page: &UnwindPage, offset: u32) -> u32 {
+    let first = page.stretch_rows[(offset as u64 / UNWIND_STRETCH_SIZE) as usize & (UNWIND_STRETCHES - 1)] as usize;
+    let mut row = page.rows[first & (UNWIND_PAGE_ROWS - 1)];
+    for next in 1..=UNWIND_STRETCH_ROWS {
+        let candidate = page.rows[(first + next) & (UNWIND_PAGE_ROWS - 1)];
+        if unwind_row::offset(candidate) > offset {
+            break;
+        }
+        row = candidate;
+    }
+    row
 }

@@ -66,9 +66,8 @@ pub fn ring_buffer_kb_fits(kb: u32) -> bool {
 /// the largest samples (a stack copy each, about 20 KiB) at `frequency_hz` on each of `cpus`, so
 /// that a batch of typical samples (a third of that) is delivered by the latency bound or by half
 /// the buffer filling, whichever comes first; from 1 MiB (room for the copies of processes not
-/// known yet, see [`copies_fit`]) to 4 MiB. The kernel maps the buffer's pages into pyebpf twice
-/// over, so they are much of its memory at the rates fleets run at (1 MiB at 19 Hz, 2 MiB at 49
-/// and 99 Hz on 2 CPUs), while the reader keeps it nearly empty.
+/// known yet, see [`copies_fit`]) to 4 MiB. The buffer's pages are mapped into pyebpf twice, so
+/// they are much of its memory at fleet rates (1 MiB at 19 Hz, 2 MiB at 49 and 99 Hz on 2 CPUs).
 pub fn ring_buffer_kb_for(frequency_hz: u64, cpus: u32) -> u32 {
     const LARGEST_SAMPLE: u64 = (SampleRecord::HEADER_LEN + STACK_SNAPSHOT_MAX) as u64;
     let per_second = frequency_hz.saturating_mul(u64::from(cpus)).saturating_mul(LARGEST_SAMPLE);
@@ -176,6 +175,7 @@ pub struct Sampler {
     switch_link: Option<BtfTracePointLinkId>,
     off_cpu: HashMap<MapData, u32, OffCpuStart>,
     short_waits: PerCpuArray<MapData, u64>,
+    pub(crate) unwind_pages: crate::unwind::UnwindPagesMap,
 }
 
 /// Whether this process may load BPF programs, sample all CPUs and read other processes; when
@@ -264,9 +264,8 @@ fn load_object(kb: u32, log_level: u8) -> Result<(Ebpf, aya::Btf, u32), BpfError
     Ok((ebpf, aya_btf, cpus))
 }
 
-/// Gives the memory freed back to the system: the kernel's types, parsed to load the object, are
-/// megabytes that glibc's allocator would otherwise keep for the rest of a long recording. (musl's
-/// returns freed memory by itself.)
+/// Gives freed memory back to the system: the kernel's types, parsed to load the object, are
+/// megabytes glibc's allocator would keep for the whole recording (musl's returns them itself).
 fn release_freed_memory() {
     #[cfg(target_env = "gnu")]
     // SAFETY: malloc_trim only returns free memory of the allocator to the system.
@@ -411,6 +410,7 @@ impl Sampler {
         let wait_procs = Array::try_from(take_map(&mut ebpf, maps::WAIT_PROCS)?).map_err(map_error(maps::WAIT_PROCS))?;
         let off_cpu = HashMap::try_from(take_map(&mut ebpf, maps::OFF_CPU)?).map_err(map_error(maps::OFF_CPU))?;
         let short_waits = PerCpuArray::try_from(take_map(&mut ebpf, maps::SHORT_WAITS)?).map_err(map_error(maps::SHORT_WAITS))?;
+        let unwind_pages = crate::unwind::UnwindPagesMap::new(take_map(&mut ebpf, maps::UNWIND_PAGES)?).map_err(map_error(maps::UNWIND_PAGES))?;
         Ok(Sampler {
             timer_clock: None,
             perf_clock: None,
@@ -433,6 +433,7 @@ impl Sampler {
             switch_link: None,
             off_cpu,
             short_waits,
+            unwind_pages,
         })
     }
 

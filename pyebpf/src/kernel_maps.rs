@@ -5,6 +5,7 @@
 use pyebpf_common::{MarkerChain, OffCpuStart, PyProcConfig, PyThreadEntry};
 
 use crate::bpf::{BpfError, Sampler};
+use crate::unwind::PageUpdate;
 
 /// The maps through which userspace steers the eBPF program.
 pub trait KernelMaps {
@@ -28,6 +29,8 @@ pub trait KernelMaps {
     fn watched_threads(&self) -> Vec<(u32, OffCpuStart)>;
     /// Userspace knows `tgid` (or forgot it): whether its samples must reach it soon.
     fn set_known(&mut self, tgid: u32, known: bool);
+    /// Sets and withdraws the rules the program unwinds copied processes' stacks by.
+    fn update_unwind_pages(&mut self, updates: Vec<PageUpdate>);
 }
 
 impl KernelMaps for Sampler {
@@ -82,6 +85,10 @@ impl KernelMaps for Sampler {
             Sampler::forget_known(self, tgid)
         }
     }
+
+    fn update_unwind_pages(&mut self, updates: Vec<PageUpdate>) {
+        self.unwind_pages.update(updates);
+    }
 }
 
 #[cfg(test)]
@@ -104,6 +111,8 @@ pub mod fake {
         pub processes_full: bool,
         /// `KNOWN_PROCS`.
         pub known: HashSet<u32>,
+        /// `UNWIND_PAGES`, by process and page.
+        pub unwind_pages: HashSet<(u32, u64)>,
     }
 
     impl KernelMaps for FakeKernel {
@@ -166,6 +175,15 @@ pub mod fake {
                 self.known.insert(tgid);
             } else {
                 self.known.remove(&tgid);
+            }
+        }
+
+        fn update_unwind_pages(&mut self, updates: Vec<PageUpdate>) {
+            for update in updates {
+                match update {
+                    PageUpdate::Set(key, _) => self.unwind_pages.insert((key.tgid, key.page)),
+                    PageUpdate::Remove(key) => self.unwind_pages.remove(&(key.tgid, key.page)),
+                };
             }
         }
     }

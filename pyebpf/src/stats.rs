@@ -52,6 +52,8 @@ pub struct Stats {
     /// Samples unwound from a stack copy (`--unwind dwarf|auto`), and those whose unwind stopped
     /// before the stack's root (of them, those whose copy had reached its size limit).
     pub unwound_samples: u64,
+    /// Samples the eBPF program unwound itself, by the rules published to it (none copied).
+    pub rules_unwound_samples: u64,
     pub unwind_truncated: u64,
     pub unwind_truncated_copy_full: u64,
     /// Stack bytes copied, and CPU time spent unwinding them in userspace (reading files included).
@@ -243,6 +245,7 @@ impl fmt::Display for Stats {
             per(self.stack_bytes, unwound),
             per(self.unwind_ns, unwound) / 1e3
         )?;
+        writeln!(f, "  in the kernel, by rules:  {} (sent without a stack copy)", self.rules_unwound_samples)?;
         writeln!(
             f,
             "  stopped before the root:  {} ({:.1}%; {} with the 16 KiB copy full)",

@@ -39,6 +39,17 @@ fn reaches_root(frames: &[String]) -> bool {
     frames.first().is_some_and(|f| f == "_start") && frames.iter().any(|f| f == "Py_BytesMain")
 }
 
+/// The count a `--stats` line starting with `label` gives.
+fn stat(stderr: &str, label: &str) -> u64 {
+    let line = stderr.lines().map(str::trim_start).find(|line| line.starts_with(label)).unwrap_or_else(|| panic!("no `{label}` in --stats:\n{stderr}"));
+    line[label.len()..].split_whitespace().next().and_then(|n| n.parse().ok()).unwrap_or_else(|| panic!("no count in `{line}`"))
+}
+
+/// Samples unwound by rules in the kernel, and from copies in userspace.
+fn unwound_where(stderr: &str) -> (u64, u64) {
+    (stat(stderr, "in the kernel, by rules:"), stat(stderr, "CFI-unwound samples:"))
+}
+
 fn check_python(python: &Path) {
     let (child, _dir) = start_ready(python, "unwind_native.py", &[]);
     std::thread::sleep(Duration::from_millis(300));
@@ -64,6 +75,16 @@ fn check_python(python: &Path) {
     }
     let rooted = count_where(&stacks, reaches_root);
     assert!(rooted * 100 >= all * 80, "{}: {rooted} of {all} samples reach _start through Py_BytesMain:\n{collapsed}", python.display());
+    // Unwound by call frame information, the stacks above were mostly unwound in the kernel, by
+    // the rules userspace published from the first ones it unwound from copies.
+    let (in_kernel, copied) = unwound_where(&stderr);
+    if in_kernel + copied > 0 {
+        assert!(
+            in_kernel * 100 >= (in_kernel + copied) * 70,
+            "{}: {in_kernel} samples unwound in the kernel, {copied} from copies:\n{stderr}",
+            python.display()
+        );
+    }
 }
 
 #[test]
@@ -145,4 +166,24 @@ fn c_without_frame_pointers_shows_its_whole_chain() {
     // The control: frame pointers alone cannot unwind this program (else the test shows nothing).
     let (chained, all, collapsed) = chain_share("fp", &binary);
     assert!(chained * 2 < all, "--unwind fp: {chained} of {all} samples show the whole chain: was it built with frame pointers?\n{collapsed}");
+}
+
+/// Once userspace has unwound stacks from copies, the eBPF program unwinds the process's later
+/// samples itself by the rules of the code they went through: most samples come without a copy,
+/// and they show the whole chain as the copies did.
+#[test]
+fn the_kernel_unwinds_by_the_rules_userspace_published() {
+    let dir = tempfile::tempdir().unwrap();
+    let binary = compile_chain(dir.path());
+    let child = Killed(Command::new(&binary).arg("30").spawn().unwrap());
+    std::thread::sleep(Duration::from_millis(100));
+    let pid = child.pid().to_string();
+    let (collapsed, stderr) = record(&["-p", &pid, "-F", "199", "-d", "3", "--unwind", "dwarf", "--stats"]);
+    let stacks = stacks_of(&collapsed, child.pid());
+    let all = total(&stacks);
+    let chained = count_where(&stacks, |frames| frames.join(";").contains("main;chain_a;chain_b;chain_c;chain_d"));
+    let (in_kernel, copied) = unwound_where(&stderr);
+    assert!(all >= 300, "only {all} samples\n{stderr}");
+    assert!(in_kernel * 100 >= all * 90, "{in_kernel} of {all} samples unwound in the kernel ({copied} from copies):\n{stderr}");
+    assert!(chained * 100 >= all * 95, "{chained} of {all} samples show main;chain_a;chain_b;chain_c;chain_d:\n{collapsed}");
 }

@@ -180,7 +180,7 @@ impl Session {
         let Some((comm, labels)) = self.admit(record, kernel, stats) else { return false };
         // `comm` is the process's name (as pprof labels it); OTLP's `thread.name` is the thread's.
         profile.name_thread(record.tgid, record.tid, &record.comm);
-        self.native.unwind_ahead(record, self.processes.maps(), stats);
+        self.native.unwind_ahead(record, self.processes.maps(), kernel, stats);
         let Some(slot) = self.count_repeat(record, &comm, &labels, kernel, stats, profile) else { return true };
         let before = SampleCounts::of(stats);
         let python = &mut self.scratch.python;

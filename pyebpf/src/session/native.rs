@@ -65,9 +65,19 @@ impl NativeStacks {
 
     /// Unwinds the sample's stack copy, if it has one, before the rest of its resolution: what it
     /// unwinds to, not the copy's bytes (which change with every local), keys its repeats. Not
-    /// with `--no-native`, which unwinds only samples without a Python stack.
-    pub fn unwind_ahead(&mut self, record: &SampleRecord, maps: &mut MapsCache, stats: &mut Stats) {
+    /// with `--no-native`, which unwinds only samples without a Python stack. Hands the eBPF
+    /// program the unwind rules learnt since the last sample.
+    pub fn unwind_ahead(&mut self, record: &SampleRecord, maps: &mut MapsCache, kernel: &mut dyn KernelMaps, stats: &mut Stats) {
         self.unwound = (record.stack_len > 0 && !self.no_native).then(|| unwind_copy(&mut self.unwinder, maps, record, stats, self.timed));
+        if record.user_status & user_status::RULES_UNWOUND != 0 {
+            stats.rules_unwound_samples += 1;
+            // The rules stay only while the process maps the files they came from where it did.
+            self.unwinder.follow_process(maps, record.tgid);
+        }
+        let updates = self.unwinder.take_page_updates();
+        if !updates.is_empty() {
+            kernel.update_unwind_pages(updates);
+        }
     }
 
     /// The user stack [`Self::unwind_ahead`] unwound for the sample.

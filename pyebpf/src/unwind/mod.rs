@@ -32,8 +32,11 @@ use pyebpf_common::{MAX_USER_FRAMES, STACK_SNAPSHOT_MAX};
 use crate::maps::{Maps, MapsCache};
 use crate::target_file;
 
+mod kernel_pages;
 mod rows;
 
+use kernel_pages::KernelPages;
+pub use kernel_pages::{PageUpdate, UnwindPagesMap};
 use rows::{Rule, RuleTables};
 
 /// Files whose unwind sections are kept at most (all dropped at once when exceeded).
@@ -213,6 +216,8 @@ pub struct StackUnwinder {
     processes: HashMap<u32, ProcessModules>,
     /// Rules of the functions unwound so far, by file (dropped with `files`).
     rules: RuleTables,
+    /// The rules handed to the eBPF program.
+    pages: KernelPages,
 }
 
 impl StackUnwinder {
@@ -230,12 +235,28 @@ impl StackUnwinder {
             return Unwound { addrs: vec![snapshot.ip], ..Default::default() };
         };
         let mut tabulated = Tabulated { tables: &mut self.rules, files: &process.files };
-        unwind_with(&process.unwinder, &mut process.cache, &mut tabulated, snapshot)
+        let unwound = unwind_with(&process.unwinder, &mut process.cache, &mut tabulated, snapshot);
+        if unwound.complete {
+            self.pages.publish(pid, &unwound, &process.files, &self.rules);
+        }
+        unwound
     }
 
     /// Drops what is known of `pid`'s address space (it exited or replaced its program).
     pub fn forget_process(&mut self, pid: u32) {
         self.processes.remove(&pid);
+        self.pages.forget(pid);
+    }
+
+    /// Follows `pid`'s maps as last read (new mappings re-read them): where they changed, the
+    /// rules published for it that no longer hold are withdrawn.
+    pub fn follow_process(&mut self, maps: &mut MapsCache, pid: u32) {
+        self.follow_maps(pid, maps.covering(pid, &[]));
+    }
+
+    /// The changes to the eBPF program's unwind rules since the last call.
+    pub fn take_page_updates(&mut self) -> Vec<PageUpdate> {
+        self.pages.take_updates()
     }
 
     /// Rebuilds `pid`'s modules from `snapshot` unless they were built from it.
@@ -253,6 +274,7 @@ impl StackUnwinder {
         }
         let mut unwinder = UnwinderX86_64::new();
         let files = self.mapped_files(pid, snapshot);
+        self.pages.remapped(pid, &files);
         for file in &files {
             unwinder.add_module(file.cfi.module(format!("{:?}", file.id), file.avma.clone(), file.base_avma));
         }
@@ -412,10 +434,22 @@ mod tests {
         }
     }
 
-    #[inline(never)]
+    /// A stack unwound, and the registers and copy it was unwound from.
+    struct Captured {
+        unwound: Unwound,
+        regs: (u64, u64, u64),
+        copy: Vec<u8>,
+    }
+
     fn unwind_here(depth: u32, unwinder: &mut Unwinding) -> (Unwound, u64) {
+        let captured = capture_here(depth, unwinder);
+        (captured.unwound, captured.regs.1)
+    }
+
+    #[inline(never)]
+    fn capture_here(depth: u32, unwinder: &mut Unwinding) -> Captured {
         if depth > 0 {
-            let result = unwind_here(depth - 1, unwinder);
+            let result = capture_here(depth - 1, unwinder);
             std::hint::black_box(&result);
             return result;
         }
@@ -430,8 +464,8 @@ mod tests {
         let mem = std::fs::File::open("/proc/self/mem").unwrap();
         let len = std::os::unix::fs::FileExt::read_at(&mem, &mut copy, sp).unwrap();
         copy.truncate(len);
-        let snapshot = Snapshot { ip, sp, bp, stack: &copy };
-        (unwinder.unwind(std::process::id(), &snapshot), sp)
+        let unwound = unwinder.unwind(std::process::id(), &Snapshot { ip, sp, bp, stack: &copy });
+        Captured { unwound, regs: (ip, sp, bp), copy }
     }
 
     #[test]
@@ -445,6 +479,36 @@ mod tests {
         assert!(in_unwind_here >= 6, "{in_unwind_here} return addresses in unwind_here: {unwound:x?}");
         assert!(unwound.frame_bases.windows(2).all(|w| w[0] < w[1]), "frame bases grow rootwards");
         assert!(unwound.frame_bases.first().is_some_and(|&b| b + 16 > sp));
+    }
+
+    /// A complete unwind publishes the pages it went through, and the eBPF program's walk over them
+    /// finds the same frames and frame bases; a process forgotten has them withdrawn.
+    #[test]
+    fn published_pages_unwind_as_userspace_did() {
+        let mut unwinder = Unwinding::default();
+        let pid = std::process::id();
+        // Twice: the first unwind tabulates the functions, so pages published then are complete.
+        capture_here(3, &mut unwinder);
+        let captured = capture_here(3, &mut unwinder);
+        assert!(captured.unwound.complete, "{:x?}", captured.unwound);
+        let mut pages = HashMap::new();
+        for update in unwinder.unwinder.take_page_updates() {
+            match update {
+                PageUpdate::Set(key, page) => pages.insert(key, page),
+                PageUpdate::Remove(key) => pages.remove(&key),
+            };
+        }
+        assert!(!pages.is_empty());
+        let (ip, sp, bp) = captured.regs;
+        let read = |addr: u64| {
+            let at = usize::try_from(addr.checked_sub(sp)?).ok()?;
+            Some(u64::from_ne_bytes(captured.copy.get(at..at + 8)?.try_into().unwrap()))
+        };
+        let walked = kernel_pages::walk_as_the_program_does(&pages, pid, ip, sp, bp, read).expect("the program's walk reaches the root");
+        assert_eq!(walked, captured.unwound);
+        unwinder.unwinder.forget_process(pid);
+        let removed = unwinder.unwinder.take_page_updates().iter().filter(|update| matches!(update, PageUpdate::Remove(_))).count();
+        assert_eq!(removed, pages.len());
     }
 
     /// Every rule tabulated for the functions of this test binary and the C library it maps

@@ -59,6 +59,9 @@ pub(super) struct RuleTables {
     /// Each file's functions, by start address.
     files: HashMap<FileId, Vec<Function>>,
     rows: usize,
+    /// Changes whenever a function is tabulated: what was derived from the tables before may
+    /// cover less than they do now.
+    generation: u64,
 }
 
 impl RuleTables {
@@ -83,8 +86,45 @@ impl RuleTables {
             return Some(rule);
         }
         self.rows += function.rows.len();
+        self.generation += 1;
         functions.insert(at, function);
         Some(rule)
+    }
+
+    pub(super) fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    /// The rules of `file` over the stated addresses `start..end`, from the functions tabulated
+    /// there, into `out`: (address, rule) pairs, each in force up to the next, [`Rule::Other`]
+    /// where no function is tabulated.
+    pub(super) fn rules_over(&self, file: FileId, start: u64, end: u64, out: &mut Vec<(u64, Rule)>) {
+        out.clear();
+        let mut push = |at: u64, rule: Rule| {
+            if out.last().is_none_or(|&(_, last)| last != rule) {
+                out.push((at, rule));
+            }
+        };
+        let functions = self.files.get(&file).map_or(&[][..], |functions| &functions[..]);
+        let first = functions.partition_point(|function| function.end <= start);
+        let mut at = start;
+        for function in functions[first..].iter().take_while(|function| function.start < end) {
+            if function.start > at {
+                push(at, Rule::Other);
+                at = function.start;
+            }
+            push(at, function.rule_at(at));
+            for &(offset, rule) in &function.rows {
+                let row = function.start + u64::from(offset);
+                if at < row && row < end.min(function.end) {
+                    push(row, rule);
+                }
+            }
+            at = function.end;
+        }
+        if at < end {
+            push(at, Rule::Other);
+        }
     }
 }
 
