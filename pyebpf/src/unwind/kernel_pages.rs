@@ -8,6 +8,7 @@
 //! the same place.
 
 use std::collections::HashMap;
+use std::hash::BuildHasher;
 
 use aya::maps::{MapData, MapError};
 use pyebpf_common::unwind::{
@@ -26,10 +27,13 @@ pub enum PageUpdate {
 
 /// What a published page was derived from.
 struct Published {
-    /// [`RuleTables::generation`] when it was.
-    generation: u64,
     file: FileId,
     base_avma: u64,
+    /// [`RuleTables::functions_of`] its file when it was.
+    functions: usize,
+    /// A hash of its rows (0: they did not fit a page). Were two pages' rows to hash alike, the
+    /// later would not be set: the earlier still holds, for fewer functions.
+    rows: u64,
 }
 
 /// The pages published and the changes not yet handed over.
@@ -39,30 +43,36 @@ pub(super) struct KernelPages {
     updates: Vec<PageUpdate>,
     /// Scratch for one page's rules.
     rules: Vec<(u64, Rule)>,
+    hasher: hashbrown::DefaultHashBuilder,
 }
 
 impl KernelPages {
     /// Publishes the pages `unwound` (reached its root in `pid`, which maps `files`) went through
-    /// that were not, or were with fewer functions tabulated.
+    /// that were not, or whose rows changed since with more of their file's functions tabulated.
     pub(super) fn publish(&mut self, pid: u32, unwound: &Unwound, files: &[MappedFile], tables: &RuleTables) {
         for (index, &addr) in unwound.addrs.iter().enumerate() {
             // A caller's rule is its call instruction's, as the program looks it up.
             let lookup = if index == 0 { addr } else { addr.wrapping_sub(1) };
             let key = UnwindPageKey { tgid: pid, _pad: 0, page: lookup & !(UNWIND_PAGE_SIZE - 1) };
-            if self.published.get(&key).is_some_and(|known| known.generation == tables.generation()) {
-                continue;
-            }
-            if !self.published.contains_key(&key) && self.published.len() >= MAX_UNWIND_PAGES as usize {
-                continue;
-            }
             let Some(file) = files.iter().find(|file| file.avma.contains(&key.page)) else { continue };
+            let known = self.published.get(&key);
+            if known.is_some_and(|known| known.functions == tables.functions_of(file.id)) {
+                continue;
+            }
+            if known.is_none() && self.published.len() >= MAX_UNWIND_PAGES as usize {
+                continue;
+            }
             let start = key.page.wrapping_sub(file.base_avma);
             tables.rules_over(file.id, start, start + UNWIND_PAGE_SIZE, &mut self.rules);
-            self.published.insert(key, Published { generation: tables.generation(), file: file.id, base_avma: file.base_avma });
-            match encode_page(start, &self.rules) {
-                Some(page) => self.updates.push(PageUpdate::Set(key, Box::new(page))),
-                // Rules too dense for a page: its samples stay with userspace.
-                None => self.updates.push(PageUpdate::Remove(key)),
+            let page = encode_page(start, &self.rules);
+            let rows = page.as_ref().map_or(0, |page| self.hasher.hash_one(&page.rows[..page.len as usize]) | 1);
+            let changed = known.is_none_or(|known| known.rows != rows);
+            self.published.insert(key, Published { file: file.id, base_avma: file.base_avma, functions: tables.functions_of(file.id), rows });
+            match page {
+                Some(page) if changed => self.updates.push(PageUpdate::Set(key, Box::new(page))),
+                // Rows too dense for a page: its samples stay with userspace.
+                None if changed => self.updates.push(PageUpdate::Remove(key)),
+                _ => {}
             }
         }
     }

@@ -59,9 +59,6 @@ pub(super) struct RuleTables {
     /// Each file's functions, by start address.
     files: HashMap<FileId, Vec<Function>>,
     rows: usize,
-    /// Changes whenever a function is tabulated: what was derived from the tables before may
-    /// cover less than they do now.
-    generation: u64,
 }
 
 impl RuleTables {
@@ -86,13 +83,14 @@ impl RuleTables {
             return Some(rule);
         }
         self.rows += function.rows.len();
-        self.generation += 1;
         functions.insert(at, function);
         Some(rule)
     }
 
-    pub(super) fn generation(&self) -> u64 {
-        self.generation
+    /// Functions of `file` tabulated: what was derived from its table before covers less once
+    /// this grew (or differs, after the tables started afresh).
+    pub(super) fn functions_of(&self, file: FileId) -> usize {
+        self.files.get(&file).map_or(0, Vec::len)
     }
 
     /// The rules of `file` over the stated addresses `start..end`, from the functions tabulated
