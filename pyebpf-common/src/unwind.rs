@@ -13,10 +13,14 @@ pub const UNWIND_PAGE_ROWS: usize = 256;
 /// A page is searched from the row in force at the start of its stretch of
 /// [`UNWIND_STRETCH_SIZE`] bytes, by at most [`UNWIND_STRETCH_ROWS`] rows more: a linear scan the
 /// eBPF verifier checks in a few paths, where a binary search makes it follow every outcome.
-pub const UNWIND_STRETCH_SIZE: u64 = 64;
+pub const UNWIND_STRETCH_SIZE: u64 = 32;
 pub const UNWIND_STRETCHES: usize = (UNWIND_PAGE_SIZE / UNWIND_STRETCH_SIZE) as usize;
-/// Rows that start inside one stretch at most; a page with more is left to userspace.
-pub const UNWIND_STRETCH_ROWS: usize = 16;
+/// Rows that start inside one stretch at most; a stretch with more (a function's prologue of many
+/// pushes, say) starts at [`UNWIND_STRETCH_UNKNOWN`], so its samples are left to userspace.
+pub const UNWIND_STRETCH_ROWS: usize = 8;
+/// A row index past the last used whose whole scan lies past it too: its row is
+/// [`unwind_row::PAST_END`], whose kind is [`unwind_row::UNKNOWN`].
+pub const UNWIND_STRETCH_UNKNOWN: u8 = (UNWIND_PAGE_ROWS - 1 - UNWIND_STRETCH_ROWS) as u8;
 /// Pages of rules held at most, over all processes (allocated as they are added: about 1 KiB each).
 pub const MAX_UNWIND_PAGES: u32 = 8192;
 

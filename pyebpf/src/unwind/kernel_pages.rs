@@ -13,6 +13,7 @@ use std::hash::BuildHasher;
 use aya::maps::{MapData, MapError};
 use pyebpf_common::unwind::{
     unwind_row, UnwindPage, UnwindPageKey, MAX_UNWIND_PAGES, UNWIND_PAGE_ROWS, UNWIND_PAGE_SIZE, UNWIND_STRETCHES, UNWIND_STRETCH_ROWS, UNWIND_STRETCH_SIZE,
+    UNWIND_STRETCH_UNKNOWN,
 };
 
 use super::rows::{Rule, RuleTables};
@@ -136,7 +137,8 @@ fn encode_page(start: u64, rules: &[(u64, Rule)]) -> Option<UnwindPage> {
         if len > 0 && page.rows[len - 1] & !OFFSET_MASK == row {
             continue;
         }
-        // Room for a full stretch's scan past the last row, over rows past the end.
+        // Room for a full stretch's scan past the last row, over rows past the end, from any row
+        // up to UNWIND_STRETCH_UNKNOWN.
         if len + UNWIND_STRETCH_ROWS >= UNWIND_PAGE_ROWS {
             return None;
         }
@@ -152,10 +154,7 @@ fn encode_page(start: u64, rules: &[(u64, Rule)]) -> Option<UnwindPage> {
         let stretch_start = stretch as u32 * UNWIND_STRETCH_SIZE as u32;
         let in_force = rows.partition_point(|&row| unwind_row::offset(row) <= stretch_start) - 1;
         let inside = rows[in_force + 1..].iter().take_while(|&&row| unwind_row::offset(row) < stretch_start + UNWIND_STRETCH_SIZE as u32).count();
-        if inside > UNWIND_STRETCH_ROWS {
-            return None;
-        }
-        *first = u8::try_from(in_force).ok()?;
+        *first = if inside > UNWIND_STRETCH_ROWS { UNWIND_STRETCH_UNKNOWN } else { u8::try_from(in_force).ok()? };
     }
     Some(page)
 }
@@ -241,10 +240,10 @@ mod tests {
         let first = page.stretch_rows[(offset / UNWIND_STRETCH_SIZE as u32) as usize] as usize;
         let mut row = page.rows[first];
         for next in first + 1..=first + UNWIND_STRETCH_ROWS {
-            if unwind_row::offset(page.rows[next % UNWIND_PAGE_ROWS]) > offset {
+            if unwind_row::offset(page.rows[next]) > offset {
                 break;
             }
-            row = page.rows[next % UNWIND_PAGE_ROWS];
+            row = page.rows[next];
         }
         row & !OFFSET_MASK
     }
@@ -271,9 +270,17 @@ mod tests {
 
     #[test]
     fn rules_a_page_cannot_hold_or_apply_are_refused() {
-        // More rows in one stretch than the program scans.
+        // More rows in one stretch than the program scans: that stretch's rule is unknown, the
+        // next stretch's is the last row's.
         let dense: Vec<_> = (0..UNWIND_STRETCH_ROWS as u64 + 2).map(|i| (0x1000 + i, Rule::Sp { cfa_offset: 8 * (i as u32 % 2 + 1), bp_at: None })).collect();
-        assert!(encode_page(0x1000, &dense).is_none());
+        let page = encode_page(0x1000, &dense).expect("encodes");
+        for offset in [0, 5, UNWIND_STRETCH_SIZE as u32 - 1] {
+            assert_eq!(unwind_row::kind(row_at(&page, offset)), unwind_row::UNKNOWN, "offset {offset}");
+        }
+        assert_eq!(row_at(&page, UNWIND_STRETCH_SIZE as u32), encode_rule(dense.last().unwrap().1));
+        // More rows than a page holds.
+        let crowded: Vec<_> = (0..UNWIND_PAGE_ROWS as u64).map(|i| (0x1000 + i * 16, Rule::Sp { cfa_offset: 8 * (i as u32 % 2 + 1), bp_at: None })).collect();
+        assert!(encode_page(0x1000, &crowded).is_none());
         // Rules that must start the page.
         assert!(encode_page(0x1000, &[(0x1010, SP8)]).is_none());
         // A saved rbp above the CFA, or a CFA too far: not applied in the kernel.
