@@ -17,7 +17,7 @@ use pyebpf_common::unwind::{
 };
 
 use super::rows::{Rule, RuleTables};
-use super::{FileId, MappedFile, Unwound};
+use super::{mapped_at, FileId, MappedFile, Unwound};
 
 /// A change to the eBPF program's pages.
 #[derive(Debug)]
@@ -48,14 +48,15 @@ pub(super) struct KernelPages {
 }
 
 impl KernelPages {
-    /// Publishes the pages `unwound` (reached its root in `pid`, which maps `files`) went through
-    /// that were not, or whose rows changed since with more of their file's functions tabulated.
+    /// Publishes the pages `unwound` (reached its root in `pid`, which maps `files`, sorted by
+    /// address) went through that were not, or whose rows changed since with more of their file's
+    /// functions tabulated.
     pub(super) fn publish(&mut self, pid: u32, unwound: &Unwound, files: &[MappedFile], tables: &RuleTables) {
         for (index, &addr) in unwound.addrs.iter().enumerate() {
             // A caller's rule is its call instruction's, as the program looks it up.
             let lookup = if index == 0 { addr } else { addr.wrapping_sub(1) };
             let key = UnwindPageKey { tgid: pid, _pad: 0, page: lookup & !(UNWIND_PAGE_SIZE - 1) };
-            let Some(file) = files.iter().find(|file| file.avma.contains(&key.page)) else { continue };
+            let Some(file) = mapped_at(files, key.page) else { continue };
             let known = self.published.get(&key);
             if known.is_some_and(|known| known.functions == tables.functions_of(file.id)) {
                 continue;
@@ -78,11 +79,12 @@ impl KernelPages {
         }
     }
 
-    /// `pid` now maps `files`: its pages where another file, or the same elsewhere, lies go.
+    /// `pid` now maps `files` (sorted by address): its pages where another file, or the same
+    /// elsewhere, lies go.
     pub(super) fn remapped(&mut self, pid: u32, files: &[MappedFile]) {
         let updates = &mut self.updates;
         self.published.retain(|key, known| {
-            let same = key.tgid != pid || files.iter().any(|file| file.avma.contains(&key.page) && file.id == known.file && file.base_avma == known.base_avma);
+            let same = key.tgid != pid || mapped_at(files, key.page).is_some_and(|file| file.id == known.file && file.base_avma == known.base_avma);
             if !same {
                 updates.push(PageUpdate::Remove(*key));
             }

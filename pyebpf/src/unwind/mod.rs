@@ -107,10 +107,15 @@ struct Tabulated<'a> {
 impl Tabulated<'_> {
     /// The tabulated rule at `avma`, if a file with unwind sections is mapped there.
     fn rule(&mut self, avma: u64) -> Option<Rule> {
-        let at = self.files.partition_point(|file| file.avma.start <= avma).checked_sub(1)?;
-        let file = self.files.get(at).filter(|file| avma < file.avma.end)?;
+        let file = mapped_at(self.files, avma)?;
         self.tables.rule(file.id, &file.cfi, avma.wrapping_sub(file.base_avma))
     }
+}
+
+/// The file of `files` (sorted by address) mapped at `avma`.
+fn mapped_at(files: &[MappedFile], avma: u64) -> Option<&MappedFile> {
+    let at = files.partition_point(|file| file.avma.start <= avma).checked_sub(1)?;
+    files.get(at).filter(|file| avma < file.avma.end)
 }
 
 /// One loadable segment: where its file bytes sit in the file and in the stated address space.
