@@ -18,7 +18,7 @@ use pyebpf_common::{
 use crate::asyncio::{capture_tasks, clear_tasks, emit_waiting_tasks};
 use crate::emit::{emit_or_count, wakeup_flags};
 use crate::python::{capture_python, registered, uses_marker};
-use crate::user_stack::{copies_settled, copy_stack, stack_len, unwind_by_rules, user_regs, walk_user_stack, wants_snapshot};
+use crate::user_stack::{copy_stack, stack_copy, stack_len, unwind_by_rules, user_regs, walk_user_stack, StackCopy};
 use crate::{KNOWN_PROCS, LOST_SAMPLES, PROC_SCRATCH, PY_PROCS, SCRATCH};
 
 /// What a capture stands for: its [`pyebpf_common::origin`], when it is (0: now) and, off CPU,
@@ -69,10 +69,13 @@ pub fn capture_and_emit<C: CaptureContext, const TASKS: bool>(ctx: &C, config: &
     capture_interpreter::<C, TASKS>(ctx, config, tgid, tid, slot, record);
     let (ip, sp) = capture_native(ctx, origin, kernel_stack, record);
     let frames = sent_frames(record);
-    let copy = ip != 0 && wants_snapshot(config, tgid, record.user_status);
+    let copy = if ip == 0 { StackCopy::None } else { stack_copy(config, tgid, record.user_status) };
     // Unwound here where the rules reach the root; copied for userspace otherwise.
-    let stack_len =
-        if copy && !(copies_settled(config, tgid) && unwind_by_rules(tgid, ip, sp, record.user_bp, record)) { snapshot_stack(sp, frames, record) } else { 0 };
+    let stack_len = match copy {
+        StackCopy::Settled if unwind_by_rules(tgid, ip, sp, record.user_bp, record) => 0,
+        StackCopy::Settled | StackCopy::Undecided => snapshot_stack(sp, frames, record),
+        StackCopy::None => 0,
+    };
     record.stack_len = stack_len as u32;
     emit_sample(config, record, frames, stack_len);
     if TASKS && record.tasks.status & task_status::WAITING_FOLLOWS != 0 {

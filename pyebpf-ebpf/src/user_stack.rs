@@ -16,13 +16,27 @@ use pyebpf_common::{config_flags, user_status, Config, SampleRecord, MAX_USER_FR
 
 use crate::{KNOWN_PROCS, SNAPSHOT_PROCS, UNWIND_PAGES};
 
-/// Whether the sample carries a copy of its user stack: every sample's, a process's that
-/// userspace asked for, or one whose frame-pointer walk broke in a process userspace has not
-/// decided for yet.
-pub fn wants_snapshot(config: &Config, tgid: u32, status: u32) -> bool {
-    config.flags & config_flags::SNAPSHOT_ALL != 0
-        || SNAPSHOT_PROCS.get_ptr(tgid).is_some()
-        || (config.flags & config_flags::SNAPSHOT_UNKNOWN != 0 && status & user_status::FP_COMPLETE == 0 && KNOWN_PROCS.get_ptr(tgid).is_none())
+/// What a sample's user stack needs beyond its frame-pointer walk.
+pub enum StackCopy {
+    /// Nothing: the walk is its stack.
+    None,
+    /// A copy: its walk broke in a process userspace has not decided for yet, which judges the
+    /// walk against what the copy unwinds to.
+    Undecided,
+    /// Unwinding by rules, or a copy where they do not reach: every sample's (`--unwind dwarf`),
+    /// or its process's, whose stacks userspace asked to be copied (it reads no walk of them).
+    Settled,
+}
+
+/// What the sample of `tgid`, whose walk ended with `status`, needs beyond its walk.
+pub fn stack_copy(config: &Config, tgid: u32, status: u32) -> StackCopy {
+    if config.flags & config_flags::SNAPSHOT_ALL != 0 || SNAPSHOT_PROCS.get_ptr(tgid).is_some() {
+        StackCopy::Settled
+    } else if config.flags & config_flags::SNAPSHOT_UNKNOWN != 0 && status & user_status::FP_COMPLETE == 0 && KNOWN_PROCS.get_ptr(tgid).is_none() {
+        StackCopy::Undecided
+    } else {
+        StackCopy::None
+    }
 }
 
 /// Copies the user stack from `sp` up into `tail`, in chunks that end at page boundaries, until
@@ -131,12 +145,6 @@ pub fn walk_user_stack(ip: u64, sp: u64, mut bp: u64, stack: &mut [u64; MAX_USER
         bp = frame[0];
     }
     (frames, based, complete)
-}
-
-/// Whether userspace settled on copying `tgid`'s stacks: only then may the program unwind them by
-/// rules instead, as userspace reads no frame-pointer walk of a copied process.
-pub fn copies_settled(config: &Config, tgid: u32) -> bool {
-    config.flags & config_flags::SNAPSHOT_ALL != 0 || SNAPSHOT_PROCS.get_ptr(tgid).is_some()
 }
 
 /// An unwind by rules, shared between `unwind_by_rules` and its `bpf_loop` steps.
