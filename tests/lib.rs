@@ -272,6 +272,19 @@ pub fn count_where(stacks: &[Stack], keep: impl Fn(&[String]) -> bool) -> u64 {
     stacks.iter().filter(|(frames, _)| keep(frames)).map(|(_, n)| n).sum()
 }
 
+/// A number from the `--stats` line starting with `label` (after any indent): the `index`-th
+/// number on it.
+pub fn stats_number(stderr: &str, label: &str, index: usize) -> f64 {
+    let line = stderr.lines().map(str::trim_start).find(|l| l.starts_with(label)).unwrap_or_else(|| panic!("no `{label}` in --stats:\n{stderr}"));
+    line[label.len()..]
+        .split(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .filter(|s| !s.is_empty() && s.parse::<f64>().is_ok())
+        .nth(index)
+        .unwrap_or_else(|| panic!("`{line}` has no number {index}"))
+        .parse()
+        .unwrap()
+}
+
 /// Compiles the C program `source` with gcc and `flags` into `dir/name`.
 pub fn compile_c(dir: &Path, name: &str, source: &str, flags: &[&str]) -> PathBuf {
     let file = dir.join(format!("{name}.c"));

@@ -6,8 +6,8 @@ use std::process::Command;
 use std::time::Duration;
 
 use pyebpf_tests::{
-    count_where, debian_python, free_threaded_python, pyebpf, pyenv_python, record_collapsed as record, stacks_of, start_ready, system_python_3_11, total,
-    Killed,
+    count_where, debian_python, free_threaded_python, pyebpf, pyenv_python, record_collapsed as record, stacks_of, start_ready, stats_number,
+    system_python_3_11, total, Killed,
 };
 
 /// The interpreters under test: (label, path).
@@ -229,18 +229,6 @@ fn depth_400_free_threaded_3_13() {
     check_depth("free-threaded-3.13");
 }
 
-/// A number from the `--stats` line starting with `label`: the `index`-th number on it.
-fn stat(stderr: &str, label: &str, index: usize) -> f64 {
-    let line = stderr.lines().find(|l| l.trim_start().starts_with(label)).unwrap_or_else(|| panic!("no `{label}` in --stats:\n{stderr}"));
-    line[label.len()..]
-        .split(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .filter(|s| !s.is_empty() && s.parse::<f64>().is_ok())
-        .nth(index)
-        .unwrap_or_else(|| panic!("`{line}` has no number {index}"))
-        .parse()
-        .unwrap()
-}
-
 /// On 3.15 the kernel's walk stops at the marker: far fewer frames walked per sample than when
 /// it walks every chain in full (`--no-cache`), with the same complete stacks.
 #[test]
@@ -249,14 +237,14 @@ fn last_profiled_frame_cuts_the_kernel_walk_on_3_15() {
     let pid = workload.pid().to_string();
     let (_, cached) = record(&["-p", &pid, "-F", "199", "-d", "3", "--stats"]);
     let (_, uncached) = record(&["-p", &pid, "-F", "199", "-d", "3", "--stats", "--no-cache"]);
-    let joins = stat(&cached, "marker joins:", 1);
+    let joins = stats_number(&cached, "marker joins:", 1);
     assert!(joins > 90.0, "marker joins in {joins}% of samples:\n{cached}");
-    let walked_cached = stat(&cached, "frames walked in the kernel:", 1);
-    let walked_uncached = stat(&uncached, "frames walked in the kernel:", 1);
+    let walked_cached = stats_number(&cached, "frames walked in the kernel:", 1);
+    let walked_uncached = stats_number(&uncached, "frames walked in the kernel:", 1);
     assert!(walked_uncached >= 200.0, "--no-cache walked {walked_uncached} frames per sample of a 200-deep stack");
     assert!(walked_uncached >= 5.0 * walked_cached, "{walked_uncached} frames walked per sample uncached vs {walked_cached} with the marker");
     for stats in [&cached, &uncached] {
-        assert_eq!(stat(stats, "truncated:", 0), 0.0, "{stats}");
+        assert_eq!(stats_number(stats, "truncated:", 0), 0.0, "{stats}");
     }
 }
 
@@ -266,9 +254,9 @@ fn check_no_remote_frame_reads(label: &str) {
     let workload = Workload::start(&python(label), "sampling_deep.py", &["200"]);
     let pid = workload.pid().to_string();
     let (_, stats) = record(&["-p", &pid, "-F", "199", "-d", "3", "--stats"]);
-    assert!(stat(&stats, "frames walked in the kernel:", 1) >= 200.0, "{label}: {stats}");
-    assert!(stat(&stats, "remote reads:", 1) < 0.2, "{label}: {stats}");
-    assert_eq!(stat(&stats, "truncated:", 0), 0.0, "{label}: {stats}");
+    assert!(stats_number(&stats, "frames walked in the kernel:", 1) >= 200.0, "{label}: {stats}");
+    assert!(stats_number(&stats, "remote reads:", 1) < 0.2, "{label}: {stats}");
+    assert_eq!(stats_number(&stats, "truncated:", 0), 0.0, "{label}: {stats}");
 }
 
 #[test]

@@ -6,7 +6,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use pyebpf_tests::{
-    compile_c, count_where, debian_python, pyenv_python, record_collapsed as record, stacks_of, start_ready, system_python_3_11, total, Killed,
+    compile_c, count_where, debian_python, pyenv_python, record_collapsed as record, stacks_of, start_ready, stats_number, system_python_3_11, total, Killed,
 };
 
 /// A frame of Python code as collapsed output renders it: `QUALNAME (FILE.py:LINE)`.
@@ -39,15 +39,9 @@ fn reaches_root(frames: &[String]) -> bool {
     frames.first().is_some_and(|f| f == "_start") && frames.iter().any(|f| f == "Py_BytesMain")
 }
 
-/// The count a `--stats` line starting with `label` gives.
-fn stat(stderr: &str, label: &str) -> u64 {
-    let line = stderr.lines().map(str::trim_start).find(|line| line.starts_with(label)).unwrap_or_else(|| panic!("no `{label}` in --stats:\n{stderr}"));
-    line[label.len()..].split_whitespace().next().and_then(|n| n.parse().ok()).unwrap_or_else(|| panic!("no count in `{line}`"))
-}
-
 /// Samples unwound by rules in the kernel, and from copies in userspace.
 fn unwound_where(stderr: &str) -> (u64, u64) {
-    (stat(stderr, "in the kernel, by rules:"), stat(stderr, "CFI-unwound samples:"))
+    (stats_number(stderr, "in the kernel, by rules:", 0) as u64, stats_number(stderr, "CFI-unwound samples:", 0) as u64)
 }
 
 fn check_python(python: &Path) {
