@@ -3,6 +3,10 @@ use clap::Parser;
 use pyebpf::cli::{Cli, Command};
 use pyebpf::report;
 
+#[cfg(target_env = "musl")]
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 fn main() {
     // Before anything else, so a stop signal has the same effect at every moment of the run.
     if let Err(err) = pyebpf::stop_signals::install() {
