@@ -11,7 +11,7 @@ use hashbrown::HashMap;
 
 use crate::maps::MapsCache;
 use crate::merge::{in_libc, is_interpreter_frame, is_start_code, NativeLevel};
-use crate::stack::{Frame, FrameCarry, FrameId, FrameTable};
+use crate::stack::{Frame, FrameCarry, FrameId, FrameTable, NativeFrame};
 use crate::symbolize::{call_sites, Symbolizer};
 
 /// How long an address found in no mapping is taken as such before it is looked up again.
@@ -31,6 +31,33 @@ pub struct IdLevel {
     in_libc: bool,
     /// When an unmapped entry was looked up.
     checked_at: Option<Instant>,
+}
+
+/// What the merge reads of a level: levels alike in these are merged alike, whatever they name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LevelTraits {
+    mapped: bool,
+    runs_python: bool,
+    start_code: bool,
+    in_libc: bool,
+}
+
+impl LevelTraits {
+    /// The traits of a level of these frames.
+    pub fn of(frames: &[NativeFrame]) -> LevelTraits {
+        LevelTraits {
+            mapped: frames.iter().any(|frame| frame.module.is_some()),
+            runs_python: frames.iter().any(is_interpreter_frame),
+            start_code: frames.iter().any(is_start_code),
+            in_libc: frames.iter().any(in_libc),
+        }
+    }
+}
+
+impl IdLevel {
+    pub fn traits(&self) -> LevelTraits {
+        LevelTraits { mapped: self.mapped, runs_python: self.runs_python, start_code: self.start_code, in_libc: self.in_libc }
+    }
 }
 
 impl NativeLevel for IdLevel {
@@ -94,6 +121,11 @@ impl NativeIds {
         true
     }
 
+    /// What the merge would read of `pid`'s level at `site`, if it was resolved before.
+    pub fn known_traits(&self, pid: u32, site: u64) -> Option<LevelTraits> {
+        self.user.get(&pid)?.get(&site).map(IdLevel::traits)
+    }
+
     /// Symbolizes the entries of `stack` not resolved before.
     fn resolve_user(&mut self, symbolizer: &mut Symbolizer, maps: &mut MapsCache, frames: &mut FrameTable, pid: u32, stack: &[u64]) {
         self.enforce_bound();
@@ -103,15 +135,15 @@ impl NativeIds {
         sites.dedup();
         let resolved = symbolizer.site_levels(maps, pid, &sites);
         for (site, native) in sites.into_iter().zip(resolved) {
-            let mapped = native.iter().any(|frame| frame.module.is_some());
+            let traits = LevelTraits::of(&native);
             let level = IdLevel {
                 first: self.level_ids.len() as u32,
                 len: native.len() as u32,
-                mapped,
-                runs_python: native.iter().any(is_interpreter_frame),
-                start_code: native.iter().any(is_start_code),
-                in_libc: native.iter().any(in_libc),
-                checked_at: (!mapped).then(Instant::now),
+                mapped: traits.mapped,
+                runs_python: traits.runs_python,
+                start_code: traits.start_code,
+                in_libc: traits.in_libc,
+                checked_at: (!traits.mapped).then(Instant::now),
             };
             self.level_ids.extend(native.into_iter().map(|frame| frames.intern(Frame::Native(frame))));
             levels.insert(site, level);

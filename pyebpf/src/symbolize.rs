@@ -224,6 +224,15 @@ impl Symbolizer {
             .collect()
     }
 
+    /// The frame at `addr` of `pid` where it lies in an eval loop found before: known without a
+    /// look-up, as [`Self::site_levels`] would give it.
+    pub fn eval_loop_frame(&self, pid: u32, addr: u64) -> Option<NativeFrame> {
+        let mapping = self.processes.get(&pid)?.find(addr)?;
+        let Backing::File { id, .. } = &mapping.backing else { return None };
+        let in_eval_loop = self.eval_loops.get(id)?.contains(&mapping.file_offset(addr));
+        in_eval_loop.then(|| level_frames(addr, &mapping.module, &self.eval_loop).swap_remove(0))
+    }
+
     /// Drops what is known of `pid`'s address space (it exited or replaced its program); what was
     /// learnt of the files it mapped stays, shared with other processes.
     pub fn forget_process(&mut self, pid: u32) {

@@ -185,10 +185,10 @@ impl Session {
         let before = SampleCounts::of(stats);
         let python = &mut self.scratch.python;
         let outcome = self.python.python_stack(record, kernel, stats, &mut profile.frames, python);
-        let frames = self.native.stack(record, outcome.is_python().then_some(&python[..]), self.processes.maps(), kernel, stats, &mut profile.frames);
+        let (frames, leaf) = self.native.stack(record, outcome.is_python().then_some(&python[..]), self.processes.maps(), kernel, stats, &mut profile.frames);
         let state = thread_state(record, frames, self.options.kernel, profile);
         if let Some(slot) = slot {
-            self.repeats.keep(slot, frames, outcome.is_cut(), before.since(stats));
+            self.repeats.keep(slot, frames, outcome.is_cut(), before.since(stats), leaf);
         }
         let sample = SampleStack { pid: record.tgid, tid: record.tid, comm: &comm, frames, truncated: outcome.is_cut(), labels: Some(&labels), state };
         self.off_cpu.count(record, sample, stats, profile);
@@ -214,7 +214,9 @@ impl Session {
             self.repeats.clear();
             self.native_resets = self.native.resets();
         }
-        let resolved = match self.repeats.look_up(record, self.native.unwound(), self.python.state(record.tgid)) {
+        let native = &self.native;
+        let leaf_traits = |leaf| native.leaf_traits(record.tgid, leaf);
+        let resolved = match self.repeats.look_up(record, native.unwound(), self.python.state(record.tgid), leaf_traits) {
             Ok(resolved) => resolved,
             Err(slot) => return Some(slot),
         };

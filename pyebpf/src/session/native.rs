@@ -9,7 +9,7 @@ use crate::bpf::UnwindMode;
 use crate::kernel_maps::KernelMaps;
 use crate::maps::MapsCache;
 use crate::merge::{python_frames, Merged, Merger, NativeStack};
-use crate::native_ids::{IdLevel, NativeIds};
+use crate::native_ids::{IdLevel, LevelTraits, NativeIds};
 use crate::python::PyItem;
 use crate::stack::{Frame, FrameCarry, FrameId, FrameTable};
 use crate::stats::Stats;
@@ -19,6 +19,18 @@ use crate::unwind::{Snapshot, StackUnwinder, Unwound};
 /// Frame-pointer walks of a process that must hold beside its copies before it stays on frame
 /// pointers (`--unwind auto`): a walk through code without frame pointers sometimes holds by chance.
 const WALKS_TO_TRUST: u32 = 8;
+
+/// How a sample's innermost user address figured in its stack: what its repeats must match.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LeafUse {
+    /// Its frames are in the stack: only the same address gives the same stack.
+    Shown,
+    /// The merge put Python frames in its place: any address whose level has these traits is
+    /// merged alike (the eval loop's thousands of addresses, mostly).
+    Hidden(LevelTraits),
+    /// Native frames were not read (`--no-native`, a sample with Python frames).
+    Unread,
+}
 
 /// Turns the native part of samples into frames, caching what it learns per process and file.
 pub struct NativeStacks {
@@ -85,8 +97,15 @@ impl NativeStacks {
         self.unwound.as_ref()
     }
 
+    /// The traits of `pid`'s level at the innermost user address `leaf`, if resolved before or
+    /// known without a look-up (an address in an eval loop found before).
+    pub fn leaf_traits(&self, pid: u32, leaf: u64) -> Option<LevelTraits> {
+        self.ids.known_traits(pid, leaf).or_else(|| self.symbolizer.eval_loop_frame(pid, leaf).map(|frame| LevelTraits::of(&[frame])))
+    }
+
     /// The sample's whole stack, innermost first: kernel frames, then user frames with the Python
-    /// stack merged in, where the sample has one. After [`Self::unwind_ahead`] for the sample.
+    /// stack merged in, where the sample has one; and how it used the innermost user address.
+    /// After [`Self::unwind_ahead`] for the sample.
     pub fn stack(
         &mut self,
         record: &SampleRecord,
@@ -95,11 +114,11 @@ impl NativeStacks {
         kernel: &mut dyn KernelMaps,
         stats: &mut Stats,
         table: &mut FrameTable,
-    ) -> &mut Vec<FrameId> {
+    ) -> (&mut Vec<FrameId>, LeafUse) {
         if let (true, Some(python)) = (self.no_native, python) {
             self.frames.clear();
             self.frames.extend(python_frames(python).copied());
-            return &mut self.frames;
+            return (&mut self.frames, LeafUse::Unread);
         }
         // Unwound from the stack copy where the sample has one (done ahead, but with --no-native),
         // else the kernel's frame-pointer walk.
@@ -129,17 +148,27 @@ impl NativeStacks {
             copy_stacks(&mut self.copying, record.tgid, kernel);
         }
         let ids = &self.ids;
+        let leaf = self.levels.first();
+        let mut leaf_shown = false;
         if let Some(python) = python {
             self.merger.merge(&stack, python, |piece| match piece {
-                Merged::Native(level) => out.extend_from_slice(ids.frames(level)),
+                Merged::Native(level) => {
+                    leaf_shown |= leaf.is_some_and(|leaf| std::ptr::eq(leaf, level));
+                    out.extend_from_slice(ids.frames(level));
+                }
                 Merged::Python(&id) => out.push(id),
             });
         } else {
             for level in &self.levels[..stack.trusted_levels()] {
                 out.extend_from_slice(ids.frames(level));
             }
+            leaf_shown = true;
         }
-        out
+        let leaf = match leaf {
+            Some(leaf) if !leaf_shown => LeafUse::Hidden(leaf.traits()),
+            _ => LeafUse::Shown,
+        };
+        (out, leaf)
     }
 
     /// `--unwind auto`, a sample copied because its process was not known yet: the process needs

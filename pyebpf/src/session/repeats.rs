@@ -4,7 +4,10 @@
 //! the stack resolved then, each with its own time and weight.
 //!
 //! The key is everything resolution reads from the record, so what a sample proves at sample
-//! time (each Python frame's code identity) stays in it. What resolution reads outside the
+//! time (each Python frame's code identity) stays in it. The innermost user address is kept
+//! apart: where the merge put Python frames in place of its level (a sample in the interpreter's
+//! eval loop, which has thousands of addresses), a record differing only there, at an address
+//! whose level the merge reads alike, resolves to the same stack; elsewhere it must be the same. What resolution reads outside the
 //! record is covered by invalidation: the frame table (the whole cache goes with it), a process
 //! forgotten or whose Python state changed (its entries go, through its epoch), native entries
 //! looked up again. A record with a stack copy is keyed by what the copy unwound to (unwinding
@@ -16,6 +19,8 @@ use std::hash::{BuildHasher, Hasher};
 use hashbrown::{DefaultHashBuilder, HashMap, HashTable};
 use pyebpf_common::{origin, PyFrameRecord, SampleRecord};
 
+use super::native::LeafUse;
+use crate::native_ids::LevelTraits;
 use crate::stack::{same_values, FrameId};
 use crate::stats::SampleCounts;
 use crate::unwind::Unwound;
@@ -28,9 +33,22 @@ const MAX_BYTES: usize = 8 << 20;
 /// Processes whose epoch is kept at most: beyond, every entry goes with the epochs.
 const MAX_EPOCHS: usize = 65_536;
 
+/// What a record's innermost user address must be for an entry to hold for it.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum LeafMatch {
+    /// The same address (or none).
+    Exact(Option<u64>),
+    /// An address whose level has these traits (its frames did not reach the stack).
+    Alike(LevelTraits),
+    /// Any (native frames were not read).
+    Any,
+}
+
 /// A resolved sample, kept for its repeats.
 struct Entry {
+    /// The identity's hash without the innermost user address, and with it for [`LeafMatch::Exact`].
     hash: u64,
+    leaf: LeafMatch,
     /// The process's epoch and Python state when it was resolved: either changed, it is stale.
     epoch: u32,
     python_state: u64,
@@ -57,10 +75,12 @@ pub struct Repeats {
     epochs: HashMap<u32, u32>,
 }
 
-/// A record's identity, as slices of the record: hashed and compared in place, copied only when kept.
+/// A record's identity, as slices of the record: hashed and compared in place, copied only when
+/// kept. The innermost user address is apart from the rest.
 struct Identity<'r> {
     fixed: [u8; FIXED_LEN],
     parts: [&'r [u8]; 4],
+    leaf: Option<u64>,
 }
 
 /// tgid, tid, the user stack's and frame bases' lengths, kernel_len, user_status, origin, whether
@@ -95,7 +115,11 @@ impl<'r> Identity<'r> {
         }
         let kernel = &record.kernel_stack[..(record.kernel_len as usize).min(record.kernel_stack.len())];
         let python = &record.py_frames[..(py.frames_len as usize).min(record.py_frames.len())];
-        Identity { fixed, parts: [words_bytes(user), words_bytes(bases), words_bytes(kernel), frames_bytes(python)] }
+        let (leaf, callers) = match user.split_first() {
+            Some((&leaf, callers)) => (Some(leaf), callers),
+            None => (None, user),
+        };
+        Identity { fixed, parts: [words_bytes(callers), words_bytes(bases), words_bytes(kernel), frames_bytes(python)], leaf }
     }
 
     fn len(&self) -> usize {
@@ -146,7 +170,10 @@ fn frames_bytes(frames: &[PyFrameRecord]) -> &[u8] {
 
 /// Where a record's resolution goes in the cache, once resolved.
 pub struct Slot {
+    /// The identity's hash without the innermost user address, and with it.
     hash: u64,
+    exact_hash: u64,
+    leaf: Option<u64>,
     epoch: u32,
     python_state: u64,
     key: Box<[u8]>,
@@ -174,32 +201,56 @@ impl Repeats {
     }
 
     /// The stack resolved for an identical record, or where this one's goes once resolved (None:
-    /// it bypasses the cache).
-    pub fn look_up(&self, record: &SampleRecord, unwound: Option<&Unwound>, python_state: u64) -> Result<Resolved<'_>, Option<Slot>> {
+    /// it bypasses the cache). `leaf_traits`: the traits of the process's level at an innermost
+    /// user address, where it was resolved before.
+    pub fn look_up(
+        &self,
+        record: &SampleRecord,
+        unwound: Option<&Unwound>,
+        python_state: u64,
+        leaf_traits: impl Fn(u64) -> Option<LevelTraits>,
+    ) -> Result<Resolved<'_>, Option<Slot>> {
         if !self.cacheable(record, unwound) {
             return Err(None);
         }
         let identity = Identity::of(record, unwound);
         let hash = identity.hash(&self.hasher);
+        let exact_hash = self.hasher.hash_one((hash, identity.leaf));
         let epoch = self.epoch(record.tgid);
-        let found = self.entries.find(hash, |entry| entry.hash == hash && identity.matches(&entry.key));
+        let holds = |entry: &Entry| {
+            let leaf_holds = match entry.leaf {
+                LeafMatch::Exact(leaf) => entry.hash == exact_hash && leaf == identity.leaf,
+                LeafMatch::Alike(traits) => entry.hash == hash && identity.leaf.and_then(&leaf_traits) == Some(traits),
+                LeafMatch::Any => entry.hash == hash,
+            };
+            leaf_holds && entry.epoch == epoch && entry.python_state == python_state && identity.matches(&entry.key)
+        };
+        let found = self.entries.find(hash, holds).or_else(|| self.entries.find(exact_hash, holds));
         match found {
-            Some(entry) if entry.epoch == epoch && entry.python_state == python_state => {
-                Ok(Resolved { frames: &entry.frames, truncated: entry.truncated, counts: entry.counts })
-            }
-            _ => Err(Some(Slot { hash, epoch, python_state, key: identity.to_key() })),
+            Some(entry) => Ok(Resolved { frames: &entry.frames, truncated: entry.truncated, counts: entry.counts }),
+            None => Err(Some(Slot { hash, exact_hash, leaf: identity.leaf, epoch, python_state, key: identity.to_key() })),
         }
     }
 
-    /// Keeps a record's resolution for its repeats.
-    pub fn keep(&mut self, slot: Slot, frames: &[FrameId], truncated: bool, counts: SampleCounts) {
+    /// Keeps a record's resolution for its repeats; `leaf`: how its stack used its innermost user
+    /// address.
+    pub fn keep(&mut self, slot: Slot, frames: &[FrameId], truncated: bool, counts: SampleCounts, leaf: LeafUse) {
         let bytes = slot.key.len() + size_of_val(frames);
         if self.entries.len() >= MAX_ENTRIES || self.bytes + bytes > MAX_BYTES {
             self.clear();
         }
-        let entry = Entry { hash: slot.hash, epoch: slot.epoch, python_state: slot.python_state, key: slot.key, frames: frames.into(), truncated, counts };
-        // A stale entry of the same identity is replaced.
-        match self.entries.find_entry(entry.hash, |old| old.hash == entry.hash && same_values(&old.key, &entry.key)) {
+        let (hash, leaf) = match leaf {
+            LeafUse::Shown => (slot.exact_hash, LeafMatch::Exact(slot.leaf)),
+            LeafUse::Hidden(traits) => (slot.hash, LeafMatch::Alike(traits)),
+            LeafUse::Unread => (slot.hash, LeafMatch::Any),
+        };
+        let entry = Entry { hash, leaf, epoch: slot.epoch, python_state: slot.python_state, key: slot.key, frames: frames.into(), truncated, counts };
+        // A stale entry for the same records is replaced: one of the same address, or one of any.
+        let same_records = |old: &Entry| {
+            let exact = |leaf: LeafMatch| matches!(leaf, LeafMatch::Exact(_));
+            old.hash == entry.hash && exact(old.leaf) == exact(entry.leaf) && (!exact(old.leaf) || old.leaf == entry.leaf) && same_values(&old.key, &entry.key)
+        };
+        match self.entries.find_entry(entry.hash, same_records) {
             Ok(mut old) => {
                 self.bytes -= old.get().key.len() + size_of_val(&old.get().frames[..]);
                 *old.get_mut() = entry;

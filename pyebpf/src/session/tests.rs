@@ -213,8 +213,24 @@ fn varied_records(session: &mut Session, kernel: &mut FakeKernel, pid: u32) -> V
     in_kernel.kernel_len = 2;
     let mut copied = bases[1].clone();
     copy_stack(pid, tids[1], &mut copied);
-    let order = [0, 1, 0, 0, 2, 1, 0, 3, 3, 1, 4, 4, 0, 2, 0, 5, 5, 1, 5];
-    let variants = [&bases[0], &bases[1], &leaf_moved, &native, &in_kernel, &copied];
+    // The interpreter's eval loop at two addresses under one caller, and the second under
+    // another; a function whose frames stay in the stack at two addresses.
+    let eval = function_in_executable(pid, "_PyEval_EvalFrameDefault");
+    let shown = function_in_executable(pid, "PyObject_GetAttr");
+    let add = function_in_executable(pid, "PyNumber_Add");
+    let called_from = |leaf: u64, caller: u64| {
+        let mut sample = bases[0].clone();
+        sample.user_stack[..2].copy_from_slice(&[leaf, caller]);
+        sample.user_len = 2;
+        sample
+    };
+    let eval_a = called_from(eval.start + 0x10, add.start + 0x21);
+    let eval_b = called_from(eval.start + 0x30, add.start + 0x21);
+    let eval_b_elsewhere = called_from(eval.start + 0x30, add.start + 0x41);
+    let shown_a = called_from(shown.start + 0x8, add.start + 0x21);
+    let shown_b = called_from(shown.start + 0x10, add.start + 0x21);
+    let order = [0, 1, 0, 0, 2, 1, 0, 3, 3, 1, 4, 4, 0, 2, 0, 5, 5, 1, 5, 6, 10, 7, 7, 8, 9, 8, 9];
+    let variants = [&bases[0], &bases[1], &leaf_moved, &native, &in_kernel, &copied, &eval_a, &eval_b, &shown_a, &shown_b, &eval_b_elsewhere];
     let mut records = Vec::new();
     for (n, &which) in order.iter().chain(&order).enumerate() {
         let mut sample = variants[which].clone();
@@ -222,6 +238,24 @@ fn varied_records(session: &mut Session, kernel: &mut FakeKernel, pid: u32) -> V
         records.push(sample);
     }
     records
+}
+
+/// Where the function `name` of `pid`'s executable lies in the process.
+fn function_in_executable(pid: u32, name: &str) -> std::ops::Range<u64> {
+    use object::{Object, ObjectSegment, ObjectSymbol};
+    let exe = std::fs::read_link(format!("/proc/{pid}/exe")).unwrap();
+    let data = std::fs::read(&exe).unwrap();
+    let elf = object::File::parse(&*data).unwrap();
+    let symbol = elf.dynamic_symbols().chain(elf.symbols()).find(|symbol| symbol.name() == Ok(name) && symbol.size() > 0).expect(name);
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap();
+    let first = maps
+        .lines()
+        .find(|line| line.ends_with(exe.to_str().unwrap()) && line.split_whitespace().nth(2) == Some("00000000"))
+        .expect("the executable's first page");
+    let mapped_at = u64::from_str_radix(first.split('-').next().unwrap(), 16).unwrap();
+    let first_page = elf.segments().map(|segment| segment.address()).min().unwrap() & !0xfff;
+    let start = symbol.address() + mapped_at - first_page;
+    start..start + symbol.size()
 }
 
 /// The thread's user stack copied as the eBPF program copies it (page by page from its stack
@@ -266,15 +300,17 @@ fn repeats_count_as_resolving_each_sample_would() {
     };
     let (mut cached, cached_profile) = run(Repeats::new());
     let (mut resolved, resolved_profile) = run(Repeats::disabled());
-    // 38 samples, 6 distinct records before the exec and 6 after: 26 repeats.
-    assert_eq!((cached.repeats, resolved.repeats), (26, 0));
-    assert!(cached.python_samples == 38 && cached.kernel_frames > 0, "{cached}");
+    // 54 samples; before the exec and after, 10 resolved: the 6 distinct records of the first 19,
+    // then the eval loop's first address, the second elsewhere (now known to be the eval loop's,
+    // so the second under the first's caller repeats the first), and the two shown addresses.
+    assert_eq!((cached.repeats, resolved.repeats), (34, 0));
+    assert!(cached.python_samples == 54 && cached.kernel_frames > 0, "{cached}");
     assert!(cached.unwound_samples == 6 && cached.unwind_truncated == 0, "{cached}");
     // Counts, not the CPU time they took.
     (cached.repeats, cached.unwind_ns, resolved.unwind_ns) = (0, 0, 0);
     assert_eq!(cached.to_string(), resolved.to_string());
     assert_eq!(rendered(&cached_profile), rendered(&resolved_profile));
-    assert_eq!(cached_profile.total_samples(), 38);
+    assert_eq!(cached_profile.total_samples(), 54);
 }
 
 /// `--unwind auto`, a process not settled yet: a copied sample whose frame-pointer walk ends in
