@@ -7,12 +7,13 @@
 //! time (each Python frame's code identity) stays in it. The innermost user address is kept
 //! apart: where the merge put Python frames in place of its level (a sample in the interpreter's
 //! eval loop, which has thousands of addresses), a record differing only there, at an address
-//! whose level the merge reads alike, resolves to the same stack; elsewhere it must be the same. What resolution reads outside the
-//! record is covered by invalidation: the frame table (the whole cache goes with it), a process
-//! forgotten or whose Python state changed (its entries go, through its epoch), native entries
-//! looked up again. A record with a stack copy is keyed by what the copy unwound to (unwinding
-//! reads nothing else of it), so only unwinding is done again. Records with asyncio tasks, or off
-//! CPU, bypass the cache: their resolution keeps state of its own.
+//! whose level the merge reads alike, resolves to the same stack; elsewhere it must be the same.
+//! What resolution reads outside the record is covered by invalidation: the frame table (the
+//! whole cache goes with it), a process forgotten or whose Python state changed (its entries go,
+//! through its epoch), native entries looked up again. A record with a stack copy is keyed by
+//! what the copy unwound to (unwinding reads nothing else of it), so only unwinding is done
+//! again. Records with asyncio tasks, or off CPU, bypass the cache: their resolution keeps state
+//! of its own.
 
 use std::hash::{BuildHasher, Hasher};
 
