@@ -25,10 +25,7 @@ const MAX_LEVEL_IDS: usize = 1 << 20;
 pub struct IdLevel {
     first: u32,
     len: u32,
-    mapped: bool,
-    runs_python: bool,
-    start_code: bool,
-    in_libc: bool,
+    traits: LevelTraits,
     /// When an unmapped entry was looked up.
     checked_at: Option<Instant>,
 }
@@ -56,25 +53,25 @@ impl LevelTraits {
 
 impl IdLevel {
     pub fn traits(&self) -> LevelTraits {
-        LevelTraits { mapped: self.mapped, runs_python: self.runs_python, start_code: self.start_code, in_libc: self.in_libc }
+        self.traits
     }
 }
 
 impl NativeLevel for IdLevel {
     fn is_mapped(&self) -> bool {
-        self.mapped
+        self.traits.mapped
     }
 
     fn runs_python(&self) -> bool {
-        self.runs_python
+        self.traits.runs_python
     }
 
     fn is_start_code(&self) -> bool {
-        self.start_code
+        self.traits.start_code
     }
 
     fn in_libc(&self) -> bool {
-        self.in_libc
+        self.traits.in_libc
     }
 }
 
@@ -136,15 +133,7 @@ impl NativeIds {
         let resolved = symbolizer.site_levels(maps, pid, &sites);
         for (site, native) in sites.into_iter().zip(resolved) {
             let traits = LevelTraits::of(&native);
-            let level = IdLevel {
-                first: self.level_ids.len() as u32,
-                len: native.len() as u32,
-                mapped: traits.mapped,
-                runs_python: traits.runs_python,
-                start_code: traits.start_code,
-                in_libc: traits.in_libc,
-                checked_at: (!traits.mapped).then(Instant::now),
-            };
+            let level = IdLevel { first: self.level_ids.len() as u32, len: native.len() as u32, traits, checked_at: (!traits.mapped).then(Instant::now) };
             self.level_ids.extend(native.into_iter().map(|frame| frames.intern(Frame::Native(frame))));
             levels.insert(site, level);
         }

@@ -12,7 +12,8 @@
 //!   that many processes map is parsed once; blazesym keeps the parsed file open, so late samples of
 //!   a process that has exited still resolve;
 //! - each result, per (file, file offset) and per kernel address; and a file's CPython eval loop,
-//!   whose addresses need no look-up once one resolved there ([`EVAL_LOOP`]).
+//!   whose addresses need no look-up once one resolved there ([`EVAL_LOOP`]); without lines, every
+//!   function's range likewise (a sample's leaf lands at a new address of a known function often).
 //!
 //! A long host-wide run sees an endless stream of processes and files, so every cache is bounded:
 //! what belongs to a process goes when the process has exited ([`Symbolizer::forget_process`]);
@@ -26,7 +27,7 @@
 //! blazesym's symbolizer is single-threaded (`!Send`), and so is [`Symbolizer`]: create it on the
 //! thread that symbolizes (e.g. inside `tokio::task::spawn_blocking` or a dedicated thread).
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -79,6 +80,33 @@ struct Function {
 
 /// The functions at one address, innermost (inlined callee) first; empty where unknown.
 type Resolved = Arc<[Function]>;
+
+/// An address looked up in a file: what it resolved to, and where the function it lies in
+/// lies (file offsets), where its size is known.
+type Looked = (Resolved, Option<Range<u64>>);
+
+/// The sized functions of each file found so far, by start offset: their end and what they
+/// resolve to.
+#[derive(Default)]
+struct KnownFunctions {
+    by_file: HashMap<FileId, BTreeMap<u64, (u64, Resolved)>>,
+    /// Functions kept, over all files.
+    count: usize,
+}
+
+impl KnownFunctions {
+    fn found(&mut self, id: FileId, range: Range<u64>, resolved: &Resolved) {
+        if self.by_file.entry(id).or_default().insert(range.start, (range.end, resolved.clone())).is_none() {
+            self.count += 1;
+        }
+    }
+
+    /// What `offset` of file `id` resolves to if a function found before holds it.
+    fn at(&self, id: FileId, offset: u64) -> Option<Resolved> {
+        let (_, (end, resolved)) = self.by_file.get(&id)?.range(..=offset).next_back()?;
+        (offset < *end).then(|| resolved.clone())
+    }
+}
 
 /// How the code of a mapping is symbolized.
 #[derive(Debug)]
@@ -143,6 +171,9 @@ pub struct Symbolizer {
     kernel: HashMap<u64, Option<Arc<str>>>,
     /// Each file's [`EVAL_LOOP`], as file offsets, once an address resolved there.
     eval_loops: HashMap<FileId, Range<u64>>,
+    /// Without lines, every address of a function resolves alike: each file's functions found so
+    /// far, so a new address in one (a new leaf, mostly) needs no look-up.
+    functions: KnownFunctions,
     /// What every address in an eval loop resolves to.
     eval_loop: Resolved,
     /// Whether files' own DWARF is read, for lines and inlined calls.
@@ -176,6 +207,7 @@ impl Symbolizer {
             by_process_addr: HashMap::new(),
             kernel: HashMap::new(),
             eval_loops: HashMap::new(),
+            functions: KnownFunctions::default(),
             eval_loop: Arc::new([Function { name: EVAL_LOOP.into(), file: None, line: None }]),
             lines,
         }
@@ -191,6 +223,9 @@ impl Symbolizer {
         clear_if_over(&mut self.eval_loops, MAX_BUILD_IDS);
         clear_if_over(&mut self.by_file_offset, MAX_RESOLVED);
         clear_if_over(&mut self.by_process_addr, MAX_RESOLVED);
+        if self.functions.count > MAX_RESOLVED {
+            self.functions = KnownFunctions::default();
+        }
     }
 
     /// Symbolizes a user stack as `bpf_get_stack` returns it: innermost first, entry 0 the sampled
@@ -230,7 +265,8 @@ impl Symbolizer {
         let mapping = self.processes.get(&pid)?.find(addr)?;
         let Backing::File { id, .. } = &mapping.backing else { return None };
         let in_eval_loop = self.eval_loops.get(id)?.contains(&mapping.file_offset(addr));
-        in_eval_loop.then(|| level_frames(addr, &mapping.module, &self.eval_loop).swap_remove(0))
+        let name = self.eval_loop.first().map(|function| function.name.clone());
+        in_eval_loop.then(|| NativeFrame { addr, module: Some(mapping.module.clone()), symbol: name, file: None, line: None })
     }
 
     /// Drops what is known of `pid`'s address space (it exited or replaced its program); what was
@@ -314,6 +350,8 @@ impl Symbolizer {
                     }
                     if self.eval_loops.get(id).is_some_and(|range| range.contains(&offset)) {
                         self.by_file_offset.insert((*id, offset), self.eval_loop.clone());
+                    } else if let Some(resolved) = self.functions.at(*id, offset) {
+                        self.by_file_offset.insert((*id, offset), resolved);
                     } else {
                         by_file.entry(*id).or_insert_with(|| FileBatch::new(pid, mapping, path_in_process)).offsets.push(offset);
                     }
@@ -329,10 +367,17 @@ impl Symbolizer {
         for (id, mut batch) in by_file {
             batch.offsets.sort_unstable();
             batch.offsets.dedup();
-            let (resolved, eval_loop) = symbolize_file(&mut self.blazesym, &mut self.open_files, id, &batch, self.lines);
-            self.by_file_offset.extend(batch.offsets.into_iter().map(|offset| (id, offset)).zip(resolved));
-            if let Some(range) = eval_loop {
-                self.eval_loops.insert(id, range);
+            let looked = symbolize_file(&mut self.blazesym, &mut self.open_files, id, &batch, self.lines);
+            for (offset, (resolved, function)) in batch.offsets.into_iter().zip(looked) {
+                if let Some(range) = function {
+                    if resolved.len() == 1 && &*resolved[0].name == EVAL_LOOP {
+                        self.eval_loops.insert(id, range.clone());
+                    }
+                    if !self.lines {
+                        self.functions.found(id, range, &resolved);
+                    }
+                }
+                self.by_file_offset.insert((id, offset), resolved);
             }
         }
 
@@ -351,29 +396,23 @@ impl Symbolizer {
             Ok(results) => results.iter().map(resolved).collect(),
             Err(err) => {
                 log::debug!("cannot symbolize anonymous code of process {pid}: {err}");
-                unknown(addrs.len())
+                vec![Arc::from([]); addrs.len()]
             }
         }
     }
 }
 
-/// Symbolizes file offsets in one file (with `lines`, from its DWARF too), and finds where its
-/// [`EVAL_LOOP`] lies if one of them is in it. A file opened before stays open, so late samples of
-/// a process that has exited still resolve. A file that cannot be opened or read gives unknown
-/// results, remembered like any other so it is not retried every sample.
-fn symbolize_file(
-    blazesym: &mut blazesym::symbolize::Symbolizer,
-    files: &mut OpenFiles,
-    id: FileId,
-    batch: &FileBatch,
-    lines: bool,
-) -> (Vec<Resolved>, Option<Range<u64>>) {
+/// Symbolizes file offsets in one file (with `lines`, from its DWARF too), each with where its
+/// function lies. A file opened before stays open, so late samples of a process that has exited
+/// still resolve. A file that cannot be opened or read gives unknown results, remembered like any
+/// other so it is not retried every sample.
+fn symbolize_file(blazesym: &mut blazesym::symbolize::Symbolizer, files: &mut OpenFiles, id: FileId, batch: &FileBatch, lines: bool) -> Vec<Looked> {
     let name = batch.location.path.display();
     let path = match files.path(id, &batch.location) {
         Ok(path) => path.to_path_buf(),
         Err(err) => {
             log::debug!("cannot open {name} of process {}: {err}", batch.location.pid);
-            return (unknown(batch.offsets.len()), None);
+            return unknown(batch.offsets.len());
         }
     };
     if let Some(symbols) = files.debug_symbols(id) {
@@ -382,21 +421,18 @@ fn symbolize_file(
     let mut elf = Elf::new(path);
     elf.debug_syms = lines && files.debug_syms(id);
     match blazesym.symbolize(&Source::Elf(elf), Input::FileOffset(&batch.offsets)) {
-        Ok(results) => {
-            let eval_loop = batch.offsets.iter().zip(&results).find_map(|(&offset, result)| eval_loop_range(offset, result));
-            (results.iter().map(resolved).collect(), eval_loop)
-        }
+        Ok(results) => batch.offsets.iter().zip(&results).map(|(&offset, result)| (resolved(result), function_range(offset, result))).collect(),
         Err(err) => {
             log::debug!("cannot symbolize {name}: {err}");
             files.close(blazesym, id);
-            (unknown(batch.offsets.len()), None)
+            unknown(batch.offsets.len())
         }
     }
 }
 
-/// The file offsets of the [`EVAL_LOOP`] that `offset` resolved into, if it did.
-fn eval_loop_range(offset: u64, result: &Symbolized<'_>) -> Option<Range<u64>> {
-    let sym = result.as_sym().filter(|sym| sym.name == EVAL_LOOP)?;
+/// The file offsets of the sized function `offset` resolved into, if it did.
+fn function_range(offset: u64, result: &Symbolized<'_>) -> Option<Range<u64>> {
+    let sym = result.as_sym()?;
     let start = offset.checked_sub(sym.offset as u64)?;
     Some(start..start.checked_add(sym.size? as u64)?)
 }
@@ -430,8 +466,8 @@ fn level_frames(addr: u64, module: &Arc<Module>, functions: &[Function]) -> Vec<
         .collect()
 }
 
-fn unknown(count: usize) -> Vec<Resolved> {
-    vec![Arc::from([]); count]
+fn unknown(count: usize) -> Vec<Looked> {
+    vec![(Arc::from([]), None); count]
 }
 
 /// The functions at one address, innermost first: blazesym lists inlined calls outermost first,

@@ -20,7 +20,7 @@ use std::sync::Arc;
 
 use object::{Object, ObjectSegment, ObjectSymbol, SymbolKind};
 
-use super::{hex, only_root_may_change, Function, Resolved, EVAL_LOOP};
+use super::{hex, only_root_may_change, Function, Looked};
 use crate::target_file;
 
 /// Where packaged debug files are installed, under `.build-id/NN/REST.debug`.
@@ -71,24 +71,19 @@ impl DebugSymbols {
         Some(DebugSymbols { segments, symbols, names })
     }
 
-    /// The functions at each of the stripped file's `offsets` (unknown where none), and where its
-    /// [`EVAL_LOOP`] lies, as file offsets, if one of them is in it.
-    pub fn resolve(&self, offsets: &[u64]) -> (Vec<Resolved>, Option<Range<u64>>) {
-        let mut eval_loop = None;
-        let resolved = offsets
+    /// The function at each of the stripped file's `offsets` (unknown where none), with where it
+    /// lies, as file offsets.
+    pub fn resolve(&self, offsets: &[u64]) -> Vec<Looked> {
+        offsets
             .iter()
             .map(|&offset| {
-                let Some((symbol, within)) = self.address(offset).and_then(|address| self.symbol_at(address)) else { return Arc::from([]) };
+                let Some((symbol, within)) = self.address(offset).and_then(|address| self.symbol_at(address)) else { return (Arc::from([]), None) };
                 let name = &self.names[symbol.name.clone()];
-                if name == EVAL_LOOP {
-                    // Checked: the target's program headers need not place the function in one segment.
-                    let start = offset.checked_sub(within);
-                    eval_loop = start.and_then(|start| Some(start..start.checked_add(symbol.size)?));
-                }
-                Arc::from([Function { name: name.into(), file: None, line: None }])
+                // Checked: the target's program headers need not place the function in one segment.
+                let range = offset.checked_sub(within).and_then(|start| Some(start..start.checked_add(symbol.size)?));
+                (Arc::from([Function { name: name.into(), file: None, line: None }]), range)
             })
-            .collect();
-        (resolved, eval_loop)
+            .collect()
     }
 
     /// The address (as the symbol table counts) of the stripped file's byte at `offset`, if a

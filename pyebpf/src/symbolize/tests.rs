@@ -184,8 +184,8 @@ fn names_in_file(file: &Path, debug_root: &Path, offsets: &[u64]) -> Vec<Vec<(St
     let mut files = OpenFiles::with_debug_root(debug_root.to_path_buf());
     let mut blazesym = blazesym::symbolize::Symbolizer::new();
     let batch = FileBatch { location: Location { pid: std::process::id(), start: 0, limit: 0, path: file }, offsets: offsets.to_vec() };
-    let (resolved, _) = symbolize_file(&mut blazesym, &mut files, id, &batch, true);
-    resolved.iter().map(|functions| functions.iter().map(|f| (f.name.to_string(), f.line)).collect()).collect()
+    let looked = symbolize_file(&mut blazesym, &mut files, id, &batch, true);
+    looked.iter().map(|(functions, _)| functions.iter().map(|f| (f.name.to_string(), f.line)).collect()).collect()
 }
 
 #[test]
@@ -354,8 +354,8 @@ fn a_file_once_opened_is_read_even_after_the_target_puts_a_fifo_at_its_path() {
     std::thread::spawn(move || {
         let mut blazesym = blazesym::symbolize::Symbolizer::new();
         let batch = FileBatch { location: Location { pid, start: 0, limit: 0, path: &exe }, offsets };
-        let (resolved, _) = symbolize_file(&mut blazesym, &mut files, id, &batch, true);
-        let names: Vec<String> = resolved.iter().map(|functions| functions.iter().map(|f| f.name.to_string()).collect()).collect();
+        let looked = symbolize_file(&mut blazesym, &mut files, id, &batch, true);
+        let names: Vec<String> = looked.iter().map(|(functions, _)| functions.iter().map(|f| f.name.to_string()).collect()).collect();
         let _ = sender.send((names, files.build_id(id, &batch.location), may_follow_debug_link(&path, id)));
     });
     let (names, after, follows) = receiver.recv_timeout(Duration::from_secs(30)).expect("symbolizing blocked on the FIFO");
@@ -428,4 +428,32 @@ fn the_eval_loop_is_looked_up_once_per_file() {
     // Other functions are looked up as before.
     let beside = resolving.user_frames(program.pid(), &[other + 8]);
     assert!(names(&beside).ends_with(&["other_fn"]) && beside.iter().all(|frame| frame.line.is_some()), "{beside:?}");
+}
+
+/// Without lines, a new address in a function found before is that function, as a look-up would
+/// say, without one; with lines each address is looked up (its line is its own).
+#[test]
+fn addresses_in_a_function_found_before_need_no_look_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let exe = compile("gcc", PROGRAM, "spin", &["-g", "-O1", "-fno-omit-frame-pointer"], dir.path());
+    let mut program = Running::start(&exe);
+    let [leaf, middle, _] = program.addresses()[..] else { panic!("three addresses") };
+    let pid = program.pid();
+    let known = |resolving: &Resolving, addr: u64| {
+        let mapping = resolving.symbolizer.processes.get(&pid).and_then(|maps| maps.find(addr)).expect("mapped");
+        let Backing::File { id, .. } = &mapping.backing else { panic!("a file") };
+        resolving.symbolizer.functions.at(*id, mapping.file_offset(addr)).map(|resolved| resolved[0].name.to_string())
+    };
+
+    let mut resolving = Resolving::default();
+    assert_eq!(names(&resolving.user_frames(pid, &[leaf + 1])), ["leaf_fn"]);
+    assert_eq!(known(&resolving, leaf + 9).as_deref(), Some("leaf_fn"));
+    assert_eq!(known(&resolving, middle + 1), None, "middle_fn was not looked up");
+    let later = resolving.user_frames(pid, &[leaf + 9]);
+    assert_eq!(later, Resolving::default().user_frames(pid, &[leaf + 9]));
+    assert_eq!((names(&later), later[0].addr), (vec!["leaf_fn"], leaf + 9));
+
+    let mut with_lines = Resolving::with_lines();
+    with_lines.user_frames(pid, &[leaf + 1]);
+    assert_eq!(with_lines.symbolizer.functions.count, 0);
 }
