@@ -47,8 +47,8 @@ pub fn dist(root: &Path) -> Result<Artifacts> {
 fn static_binary(root: &Path, out: &Path) -> Result<PathBuf> {
     toolchain::ensure_target(STATIC_TARGET)?;
     // ring (TLS for `record --otlp`) compiles C and assembly for the target: musl-gcc does it
-    // against musl's headers.
-    toolchain::ensure_apt_packages(&[("musl-gcc", "musl-tools")])?;
+    // against musl's headers. jemalloc, the binary's allocator, is configured and built with make.
+    toolchain::ensure_apt_packages(&[("musl-gcc", "musl-tools"), ("make", "make")])?;
     let linker_bin = toolchain::ensure_ebpf_toolchain(root)?;
     let object = toolchain::build_ebpf(root, &linker_bin)?;
     run(Command::new(env!("CARGO"))
