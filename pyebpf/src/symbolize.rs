@@ -370,7 +370,8 @@ impl Symbolizer {
             let looked = symbolize_file(&mut self.blazesym, &mut self.open_files, id, &batch, self.lines);
             for (offset, (resolved, function)) in batch.offsets.into_iter().zip(looked) {
                 if let Some(range) = function {
-                    if resolved.len() == 1 && &*resolved[0].name == EVAL_LOOP {
+                    // Innermost first: the function itself is the last, after calls inlined there.
+                    if resolved.last().is_some_and(|function| &*function.name == EVAL_LOOP) {
                         self.eval_loops.insert(id, range.clone());
                     }
                     if !self.lines {
