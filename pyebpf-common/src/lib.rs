@@ -556,7 +556,8 @@ pub struct PyThreadEntry {
     /// The thread's id in its process's PID namespace (`native_thread_id`): how its thread states
     /// name it, for `FIND_ATTACHED`.
     pub ns_tid: u32,
-    pub _pad: u32,
+    /// The thread's process: the entry holds for no other process's thread of that id.
+    pub tgid: u32,
 }
 
 /// A thread's established marker chain, the value of `PY_MARKERS` (keyed by tid). Userspace

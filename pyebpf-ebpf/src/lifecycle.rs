@@ -1,5 +1,5 @@
 //! Process lifecycle hooks (BTF-typed tracepoints, so no tracefs is needed): forks extend the
-//! targets, execs and exits end what userspace knew of a process.
+//! targets, execs and exits end what userspace knew of a process, a thread's exit its registration.
 
 use aya_ebpf::{
     helpers::{bpf_get_current_comm, bpf_get_current_pid_tgid, bpf_ktime_get_ns},
@@ -10,7 +10,7 @@ use aya_log_ebpf::debug;
 use pyebpf_common::{config_flags, record_kind, ProcessEvent};
 
 use crate::emit::{emit_or_count, wakeup_flags};
-use crate::{task, CONFIG, KNOWN_PROCS, LOST_EVENTS, TARGETS};
+use crate::{task, CONFIG, KNOWN_PROCS, LOST_EVENTS, PY_MARKERS, PY_THREADS, TARGETS};
 
 /// `sched_process_fork`: with `FOLLOW_FORKS`, a child of a target becomes a target. Its arguments are the parent's and the child's `task_struct`.
 #[btf_tracepoint(function = "sched_process_fork")]
@@ -38,10 +38,16 @@ pub fn process_exec(ctx: BtfTracePointContext) -> u32 {
     0
 }
 
-/// `sched_process_exit`: sent when a process's main thread exits, after that
-/// process's last samples in the ring buffer. Other threads exiting are no lifecycle event.
+/// `sched_process_exit`, run as each thread exits: the thread's Python registration goes with
+/// it (so userspace need not re-read thread lists to drop dead threads, and a later thread given
+/// its id is not read as it). A process's main thread exiting is sent as an event, after that
+/// process's last samples in the ring buffer.
 #[btf_tracepoint(function = "sched_process_exit")]
 pub fn process_exit(ctx: BtfTracePointContext) -> u32 {
+    let tid = bpf_get_current_pid_tgid() as u32;
+    // Absent entries (most exits) make these a failed look-up each.
+    let _ = PY_THREADS.remove(tid);
+    let _ = PY_MARKERS.remove(tid);
     send_process_event(&ctx, record_kind::EXIT, true);
     0
 }

@@ -20,7 +20,8 @@ use crate::{PY_MARKERS, PY_PROCS, PY_THREADS};
 pub fn registered(tgid: u32, tid: u32) -> Option<(&'static PyProcConfig, &'static PyThreadEntry)> {
     // SAFETY: plain-data values; a concurrent update from userspace at worst gives a stale entry,
     // which the reads of the capture tolerate.
-    unsafe { Some((PY_PROCS.get(tgid)?, PY_THREADS.get(tid)?)) }
+    let (config, thread) = unsafe { (PY_PROCS.get(tgid)?, PY_THREADS.get(tid)?) };
+    (thread.tgid == tgid).then_some((config, thread))
 }
 
 /// Reads the state of thread `tid` (registered as `thread`) and walks its frame chain from the

@@ -7,7 +7,7 @@
 
 use std::time::{Duration, Instant};
 
-use hashbrown::HashMap;
+use hashbrown::{HashMap, HashSet};
 
 use crate::maps::MapsCache;
 use crate::merge::{in_libc, is_interpreter_frame, is_start_code, NativeLevel};
@@ -81,6 +81,8 @@ type ProcessLevels = HashMap<u64, IdLevel>;
 #[derive(Default)]
 pub struct NativeIds {
     user: HashMap<u32, ProcessLevels>,
+    /// The processes with unmapped entries, which upkeep looks through (no other).
+    with_unmapped: HashSet<u32>,
     /// The frames of every level, back to back.
     level_ids: Vec<FrameId>,
     kernel: HashMap<u64, FrameId>,
@@ -134,6 +136,9 @@ impl NativeIds {
         for (site, native) in sites.into_iter().zip(resolved) {
             let traits = LevelTraits::of(&native);
             let level = IdLevel { first: self.level_ids.len() as u32, len: native.len() as u32, traits, checked_at: (!traits.mapped).then(Instant::now) };
+            if !traits.mapped {
+                self.with_unmapped.insert(pid);
+            }
             self.level_ids.extend(native.into_iter().map(|frame| frames.intern(Frame::Native(frame))));
             levels.insert(site, level);
         }
@@ -165,13 +170,20 @@ impl NativeIds {
     /// that had such entries.
     pub fn expire_unmapped(&mut self) -> Vec<u32> {
         let mut expired = Vec::new();
-        for (&pid, levels) in &mut self.user {
+        self.with_unmapped.retain(|pid| {
+            let Some(levels) = self.user.get_mut(pid) else { return false };
             let known = levels.len();
-            levels.retain(|_, level| level.checked_at.is_none_or(|at| at.elapsed() < UNMAPPED_RECHECK));
+            let mut unmapped_left = false;
+            levels.retain(|_, level| {
+                let keep = level.checked_at.is_none_or(|at| at.elapsed() < UNMAPPED_RECHECK);
+                unmapped_left |= keep && level.checked_at.is_some();
+                keep
+            });
             if levels.len() != known {
-                expired.push(pid);
+                expired.push(*pid);
             }
-        }
+            unmapped_left
+        });
         expired
     }
 
@@ -182,6 +194,7 @@ impl NativeIds {
     /// Drops what was resolved in `pid`'s address space (it exited or replaced its program).
     pub fn forget_process(&mut self, pid: u32) {
         self.user.remove(&pid);
+        self.with_unmapped.remove(&pid);
     }
 
     /// Moves the frames of the levels still known into a new table, compacting the level frames
@@ -203,6 +216,7 @@ impl NativeIds {
     /// Forgets every frame id (they belong to a table that is gone); entries are resolved again.
     pub fn clear(&mut self) {
         self.user.clear();
+        self.with_unmapped.clear();
         self.level_ids.clear();
         self.kernel.clear();
     }
@@ -211,6 +225,7 @@ impl NativeIds {
     fn enforce_bound(&mut self) {
         if self.level_ids.len() > MAX_LEVEL_IDS {
             self.user.clear();
+            self.with_unmapped.clear();
             self.level_ids.clear();
             self.resets += 1;
         }

@@ -52,6 +52,8 @@ type ChainPart = (Vec<u64>, Vec<Option<PyItem>>);
 /// A registered thread: its thread state, and the marker chains proven for it.
 pub(super) struct Thread {
     pub(super) tstate: u64,
+    /// When the eBPF program was told of it (`CLOCK_MONOTONIC`): samples taken since knew it.
+    pub(super) registered_ns: u64,
     chains: VecDeque<EstablishedChain>,
     /// When the last establishment ended (`CLOCK_MONOTONIC`): samples taken before it say nothing
     /// of the chain it set, which they could not join.
@@ -61,8 +63,8 @@ pub(super) struct Thread {
 }
 
 impl Thread {
-    pub(super) fn new(tstate: u64) -> Self {
-        Thread { tstate, chains: VecDeque::new(), established_ns: None, failures: 0 }
+    pub(super) fn new(tstate: u64, registered_ns: u64) -> Self {
+        Thread { tstate, registered_ns, chains: VecDeque::new(), established_ns: None, failures: 0 }
     }
 
     fn chain(&self, gen: u64) -> Option<&EstablishedChain> {

@@ -254,8 +254,8 @@ impl<M: Memory> Pythons<M> {
         }
     }
 
-    /// Looks for asyncio tables still pending; re-reads thread lists now and then (a new thread
-    /// is registered at its first sample; this drops dead ones); forgets processes that have exited.
+    /// Looks for asyncio tables still pending; re-reads thread lists now and then (a safety net:
+    /// see [`THREAD_REFRESH`]); forgets processes that have exited.
     pub fn upkeep(&mut self, kernel: &mut dyn KernelMaps, maps: &mut MapsCache) {
         let mut exited = Vec::new();
         for (&pid, process) in &mut self.processes {
@@ -414,7 +414,7 @@ impl<M: Memory> Pythons<M> {
 fn has_frames<M: Memory>(process: &mut Process<M>, record: &SampleRecord, kernel: &mut dyn KernelMaps) -> bool {
     let py = &record.py;
     if py.status & py_status::THREAD_KNOWN == 0 {
-        process.unknown_thread_sampled(record.tid, kernel);
+        process.unknown_thread_sampled(record.tid, record.time_ns, kernel);
         return false;
     }
     py.status & py_status::FRAME_READ != 0 && py.frame != 0

@@ -10,12 +10,15 @@ use super::frames::{Memory, Resolver};
 use super::marker::Thread;
 use super::tasks::Tasks;
 use crate::kernel_maps::KernelMaps;
+use crate::ktime::monotonic_ns;
 use crate::maps::MapsCache;
 use crate::stack::FrameCarry;
 
-/// How often thread lists are re-read to drop dead threads (a new thread is registered when a
-/// sample of it finds it unknown, which the eBPF program hands over soon).
-pub(super) const THREAD_REFRESH: Duration = Duration::from_secs(6);
+/// How often thread lists are re-read, a safety net: a new thread is registered when a sample of
+/// it finds it unknown, and an exiting thread's registration goes with it in the kernel. What
+/// this catches is rarer: a thread state replaced under a live thread, or a thread that exited
+/// while its list was being read.
+pub(super) const THREAD_REFRESH: Duration = Duration::from_secs(30);
 /// A sample from an unregistered thread re-reads its process's threads at most this often.
 const UNKNOWN_THREAD_REFRESH: Duration = Duration::from_millis(20);
 /// Threads remembered per process as running no Python, at most (then forgotten all at once).
@@ -105,7 +108,13 @@ impl<M: Memory> Process<M> {
 
     /// A sample of a thread the eBPF program does not know: a thread started since the last read
     /// of the thread list, or one that runs no Python (remembered, so it costs no more reads).
-    pub(super) fn unknown_thread_sampled(&mut self, tid: u32, kernel: &mut dyn KernelMaps) {
+    pub(super) fn unknown_thread_sampled(&mut self, tid: u32, sampled_ns: u64, kernel: &mut dyn KernelMaps) {
+        // Registered before the sample yet unknown at it: that thread exited, taking its entry
+        // along, and this is a new thread given its id.
+        if self.threads.get(&tid).is_some_and(|thread| thread.registered_ns < sampled_ns) {
+            self.threads.remove(&tid);
+            self.changes += 1;
+        }
         if self.threads.contains_key(&tid) || self.not_python.contains(&tid) || self.threads_read.elapsed() < UNKNOWN_THREAD_REFRESH {
             return;
         }
@@ -143,10 +152,10 @@ impl<M: Memory> Process<M> {
         self.find_attached_states(kernel);
         for thread in threads {
             let known = self.threads.get(&thread.tid).is_some_and(|t| t.tstate == thread.tstate);
-            let entry = PyThreadEntry { tstate: thread.tstate, ns_tid: thread.ns_tid, _pad: 0 };
+            let entry = PyThreadEntry { tstate: thread.tstate, ns_tid: thread.ns_tid, tgid: self.pid() };
             if !known && kernel.set_py_thread(thread.tid, &entry).is_ok() {
                 kernel.remove_marker_chain(thread.tid);
-                self.threads.insert(thread.tid, Thread::new(thread.tstate));
+                self.threads.insert(thread.tid, Thread::new(thread.tstate, monotonic_ns()));
                 changed = true;
             }
         }

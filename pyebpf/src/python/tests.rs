@@ -204,6 +204,34 @@ fn a_process_the_kernel_has_no_room_for_is_sampled_natively() {
     assert!(!pythons.is_python(pid) && kernel.threads.is_empty(), "a process without a PY_PROCS entry kept as Python");
 }
 
+/// A sample of `tid` taken at `time_ns` that found no registration in the kernel.
+fn unknown_sample(pid: u32, tid: u32, time_ns: u64) -> Box<SampleRecord> {
+    // SAFETY: all-zero bytes are a valid SampleRecord (plain data).
+    let mut record = unsafe { Box::<SampleRecord>::new_zeroed().assume_init() };
+    (record.tgid, record.tid, record.origin, record.time_ns) = (pid, tid, origin::ON_CPU, time_ns);
+    record
+}
+
+#[test]
+fn a_thread_whose_registration_the_kernel_dropped_is_registered_again() {
+    let (target, _dir, py) = start("3.13");
+    let pid = target.pid();
+    let mut kernel = FakeKernel::default();
+    let before = monotonic_ns();
+    let mut pythons = registered(py, OPTIONS, &mut kernel);
+    assert_eq!(kernel.threads.get(&pid).map(|thread| thread.tgid), Some(pid), "the main thread's entry names its process");
+    let (mut stats, mut frames) = (Stats::default(), FrameTable::default());
+    // What the eBPF program's exit hook does as a thread exits; its id goes to a new thread.
+    kernel.threads.remove(&pid);
+    std::thread::sleep(Duration::from_millis(30));
+    // Taken before the registration, a sample says nothing of it: no re-read.
+    resolve(&mut pythons, &unknown_sample(pid, pid, before), &mut kernel, &mut stats, &mut frames);
+    assert!(!kernel.threads.contains_key(&pid), "a sample older than the registration re-read the thread list");
+    // Taken after it, the registration is gone: the thread list is read again.
+    resolve(&mut pythons, &unknown_sample(pid, pid, monotonic_ns()), &mut kernel, &mut stats, &mut frames);
+    assert!(kernel.threads.contains_key(&pid), "the thread that took the id was not registered");
+}
+
 #[test]
 fn a_marker_chain_is_proven_then_joined_and_a_moving_thread_gets_none() {
     let (target, _dir, py) = start("3.15");
