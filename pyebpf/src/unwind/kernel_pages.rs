@@ -6,8 +6,12 @@
 //! been tabulated since (each sample the program cannot unwind comes here with a copy, and its
 //! unwind tabulates what was missing). A page stays only while its process maps the same file at
 //! the same place.
+//!
+//! The rules are the file's, wherever it is mapped: a process whose first unwind passes through a
+//! file is handed at once the pages of it published for other processes (where a loop runs hot in
+//! one interpreter it does in the next), so its later samples need no copy to find them.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::hash::BuildHasher;
 
 use aya::maps::{MapData, MapError};
@@ -41,6 +45,11 @@ struct Published {
 #[derive(Default)]
 pub(super) struct KernelPages {
     published: HashMap<UnwindPageKey, Published>,
+    /// The pages published for any process, by file: their start in its stated addresses.
+    hot: HashMap<FileId, HashSet<u64>>,
+    hot_count: usize,
+    /// The files each process was handed the hot pages of.
+    seeded: HashSet<(u32, FileId)>,
     updates: Vec<PageUpdate>,
     /// Scratch for one page's rules.
     rules: Vec<(u64, Rule)>,
@@ -55,26 +64,57 @@ impl KernelPages {
         for (index, &addr) in unwound.addrs.iter().enumerate() {
             // A caller's rule is its call instruction's, as the program looks it up.
             let lookup = if index == 0 { addr } else { addr.wrapping_sub(1) };
-            let key = UnwindPageKey { tgid: pid, _pad: 0, page: lookup & !(UNWIND_PAGE_SIZE - 1) };
-            let Some(file) = mapped_at(files, key.page) else { continue };
-            let known = self.published.get(&key);
-            if known.is_some_and(|known| known.functions == tables.functions_of(file.id)) {
-                continue;
-            }
-            if known.is_none() && self.published.len() >= MAX_UNWIND_PAGES as usize {
-                continue;
-            }
-            let start = key.page.wrapping_sub(file.base_avma);
-            tables.rules_over(file.id, start, start + UNWIND_PAGE_SIZE, &mut self.rules);
-            let page = encode_page(start, &self.rules);
-            let rows = page.as_ref().map_or(0, |page| self.hasher.hash_one(&page.rows[..page.len as usize]) | 1);
-            let changed = known.is_none_or(|known| known.rows != rows);
-            self.published.insert(key, Published { file: file.id, base_avma: file.base_avma, functions: tables.functions_of(file.id), rows });
-            match page {
-                Some(page) if changed => self.updates.push(PageUpdate::Set(key, Box::new(page))),
-                // Rows too dense for a page: its samples stay with userspace.
-                None if changed => self.updates.push(PageUpdate::Remove(key)),
-                _ => {}
+            let page = lookup & !(UNWIND_PAGE_SIZE - 1);
+            let Some(file) = mapped_at(files, page) else { continue };
+            self.publish_page(pid, page, file, tables);
+            self.seed(pid, file, files, tables);
+        }
+    }
+
+    /// Publishes `pid`'s page at `page`, where `file` lies, unless it was with these rules.
+    fn publish_page(&mut self, pid: u32, page: u64, file: &MappedFile, tables: &RuleTables) {
+        let key = UnwindPageKey { tgid: pid, _pad: 0, page };
+        let known = self.published.get(&key);
+        if known.is_some_and(|known| known.functions == tables.functions_of(file.id)) {
+            return;
+        }
+        if known.is_none() && self.published.len() >= MAX_UNWIND_PAGES as usize {
+            return;
+        }
+        let start = key.page.wrapping_sub(file.base_avma);
+        tables.rules_over(file.id, start, start + UNWIND_PAGE_SIZE, &mut self.rules);
+        let page = encode_page(start, &self.rules);
+        let rows = page.as_ref().map_or(0, |page| self.hasher.hash_one(&page.rows[..page.len as usize]) | 1);
+        let changed = known.is_none_or(|known| known.rows != rows);
+        self.published.insert(key, Published { file: file.id, base_avma: file.base_avma, functions: tables.functions_of(file.id), rows });
+        match page {
+            Some(page) if changed => self.updates.push(PageUpdate::Set(key, Box::new(page))),
+            // Rows too dense for a page: its samples stay with userspace.
+            None if changed => self.updates.push(PageUpdate::Remove(key)),
+            _ => {}
+        }
+        if self.hot_count >= MAX_UNWIND_PAGES as usize {
+            self.hot.clear();
+            self.hot_count = 0;
+        }
+        if self.hot.entry(file.id).or_default().insert(start) {
+            self.hot_count += 1;
+        }
+    }
+
+    /// Hands `pid`, the first time an unwind of it passes through `file`, the pages of the file
+    /// published for other processes, while half the program's room for pages is free.
+    fn seed(&mut self, pid: u32, file: &MappedFile, files: &[MappedFile], tables: &RuleTables) {
+        if self.published.len() >= MAX_UNWIND_PAGES as usize / 2 || !self.seeded.insert((pid, file.id)) {
+            return;
+        }
+        let Some(hot) = self.hot.get(&file.id) else { return };
+        let pages: Vec<u64> = hot.iter().map(|start| file.base_avma.wrapping_add(*start)).collect();
+        for page in pages {
+            // The same file, mapped alike, lies there (not another part of it, or another file).
+            let alike = mapped_at(files, page).is_some_and(|at| at.id == file.id && at.base_avma == file.base_avma);
+            if alike && page % UNWIND_PAGE_SIZE == 0 {
+                self.publish_page(pid, page, file, tables);
             }
         }
     }
@@ -82,6 +122,7 @@ impl KernelPages {
     /// `pid` now maps `files` (sorted by address): its pages where another file, or the same
     /// elsewhere, lies go.
     pub(super) fn remapped(&mut self, pid: u32, files: &[MappedFile]) {
+        self.seeded.retain(|&(seeded, _)| seeded != pid);
         let updates = &mut self.updates;
         self.published.retain(|key, known| {
             let same = key.tgid != pid || mapped_at(files, key.page).is_some_and(|file| file.id == known.file && file.base_avma == known.base_avma);

@@ -516,6 +516,40 @@ mod tests {
         assert_eq!(removed, pages.len());
     }
 
+    /// A process whose first unwind passes through files that unwinds of another process published
+    /// pages of is handed those pages: from them the program walks its whole stack.
+    #[test]
+    fn a_process_is_handed_the_pages_another_published_of_its_files() {
+        let mut unwinder = Unwinding::default();
+        let pid = std::process::id();
+        capture_here(3, &mut unwinder);
+        let captured = capture_here(3, &mut unwinder);
+        assert!(captured.unwound.complete, "{:x?}", captured.unwound);
+        unwinder.unwinder.take_page_updates();
+        // Another process mapping the same files alike, whose unwind went through the pages of
+        // its innermost and outermost frames only.
+        let other = pid | 0x4000_0000;
+        let addrs = &captured.unwound.addrs;
+        let ends = Unwound { addrs: vec![addrs[0], addrs[addrs.len() - 1]], complete: true, ..Unwound::default() };
+        let unwinding = &mut unwinder.unwinder;
+        unwinding.pages.publish(other, &ends, &unwinding.processes[&pid].files, &unwinding.rules);
+        let mut pages = HashMap::new();
+        for update in unwinding.take_page_updates() {
+            if let PageUpdate::Set(key, page) = update {
+                assert_eq!(key.tgid, other);
+                pages.insert(key, page);
+            }
+        }
+        assert!(pages.len() > 2, "only the pages its own unwind went through: {}", pages.len());
+        let (ip, sp, bp) = captured.regs;
+        let read = |addr: u64| {
+            let at = usize::try_from(addr.checked_sub(sp)?).ok()?;
+            Some(u64::from_ne_bytes(captured.copy.get(at..at + 8)?.try_into().unwrap()))
+        };
+        let walked = kernel_pages::walk_as_the_program_does(&pages, other, ip, sp, bp, read).expect("the program's walk reaches the root");
+        assert_eq!(walked, captured.unwound);
+    }
+
     /// Every rule tabulated for the functions of this test binary and the C library it maps
     /// unwinds a frame as framehop does (framehop's own rules are the reference), as the sampled
     /// frame and as a caller, at every row of every function.
