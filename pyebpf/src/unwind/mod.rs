@@ -486,6 +486,20 @@ mod tests {
         assert!(unwound.frame_bases.first().is_some_and(|&b| b + 16 > sp));
     }
 
+    /// The eBPF program's walk over `pages` as process `tgid`, from what `captured` was unwound from.
+    fn program_walk(
+        pages: &HashMap<pyebpf_common::unwind::UnwindPageKey, Box<pyebpf_common::unwind::UnwindPage>>,
+        tgid: u32,
+        captured: &Captured,
+    ) -> Option<Unwound> {
+        let (ip, sp, bp) = captured.regs;
+        let read = |addr: u64| {
+            let at = usize::try_from(addr.checked_sub(sp)?).ok()?;
+            Some(u64::from_ne_bytes(captured.copy.get(at..at + 8)?.try_into().unwrap()))
+        };
+        kernel_pages::walk_as_the_program_does(pages, tgid, ip, sp, bp, read)
+    }
+
     /// A complete unwind publishes the pages it went through, and the eBPF program's walk over them
     /// finds the same frames and frame bases; a process forgotten has them withdrawn.
     #[test]
@@ -504,12 +518,7 @@ mod tests {
             };
         }
         assert!(!pages.is_empty());
-        let (ip, sp, bp) = captured.regs;
-        let read = |addr: u64| {
-            let at = usize::try_from(addr.checked_sub(sp)?).ok()?;
-            Some(u64::from_ne_bytes(captured.copy.get(at..at + 8)?.try_into().unwrap()))
-        };
-        let walked = kernel_pages::walk_as_the_program_does(&pages, pid, ip, sp, bp, read).expect("the program's walk reaches the root");
+        let walked = program_walk(&pages, pid, &captured).expect("the program's walk reaches the root");
         assert_eq!(walked, captured.unwound);
         unwinder.unwinder.forget_process(pid);
         let removed = unwinder.unwinder.take_page_updates().iter().filter(|update| matches!(update, PageUpdate::Remove(_))).count();
@@ -541,12 +550,7 @@ mod tests {
             }
         }
         assert!(pages.len() > 2, "only the pages its own unwind went through: {}", pages.len());
-        let (ip, sp, bp) = captured.regs;
-        let read = |addr: u64| {
-            let at = usize::try_from(addr.checked_sub(sp)?).ok()?;
-            Some(u64::from_ne_bytes(captured.copy.get(at..at + 8)?.try_into().unwrap()))
-        };
-        let walked = kernel_pages::walk_as_the_program_does(&pages, other, ip, sp, bp, read).expect("the program's walk reaches the root");
+        let walked = program_walk(&pages, other, &captured).expect("the program's walk reaches the root");
         assert_eq!(walked, captured.unwound);
     }
 
