@@ -303,3 +303,44 @@ pub fn assert_one_line_error(output: &Output, expected: &str) {
     assert!(!stderr.contains("panicked"), "{stderr}");
     assert_eq!(stderr.trim_end().lines().count(), 1, "not one line: {stderr}");
 }
+
+/// `KEY:\tN` values (`prog_id`, `map_id`, `link_id`) of a process's file descriptors.
+pub fn bpf_ids(pid: u32, key: &str) -> Vec<u32> {
+    let Ok(entries) = std::fs::read_dir(format!("/proc/{pid}/fdinfo")) else { return Vec::new() };
+    let prefix = format!("{key}:");
+    let mut ids: Vec<u32> = entries
+        .filter_map(|entry| std::fs::read_to_string(entry.ok()?.path()).ok())
+        .flat_map(|info| info.lines().filter_map(|l| l.strip_prefix(&prefix)?.trim().parse().ok()).collect::<Vec<u32>>())
+        .collect();
+    ids.sort_unstable();
+    ids.dedup();
+    ids
+}
+
+/// `bpftool ARGS`'s standard output.
+pub fn bpftool(args: &[&str]) -> String {
+    let output = Command::new("bpftool").args(args).output().expect("bpftool must be installed (cargo xtask test installs it)");
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+/// The id of the BPF map named `name` that the process holds, if it holds one.
+pub fn bpf_map_id(pid: u32, name: &str) -> Option<u32> {
+    bpf_ids(pid, "map_id").into_iter().find(|id| bpftool(&["map", "show", "id", &id.to_string()]).contains(&format!("name {name} ")))
+}
+
+/// The keys of a BPF hash map whose keys are `u32`s, as `bpftool -j map dump` shows them (bytes
+/// in hex, little-endian, where the map has no BTF).
+pub fn bpf_map_u32_keys(id: u32) -> Vec<u32> {
+    let dump = bpftool(&["-j", "map", "dump", "id", &id.to_string()]);
+    let entries: Vec<serde_json::Value> = serde_json::from_str(&dump).unwrap_or_else(|err| panic!("bpftool's dump of map {id}: {err}: {dump}"));
+    entries
+        .iter()
+        .map(|entry| match &entry["key"] {
+            serde_json::Value::Array(bytes) => {
+                let bytes: Vec<u8> = bytes.iter().map(|b| u8::from_str_radix(b.as_str().unwrap().trim_start_matches("0x"), 16).unwrap()).collect();
+                u32::from_le_bytes(bytes.try_into().unwrap_or_else(|b| panic!("a key of {} bytes in map {id}", Vec::len(&b))))
+            }
+            key => key.as_u64().and_then(|k| u32::try_from(k).ok()).unwrap_or_else(|| panic!("map {id}: key {key}")),
+        })
+        .collect()
+}

@@ -1,11 +1,13 @@
 //! pyebpf's one write into a target, CPython 3.15's `last_profiled_frame` marker, cannot corrupt
 //! it (issue 7): a program whose threads come and go, and which checks its own heap, runs under
-//! `record -p` and `record -a`; every `process_vm_writev` pyebpf makes is traced.
+//! `record -p` and `record -a`; every `process_vm_writev` pyebpf makes is traced. And what the
+//! eBPF program reads a thread through, its registration, goes when the thread exits.
 
-use std::process::Command;
-use std::time::Duration;
+use std::collections::BTreeSet;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
 
-use pyebpf_tests::{debian_python, pyebpf, script, wait_for_file, Killed};
+use pyebpf_tests::{bpf_map_id, bpf_map_u32_keys, debian_python, pyebpf, script, start_ready, wait_for_file, Killed};
 
 /// Canaries run side by side in each recording: three of them for 30 s expose as many thread
 /// states to the marker write as three runs of one, in a third of the time.
@@ -113,4 +115,44 @@ fn read_only_writes_nothing() {
     assert!(!trace.contains("process_vm_writev("), "--read-only wrote into a process:\n{trace}");
     assert!(stderr.contains("markers established:        0 "), "{stderr}");
     assert!(stderr.contains("truncated:                0 "), "{stderr}");
+}
+
+/// A thread's registration with the eBPF program (its `PY_THREADS` entry, naming its thread state,
+/// which CPython frees at the thread's exit) goes when the thread exits, not at userspace's next
+/// read of the thread list (every 30 s). Threads of 150-400 ms come and go under `record -p`; at
+/// each look, every thread seen registered before whose `/proc` entry is gone (the kernel's exit
+/// hook runs before the thread leaves `/proc`) must be out of the map.
+#[test]
+fn exited_threads_leave_no_registration_in_the_kernel() {
+    let (target, dir) = start_ready(&debian_python("3.13"), "thread_turnover.py", &["60"]);
+    let pid = target.pid();
+    let recording = Killed(
+        Command::new(pyebpf())
+            .args(["record", "-p", &pid.to_string(), "-F", "499", "-d", "30", "-o"])
+            .arg(dir.path().join("p.folded"))
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let started = Instant::now();
+    let map = loop {
+        if let Some(id) = bpf_map_id(recording.pid(), "PY_THREADS") {
+            break id;
+        }
+        assert!(started.elapsed() < Duration::from_secs(30), "pyebpf held no PY_THREADS map after 30 s");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let (mut seen, mut exited) = (BTreeSet::new(), BTreeSet::new());
+    let looking = Instant::now();
+    while looking.elapsed() < Duration::from_secs(10) {
+        let gone: BTreeSet<u32> = seen.iter().copied().filter(|tid| !std::path::Path::new(&format!("/proc/{pid}/task/{tid}")).exists()).collect();
+        let registered: BTreeSet<u32> = bpf_map_u32_keys(map).into_iter().collect();
+        let stale: Vec<&u32> = gone.intersection(&registered).collect();
+        assert!(stale.is_empty(), "threads {stale:?} of {pid} exited but are still registered with the eBPF program");
+        exited.extend(gone);
+        seen.extend(registered.into_iter().filter(|&tid| tid != pid));
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // Only threads seen registered, then gone, prove anything above.
+    assert!(exited.len() >= 30, "only {} threads of {pid} were seen registered and then exiting ({} seen registered)", exited.len(), seen.len());
 }

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use pyebpf_tests::{debian_python, pyebpf, pyebpf_command, signal_masks, stacks_of, total, wait_after_signal, Killed, Sent};
+use pyebpf_tests::{bpf_ids, bpf_map_id, bpftool, debian_python, pyebpf, pyebpf_command, signal_masks, stacks_of, total, wait_after_signal, Killed, Sent};
 
 /// A Python process spinning in `fault_spin` under Debian's `python{version}`.
 fn spinner(version: &str) -> Killed {
@@ -180,19 +180,6 @@ fn a_stop_signal_at_any_moment_leaves_a_whole_profile_or_none() {
     assert!(outcomes.iter().filter(|o| o.ends_with("whole")).count() >= 9, "signals well into sampling gave no profile: {outcomes:?}");
 }
 
-/// `KEY:\tN` values (`prog_id`, `map_id`, `link_id`) of a process's file descriptors.
-fn bpf_ids(pid: u32, key: &str) -> Vec<u32> {
-    let Ok(entries) = std::fs::read_dir(format!("/proc/{pid}/fdinfo")) else { return Vec::new() };
-    let prefix = format!("{key}:");
-    let mut ids: Vec<u32> = entries
-        .filter_map(|entry| std::fs::read_to_string(entry.ok()?.path()).ok())
-        .flat_map(|info| info.lines().filter_map(|l| l.strip_prefix(&prefix)?.trim().parse().ok()).collect::<Vec<u32>>())
-        .collect();
-    ids.sort_unstable();
-    ids.dedup();
-    ids
-}
-
 /// How many perf events the process holds open.
 fn perf_event_fds(pid: u32) -> usize {
     let Ok(entries) = std::fs::read_dir(format!("/proc/{pid}/fd")) else { return 0 };
@@ -201,9 +188,8 @@ fn perf_event_fds(pid: u32) -> usize {
 
 /// How many CPUs' timer clocks run in the `TICKS` map the process holds (`status` 1, started).
 fn timer_clocks_started(pid: u32) -> usize {
-    let bpftool = |args: &[&str]| Command::new("bpftool").args(args).output().map(|out| String::from_utf8_lossy(&out.stdout).into_owned()).unwrap_or_default();
-    let ticks = bpf_ids(pid, "map_id").into_iter().map(|id| id.to_string()).find(|id| bpftool(&["map", "show", "id", id]).contains("name TICKS "));
-    ticks.map_or(0, |id| bpftool(&["map", "dump", "id", &id]).matches("\"status\": 1").count())
+    let ticks = bpf_map_id(pid, "TICKS");
+    ticks.map_or(0, |id| bpftool(&["map", "dump", "id", &id.to_string()]).matches("\"status\": 1").count())
 }
 
 /// Whether the kernel still has a BPF object of this kind (`prog`, `map`, `link`) and id.
