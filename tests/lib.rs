@@ -344,3 +344,96 @@ pub fn bpf_map_u32_keys(id: u32) -> Vec<u32> {
         })
         .collect()
 }
+
+/// The context switches of `pid`'s thread named `name` so far.
+pub fn switches_of_thread(pid: u32, name: &str) -> u64 {
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).unwrap();
+    for task in tasks.flatten() {
+        let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
+        if comm.trim() != name {
+            continue;
+        }
+        let status = std::fs::read_to_string(task.path().join("status")).unwrap();
+        return status
+            .lines()
+            .filter(|line| line.starts_with("voluntary_ctxt_switches") || line.starts_with("nonvoluntary_ctxt_switches"))
+            .map(|line| line.split_whitespace().last().unwrap().parse::<u64>().unwrap())
+            .sum();
+    }
+    panic!("pyebpf (pid {pid}) has no thread named {name}");
+}
+
+/// `start(callback, native_s, seconds)`: a thread that spins in C for `native_s`, then calls
+/// `callback` (if any) over and over, 0.3 ms apart, until `seconds`; returns its index.
+const C_THREADS_LIBRARY: &str = r#"
+#include <pthread.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+struct job { void (*callback)(void); double native_s, seconds; volatile long tid; };
+static struct job jobs[8];
+static pthread_t threads[8];
+static int started;
+static volatile unsigned long sink;
+
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + t.tv_nsec / 1e9;
+}
+
+static void *run(void *arg) {
+    struct job *job = arg;
+    double start = now();
+    job->tid = syscall(SYS_gettid);
+    while (now() - start < job->native_s)
+        sink++;
+    while (job->callback && now() - start < job->seconds) {
+        job->callback();
+        usleep(300);
+    }
+    return 0;
+}
+
+int start(void (*callback)(void), double native_s, double seconds) {
+    if (started == 8)
+        return -1;
+    jobs[started] = (struct job){ callback, native_s, seconds, 0 };
+    if (pthread_create(&threads[started], 0, run, &jobs[started]))
+        return -1;
+    return started++;
+}
+
+long tid_of(int index) { return index >= 0 && index < started ? jobs[index].tid : 0; }
+
+void join_all(void) {
+    for (int i = 0; i < started; i++)
+        pthread_join(threads[i], 0);
+}
+"#;
+
+fn c_threads_library(dir: &Path) -> PathBuf {
+    compile_c(dir, "libcthreads.so", C_THREADS_LIBRARY, &["-O2", "-shared", "-fPIC", "-pthread"])
+}
+
+/// Starts `c_threads.py` (C threads in a Python process) in `mode` under `python` with `env`,
+/// building its library in `dir`; the process and its C threads' ids by name.
+pub fn start_c_threads(python: &Path, dir: &Path, mode: &str, seconds: &str, env: &[(&str, &str)]) -> (Killed, Vec<(String, u32)>) {
+    let ready = dir.join("ready");
+    let mut command = Command::new(python);
+    command.arg(script("c_threads.py")).arg(&ready).arg(c_threads_library(dir)).args([seconds, mode]).envs(env.iter().copied()).stdin(Stdio::null());
+    let child = Killed(command.spawn().unwrap());
+    wait_for_file(&ready, &format!("c_threads.py {mode} under {}", python.display()));
+    // Written in one go, but read it whole.
+    std::thread::sleep(Duration::from_millis(50));
+    let threads = std::fs::read_to_string(&ready)
+        .unwrap()
+        .lines()
+        .map(|line| {
+            let (name, tid) = line.split_once(' ').unwrap();
+            (name.to_string(), tid.parse().unwrap())
+        })
+        .collect();
+    (child, threads)
+}

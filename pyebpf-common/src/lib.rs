@@ -460,7 +460,9 @@ pub mod py_proc_flags {
     pub const TASKS: u32 = 1 << 2;
 }
 
-/// Steps of the look-up of `FIND_ATTACHED` at most: one per thread state or interpreter visited.
+/// Steps of the look-up of a thread's state in the thread lists at most (when the registered one
+/// is no longer the thread's, or with `FIND_ATTACHED` not attached): one per thread state or
+/// interpreter visited.
 pub const MAX_ATTACHED_STEPS: u32 = 256;
 
 /// A Python thread, the value of `PY_THREADS` (keyed by the host's thread id).
@@ -522,14 +524,22 @@ pub struct PyProcConfig {
     pub tstate_cframe: u32,
     /// Bits cleared from `f_executable` before use (its tag bits; 0 where it is not tagged).
     pub executable_tag_mask: u64,
-    /// For `FIND_ATTACHED`: the address of `_PyRuntime.interpreters.head`, and where to read the
-    /// interpreter and thread lists and a thread state's id and attached bit (`_status`,
-    /// `status_attached`).
+    /// The address of `_PyRuntime.interpreters.head`, and where to read the interpreter and
+    /// thread lists (whether the registered state is still listed, which state is a thread's when
+    /// it is not), a thread state's thread id and, for `FIND_ATTACHED`, its attached bit
+    /// (`_status`, `status_attached`).
     pub interpreters_head: u64,
     pub interp_next: u32,
     pub interp_threads_head: u32,
+    pub tstate_prev: u32,
     pub tstate_next: u32,
+    pub tstate_interp: u32,
     pub tstate_native_thread_id: u32,
+    /// Before 3.11: `tstate_native_thread_id` is `thread_id`, the thread's `pthread_t`, and this is
+    /// where the C library's thread descriptor it points at keeps the thread's id. [`NO_OFFSET`]
+    /// from 3.11 on.
+    pub pthread_tid: u32,
+    pub _pad: u32,
     pub tstate_status: u32,
     pub status_attached: u32,
     /// Before 3.12: where the code object's [`code_fingerprint`] words start (`code_version` is

@@ -39,21 +39,19 @@ pub fn capture_python<C: EbpfContext>(
     py: &mut PyCapture,
     frames: &mut [PyFrameRecord; MAX_PY_FRAMES],
 ) -> bool {
-    py.tstate = thread.tstate;
-    // The registered state, still attached, needs no look-up (a thread mostly stays put).
-    if config.flags & py_proc_flags::FIND_ATTACHED != 0
-        && read_u32(thread.tstate + config.tstate_status as u64).is_none_or(|status| status & config.status_attached == 0)
-    {
-        let attached = find_attached(config, thread.ns_tid);
-        if attached != 0 {
-            py.tstate = attached;
-        }
+    py.tstate = thread_state(config, &thread);
+    if py.tstate == UNKNOWN_STATE {
+        debug!(ctx, "tid {}: cannot look up its thread state", tid);
+        return false;
     }
     py.status |= py_status::THREAD_KNOWN;
-    if gil && holds_gil(config, py.tstate) {
+    if gil && py.tstate != 0 && holds_gil(config, py.tstate) {
         py.status |= py_status::HOLDS_GIL;
     }
-    let Some(frame) = current_frame(config, py.tstate) else {
+    // No thread state names the thread: it runs no Python code now (a C thread between calls
+    // into Python, whose state goes at each `PyGILState_Release`).
+    let frame = if py.tstate == 0 { Some(0) } else { current_frame(config, py.tstate) };
+    let Some(frame) = frame else {
         debug!(ctx, "tid {}: cannot read its thread state at {:x}", tid, py.tstate);
         return false;
     };
@@ -92,43 +90,106 @@ fn current_frame(config: &PyProcConfig, tstate: u64) -> Option<u64> {
     read_u64(holder + config.tstate_current_frame as u64)
 }
 
-/// A look-up of the thread state attached to a thread, shared between `find_attached` and its
-/// `bpf_loop` steps.
-struct AttachedSearch {
+/// What [`thread_state`] and [`find_state`] give where the thread lists cannot be read to their
+/// end (no thread state lies there). A plain value, not an `Option`: the verifier refuses reads of
+/// the undefined payload of a `None` that the compiler may make.
+const UNKNOWN_STATE: u64 = u64::MAX;
+
+/// The thread state the thread runs in now, 0 if none is its, or [`UNKNOWN_STATE`]. The
+/// registered one, if it is still the thread's (a C thread calling into Python gets a new state
+/// at each `PyGILState_Ensure`, and the old one's memory may be another thread's state by then)
+/// and, with `FIND_ATTACHED`, still attached; otherwise the one the interpreters' thread lists
+/// give the thread (attached, with `FIND_ATTACHED`), or else the registered one while it is
+/// still the thread's (parked at the call that switched interpreters).
+#[inline(always)]
+fn thread_state(config: &PyProcConfig, thread: &PyThreadEntry) -> u64 {
+    let find_attached = config.flags & py_proc_flags::FIND_ATTACHED != 0;
+    let owned = names_thread(config, thread.tstate, thread.ns_tid) && is_listed(config, thread.tstate);
+    if owned && (!find_attached || is_attached(config, thread.tstate)) {
+        return thread.tstate;
+    }
+    let found = find_state(config, thread.ns_tid, find_attached);
+    if found != 0 && found != UNKNOWN_STATE {
+        found
+    } else if owned {
+        thread.tstate
+    } else {
+        found
+    }
+}
+
+/// Whether the thread state at `tstate` names thread `ns_tid` as its own: `native_thread_id`, or
+/// before 3.11 the thread id in the C library's descriptor its `thread_id` points at.
+fn names_thread(config: &PyProcConfig, tstate: u64, ns_tid: u32) -> bool {
+    let Some(id) = read_u64(tstate + config.tstate_native_thread_id as u64) else { return false };
+    if config.pthread_tid == NO_OFFSET {
+        return id == ns_tid as u64;
+    }
+    read_u32(id + config.pthread_tid as u64).is_some_and(|tid| tid == ns_tid)
+}
+
+/// Whether the thread state at `tstate` is in its interpreter's thread list: the `next` of the
+/// state before it, or the list's head. A freed state keeps the thread id it had, and is not
+/// (a state being added beside it may make this false for a moment: a look-up settles that).
+fn is_listed(config: &PyProcConfig, tstate: u64) -> bool {
+    let Some(prev) = read_u64(tstate + config.tstate_prev as u64) else { return false };
+    let link = if prev == 0 {
+        let Some(interp) = read_u64(tstate + config.tstate_interp as u64) else { return false };
+        interp + config.interp_threads_head as u64
+    } else {
+        prev + config.tstate_next as u64
+    };
+    read_u64(link).is_some_and(|linked| linked == tstate)
+}
+
+fn is_attached(config: &PyProcConfig, tstate: u64) -> bool {
+    read_u32(tstate + config.tstate_status as u64).is_some_and(|status| status & config.status_attached != 0)
+}
+
+/// A look-up of a thread's state in the interpreters' thread lists, shared between `find_state`
+/// and its `bpf_loop` steps.
+struct StateSearch {
     config: *const PyProcConfig,
-    ns_tid: u64,
+    ns_tid: u32,
+    attached_only: bool,
     /// The interpreter whose thread list comes next.
     next_interp: u64,
     /// The thread state to look at next; 0 at the end of an interpreter's list.
     tstate: u64,
     found: u64,
+    /// The lists were read to their end.
+    ended: bool,
 }
 
-/// The thread state of thread `ns_tid` that is attached to it now (the one whose interpreter it
-/// runs in), found in the interpreters' thread lists; 0 if none is (the thread is between
-/// interpreters or waits without one) or the lists cannot be read.
-fn find_attached(config: &PyProcConfig, ns_tid: u32) -> u64 {
-    let Some(head) = read_u64(config.interpreters_head) else { return 0 };
-    let mut search = AttachedSearch { config, ns_tid: ns_tid as u64, next_interp: head, tstate: 0, found: 0 };
+/// The thread state of thread `ns_tid` (attached to it, with `attached_only`) in the interpreters'
+/// thread lists: 0 if none is, [`UNKNOWN_STATE`] if the lists cannot be read to their end.
+fn find_state(config: &PyProcConfig, ns_tid: u32, attached_only: bool) -> u64 {
+    let Some(head) = read_u64(config.interpreters_head) else { return UNKNOWN_STATE };
+    let mut search = StateSearch { config, ns_tid, attached_only, next_interp: head, tstate: 0, found: 0, ended: false };
     // SAFETY: the callback is a BPF subprogram taking this context; the kernel bounds the count,
     // which also ends a list that loops.
-    unsafe { generated::bpf_loop(MAX_ATTACHED_STEPS, attached_step as *mut c_void, &mut search as *mut AttachedSearch as *mut c_void, 0) };
-    search.found
+    unsafe { generated::bpf_loop(MAX_ATTACHED_STEPS, state_step as *mut c_void, &mut search as *mut StateSearch as *mut c_void, 0) };
+    if search.found != 0 || search.ended {
+        search.found
+    } else {
+        UNKNOWN_STATE
+    }
 }
 
 /// One thread state, or the start of the next interpreter's list: 0 goes on, 1 stops.
 ///
 /// # Safety
-/// `context` must be the `AttachedSearch` of `find_attached`, whose `config` outlives the loop.
+/// `context` must be the `StateSearch` of `find_state`, whose `config` outlives the loop.
 #[inline(never)]
-unsafe extern "C" fn attached_step(_index: u64, context: *mut c_void) -> i64 {
-    // SAFETY: bpf_loop passes find_attached's `AttachedSearch` back unchanged.
-    let search = unsafe { &mut *(context as *mut AttachedSearch) };
-    // SAFETY: find_attached's caller's copy, alive for the whole loop.
+unsafe extern "C" fn state_step(_index: u64, context: *mut c_void) -> i64 {
+    // SAFETY: bpf_loop passes find_state's `StateSearch` back unchanged.
+    let search = unsafe { &mut *(context as *mut StateSearch) };
+    // SAFETY: find_state's caller's copy, alive for the whole loop.
     let config = unsafe { &*search.config };
     if search.tstate == 0 {
         let interp = search.next_interp;
         if interp == 0 {
+            search.ended = true;
             return 1;
         }
         let (Some(head), Some(next)) = (read_u64(interp + config.interp_threads_head as u64), read_u64(interp + config.interp_next as u64)) else {
@@ -139,14 +200,8 @@ unsafe extern "C" fn attached_step(_index: u64, context: *mut c_void) -> i64 {
         return 0;
     }
     let tstate = search.tstate;
-    let (Some(id), Some(status), Some(next)) = (
-        read_u64(tstate + config.tstate_native_thread_id as u64),
-        read_u32(tstate + config.tstate_status as u64),
-        read_u64(tstate + config.tstate_next as u64),
-    ) else {
-        return 1;
-    };
-    if id == search.ns_tid && status & config.status_attached != 0 {
+    let Some(next) = read_u64(tstate + config.tstate_next as u64) else { return 1 };
+    if names_thread(config, tstate, search.ns_tid) && (!search.attached_only || is_attached(config, tstate)) {
         search.found = tstate;
         return 1;
     }

@@ -5,25 +5,7 @@
 use std::process::Stdio;
 use std::time::Duration;
 
-use pyebpf_tests::{pyebpf_command, pyenv_python, start_ready};
-
-/// The context switches of `pid`'s thread named `name` so far.
-fn switches_of_thread(pid: u32, name: &str) -> u64 {
-    let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).unwrap();
-    for task in tasks.flatten() {
-        let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
-        if comm.trim() != name {
-            continue;
-        }
-        let status = std::fs::read_to_string(task.path().join("status")).unwrap();
-        return status
-            .lines()
-            .filter(|line| line.starts_with("voluntary_ctxt_switches") || line.starts_with("nonvoluntary_ctxt_switches"))
-            .map(|line| line.split_whitespace().last().unwrap().parse::<u64>().unwrap())
-            .sum();
-    }
-    panic!("pyebpf (pid {pid}) has no thread named {name}");
-}
+use pyebpf_tests::{pyebpf_command, pyenv_python, start_ready, switches_of_thread};
 
 /// A Python 3.12 process five frames deep (deeper than the walk a 3.15 marker would shorten, so
 /// this fails where any Python process's deep samples are taken as urgent).

@@ -111,7 +111,10 @@ pub struct DebugOffsets {
     pub gil_holder: u64,
     pub code_object_generation: Option<u64>,
     pub tstate_size: u64,
+    /// `prev`, `next` and `interp` of a thread state: its interpreter's thread list links it.
+    pub tstate_prev: u64,
     pub tstate_next: u64,
+    pub tstate_interp: u64,
     /// 3.11 and 3.12: the thread's innermost frame is `tstate->cframe->current_frame`: `tstate_cframe` is
     /// where the `_PyCFrame` pointer sits in the thread state, and `tstate_current_frame` is then
     /// the frame's offset in the `_PyCFrame`. `None` from 3.13 on (`tstate->current_frame`).
@@ -409,7 +412,9 @@ fn decode(s: &Structures, l: &Layout, version: PyVersion) -> Result<DebugOffsets
         // Outside the interpreter state, the counter is taken as absent.
         code_object_generation: l.code_object_generation.and_then(|index| s.interp.field(index).ok()),
         tstate_size: s.tstate.size,
+        tstate_prev: s.tstate.field(l.tstate_prev)?,
         tstate_next: s.tstate.field(l.tstate_next)?,
+        tstate_interp: s.tstate.field(l.tstate_interp)?,
         tstate_cframe: None,
         tstate_current_frame: s.tstate.field(l.tstate_current_frame)?,
         tstate_last_profiled_frame: s.tstate.optional_field(l.tstate_last_profiled_frame)?,

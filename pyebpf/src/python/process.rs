@@ -21,7 +21,7 @@ use crate::stack::FrameCarry;
 pub(super) const THREAD_REFRESH: Duration = Duration::from_secs(30);
 /// A sample from an unregistered thread re-reads its process's threads at most this often.
 const UNKNOWN_THREAD_REFRESH: Duration = Duration::from_millis(20);
-/// Threads remembered per process as running no Python, at most (then forgotten all at once).
+/// Threads registered per process as running no Python, at most (then forgotten all at once).
 const MAX_NOT_PYTHON_THREADS: usize = 4096;
 
 pub(super) struct Process<M> {
@@ -30,9 +30,11 @@ pub(super) struct Process<M> {
     pub(super) config: PyProcConfig,
     pub(super) threads: HashMap<u32, Thread>,
     pub(super) threads_read: Instant,
-    /// Threads sampled while missing from a non-empty interpreter thread list: not Python threads,
-    /// so their samples cost no re-reads until the thread list changes.
-    not_python: HashSet<u32>,
+    /// Threads sampled while missing from a non-empty interpreter thread list (C threads), and
+    /// when each was registered with the eBPF program without a thread state: their samples look
+    /// theirs up in the thread lists, so they wake nobody and have Python frames whenever the
+    /// thread calls into Python.
+    not_python: HashMap<u32, u64>,
     pub(super) tasks: Tasks,
     /// Changes to what a sample's stack is resolved with (its threads, their marker chains):
     /// with the process's serial, its [`super::Pythons::state`].
@@ -47,7 +49,7 @@ impl<M: Memory> Process<M> {
             resolver,
             threads: HashMap::new(),
             threads_read: Instant::now(),
-            not_python: HashSet::new(),
+            not_python: HashMap::new(),
             tasks,
             changes: 0,
             serial,
@@ -84,7 +86,7 @@ impl<M: Memory> Process<M> {
 
     /// Removes the process and its threads from the eBPF program's maps.
     pub(super) fn unregister(&self, kernel: &mut dyn KernelMaps) {
-        for tid in self.threads.keys() {
+        for tid in self.threads.keys().chain(self.not_python.keys()) {
             kernel.remove_py_thread(*tid);
         }
         kernel.remove_py_process(self.pid());
@@ -107,7 +109,7 @@ impl<M: Memory> Process<M> {
     }
 
     /// A sample of a thread the eBPF program does not know: a thread started since the last read
-    /// of the thread list, or one that runs no Python (remembered, so it costs no more reads).
+    /// of the thread list, or one that runs no Python (registered without a thread state).
     pub(super) fn unknown_thread_sampled(&mut self, tid: u32, sampled_ns: u64, kernel: &mut dyn KernelMaps) {
         // Registered before the sample yet unknown at it: that thread exited, taking its entry
         // along, and this is a new thread given its id.
@@ -115,17 +117,38 @@ impl<M: Memory> Process<M> {
             self.threads.remove(&tid);
             self.changes += 1;
         }
-        if self.threads.contains_key(&tid) || self.not_python.contains(&tid) || self.threads_read.elapsed() < UNKNOWN_THREAD_REFRESH {
+        if self.not_python.get(&tid).is_some_and(|&registered_ns| registered_ns < sampled_ns) {
+            self.not_python.remove(&tid);
+        }
+        if self.threads.contains_key(&tid) || self.not_python.contains_key(&tid) || self.threads_read.elapsed() < UNKNOWN_THREAD_REFRESH {
             return;
         }
         self.refresh_threads(kernel);
         // An empty list is an interpreter still starting up: its main thread is not bound yet.
         if !self.threads.contains_key(&tid) && !self.threads.is_empty() {
-            // Native threads that come and go would otherwise pile up here for the process's life.
-            if self.not_python.len() >= MAX_NOT_PYTHON_THREADS {
-                self.not_python.clear();
-            }
-            self.not_python.insert(tid);
+            self.register_not_python(tid, kernel);
+        }
+    }
+
+    /// Registers `tid`, which has no thread state now, so its samples stop waking the reader.
+    fn register_not_python(&mut self, tid: u32, kernel: &mut dyn KernelMaps) {
+        // Native threads that come and go would otherwise pile up here for the process's life
+        // (the kernel drops each entry as its thread exits).
+        if self.not_python.len() >= MAX_NOT_PYTHON_THREADS {
+            self.not_python.clear();
+        }
+        let entry = PyThreadEntry { tstate: 0, ns_tid: ns_tid(self.pid(), tid), tgid: self.pid() };
+        if kernel.set_py_thread(tid, &entry).is_err() {
+            return;
+        }
+        // A thread sampled as it exited (its state already gone) may have exited since, its exit
+        // hook run before this entry was made: the entry would stay. Its task leaves /proc right
+        // after the hook, so one gone is removed here (one caught between the two keeps it until
+        // its process is forgotten).
+        if std::path::Path::new(&format!("/proc/{}/task/{tid}", self.pid())).exists() {
+            self.not_python.insert(tid, monotonic_ns());
+        } else {
+            kernel.remove_py_thread(tid);
         }
     }
 
@@ -136,10 +159,8 @@ impl<M: Memory> Process<M> {
             return std::path::Path::new(&format!("/proc/{}", self.pid())).exists();
         };
         let live: HashSet<u32> = threads.iter().map(|t| t.tid).collect();
-        if live.len() != self.threads.len() || !live.iter().all(|tid| self.threads.contains_key(tid)) {
-            // A thread that ran no Python may run it now.
-            self.not_python.clear();
-        }
+        // A thread that ran no Python and runs it now is registered with its state below.
+        self.not_python.retain(|tid, _| !live.contains(tid));
         let known = self.threads.len();
         self.threads.retain(|tid, _| {
             let keep = live.contains(tid);
@@ -174,4 +195,11 @@ impl<M: Memory> Process<M> {
             }
         }
     }
+}
+
+/// `tid`'s id in the PID namespace of its process `pid` (the last of `NSpid`), which is how its
+/// thread states would name it; `tid` where that cannot be read.
+fn ns_tid(pid: u32, tid: u32) -> u32 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/status")).unwrap_or_default();
+    status.lines().find_map(|line| line.strip_prefix("NSpid:")).and_then(|ids| ids.split_whitespace().last()?.parse().ok()).unwrap_or(tid)
 }

@@ -7,7 +7,7 @@
 use std::cell::RefCell;
 use std::time::Duration;
 
-use pyebpf_common::{origin, py_status, task_status, type_flags, SampleRecord};
+use pyebpf_common::{origin, py_status, task_status, type_flags, PyThreadEntry, SampleRecord};
 
 use super::tasks::{waiting_task_stacks, TaskPart};
 use super::*;
@@ -230,6 +230,40 @@ fn a_thread_whose_registration_the_kernel_dropped_is_registered_again() {
     // Taken after it, the registration is gone: the thread list is read again.
     resolve(&mut pythons, &unknown_sample(pid, pid, monotonic_ns()), &mut kernel, &mut stats, &mut frames);
     assert!(kernel.threads.contains_key(&pid), "the thread that took the id was not registered");
+}
+
+/// A thread missing from the thread lists (a C thread) is registered without a thread state, so
+/// its samples wake nobody and the kernel looks its state up when it calls into Python; it is
+/// registered again once the kernel dropped it, and goes with its process.
+#[test]
+fn a_thread_without_a_thread_state_is_registered_without_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let python = pyebpf_tests::test_pythons().join("usr/bin/python3.13");
+    let (target, threads) = pyebpf_tests::start_c_threads(&python, dir.path(), "spin", "60", &[]);
+    let (pid, c_thread) = (target.pid(), threads[0].1);
+    let py = PyProcess::with_memory(pid, Overlay::new(pid), runtime::find_runtime(pid).unwrap().address).unwrap();
+    let mut kernel = FakeKernel::default();
+    let mut pythons = registered(py, OPTIONS, &mut kernel);
+    let (mut stats, mut frames) = (Stats::default(), FrameTable::default());
+    std::thread::sleep(Duration::from_millis(30));
+    resolve(&mut pythons, &unknown_sample(pid, c_thread, monotonic_ns()), &mut kernel, &mut stats, &mut frames);
+    let stateless = PyThreadEntry { tstate: 0, ns_tid: c_thread, tgid: pid };
+    assert_eq!(kernel.threads.get(&c_thread), Some(&stateless), "the C thread was not registered without a state");
+    // The exit hook drops it; a sample taken before its registration says nothing of that.
+    let registered_by = monotonic_ns();
+    kernel.threads.remove(&c_thread);
+    std::thread::sleep(Duration::from_millis(30));
+    resolve(&mut pythons, &unknown_sample(pid, c_thread, registered_by - 1_000_000_000), &mut kernel, &mut stats, &mut frames);
+    assert!(!kernel.threads.contains_key(&c_thread), "a sample older than the registration registered the thread again");
+    resolve(&mut pythons, &unknown_sample(pid, c_thread, monotonic_ns()), &mut kernel, &mut stats, &mut frames);
+    assert_eq!(kernel.threads.get(&c_thread), Some(&stateless), "a new thread with the id was not registered");
+    // A thread gone by the time its sample is read is not registered: no exit hook would drop it.
+    let gone = pid + 1_000_000;
+    std::thread::sleep(Duration::from_millis(30));
+    resolve(&mut pythons, &unknown_sample(pid, gone, monotonic_ns()), &mut kernel, &mut stats, &mut frames);
+    assert!(!kernel.threads.contains_key(&gone), "a thread that had exited was registered");
+    pythons.forget(pid, &mut kernel);
+    assert!(kernel.threads.is_empty(), "registrations outlived their process: {:?}", kernel.threads);
 }
 
 #[test]

@@ -193,10 +193,17 @@ impl Session {
         let sample = SampleStack { pid: record.tgid, tid: record.tid, comm: &comm, frames, truncated: outcome.is_cut(), labels: Some(&labels), state };
         self.off_cpu.count(record, sample, stats, profile);
         // Only now: until the process is known, its samples come soon and with copies.
+        self.known_once_settled(record, kernel);
+        true
+    }
+
+    /// Tells the eBPF program that the process's samples need not reach userspace soon, once it
+    /// is classified, how its stacks unwind is settled and it is past its first second. A repeat
+    /// may settle it too: a process whose samples all repeat (a loop in C) has no other.
+    fn known_once_settled(&mut self, record: &SampleRecord, kernel: &mut dyn KernelMaps) {
         if self.python.classified(record.tgid) && self.native.unwinding_settled(record) && !self.young_python(record.tgid) {
             self.processes.known(record.tgid, kernel);
         }
-        true
     }
 
     /// Counts a sample identical to one resolved before with that one's stack, and the counters
@@ -226,6 +233,8 @@ impl Session {
         let (frames, truncated) = (resolved.frames, resolved.truncated);
         let sample = SampleStack { pid: record.tgid, tid: record.tid, comm, frames, truncated, labels: Some(labels), state: ThreadState::OnCpu };
         self.off_cpu.count(record, sample, stats, profile);
+        self.native.settle_repeat(record);
+        self.known_once_settled(record, kernel);
         None
     }
 

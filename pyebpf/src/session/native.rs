@@ -213,6 +213,15 @@ impl NativeStacks {
         }
     }
 
+    /// A repeat of a sample resolved before: a walk sent without a copy that reached a zero frame
+    /// pointer holds as the first did (a process whose samples all repeat has no other walks).
+    pub fn settle_repeat(&mut self, record: &SampleRecord) {
+        let judged = self.unwind != UnwindMode::Auto || self.copying.contains(&record.tgid);
+        if !judged && self.unwound.is_none() && record.user_status & user_status::FP_COMPLETE != 0 {
+            self.walk_held(record.tgid);
+        }
+    }
+
     /// One more of `pid`'s walks held; counted up to the trust, as a long run would overflow.
     fn walk_held(&mut self, pid: u32) {
         let held = self.walks_held.entry(pid).or_default();

@@ -81,7 +81,7 @@ fn each_offset_is_read_from_the_field_of_its_name() {
         #[rustfmt::skip]
         assert_read_by_name!(read, l, [
             interpreters_head, interp_id, interp_next, interp_threads_head, interp_ceval_gil,
-            tstate_next, tstate_current_frame, tstate_native_thread_id,
+            tstate_prev, tstate_next, tstate_interp, tstate_current_frame, tstate_native_thread_id,
             frame_previous, frame_executable, frame_instr_ptr,
             code_filename, code_qualname, code_linetable, code_firstlineno, code_adaptive,
             object_type, type_name, bytes_ob_size, bytes_data, unicode_state, unicode_length, unicode_ascii_size,
