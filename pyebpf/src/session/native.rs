@@ -215,8 +215,9 @@ impl NativeStacks {
 
     /// A repeat of a sample resolved before: a walk sent without a copy that reached a zero frame
     /// pointer holds as the first did (a process whose samples all repeat has no other walks).
+    /// With `--no-native` walks are not judged, as in [`Self::stack`].
     pub fn settle_repeat(&mut self, record: &SampleRecord) {
-        let judged = self.unwind != UnwindMode::Auto || self.copying.contains(&record.tgid);
+        let judged = self.no_native || self.unwind != UnwindMode::Auto || self.copying.contains(&record.tgid);
         if !judged && self.unwound.is_none() && record.user_status & user_status::FP_COMPLETE != 0 {
             self.walk_held(record.tgid);
         }
