@@ -346,7 +346,7 @@ pub fn bpf_map_u32_keys(id: u32) -> Vec<u32> {
 }
 
 /// The context switches of `pid`'s thread named `name` so far.
-pub fn switches_of_thread(pid: u32, name: &str) -> u64 {
+fn switches_of_thread(pid: u32, name: &str) -> u64 {
     let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).unwrap();
     for task in tasks.flatten() {
         let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
@@ -361,6 +361,26 @@ pub fn switches_of_thread(pid: u32, name: &str) -> u64 {
             .sum();
     }
     panic!("pyebpf (pid {pid}) has no thread named {name}");
+}
+
+/// How often pyebpf's reader thread was woken while `pyebpf record -p PID -F 49 -d 6` profiled
+/// `pid`, over the 3 s after its first 2 (past start-up: the process attached, its first second
+/// over), with the samples the run wrote in all and its stderr. Fails if pyebpf fails.
+pub fn reader_wakes_at_49_hz(pid: u32) -> (u64, u64, String) {
+    let out = tempfile::tempdir().unwrap();
+    let profile = out.path().join("profile.pb.gz");
+    let pid = pid.to_string();
+    let args = ["record", "-p", &pid, "-F", "49", "-d", "6", "-o", profile.to_str().unwrap()];
+    let pyebpf = pyebpf_command().args(args).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
+    std::thread::sleep(Duration::from_millis(2000));
+    let before = switches_of_thread(pyebpf.id(), "pyebpf-reader");
+    std::thread::sleep(Duration::from_millis(3000));
+    let woken = switches_of_thread(pyebpf.id(), "pyebpf-reader") - before;
+    let output = pyebpf.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    assert!(output.status.success(), "pyebpf failed: {stderr}");
+    let samples = stderr.split(" samples").next().and_then(|head| head.rsplit(' ').next()).and_then(|n| n.parse().ok()).unwrap_or(0);
+    (woken, samples, stderr)
 }
 
 /// `start(callback, native_s, seconds)`: a thread that spins in C for `native_s`, then calls

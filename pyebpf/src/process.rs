@@ -146,6 +146,18 @@ pub fn shares_pid_namespace(pid: u32) -> Option<bool> {
     Some(Some(&theirs) == ns("/proc/self/ns/pid".into()).as_ref())
 }
 
+/// The id of a task (a process, or a thread with `tid`) in its own PID namespace: the last of
+/// `NSpid` in its status, as the process itself and its thread states name it. None where the
+/// task is gone or the kernel does not say.
+pub fn own_namespace_id(pid: u32, tid: Option<u32>) -> Option<u32> {
+    let path = match tid {
+        Some(tid) => format!("/proc/{pid}/task/{tid}/status"),
+        None => format!("/proc/{pid}/status"),
+    };
+    let status = std::fs::read_to_string(path).ok()?;
+    status.lines().find_map(|line| line.strip_prefix("NSpid:"))?.split_whitespace().last()?.parse().ok()
+}
+
 /// For a process in a PID namespace other than pyebpf's (a container, see
 /// [`shares_pid_namespace`]), its threads' ids as the process sees them mapped to the host's.
 pub fn namespace_tids(pid: u32) -> Option<HashMap<u32, u32>> {

@@ -6,10 +6,8 @@
 //! pyebpf at every sample.
 
 use std::path::Path;
-use std::process::Stdio;
-use std::time::Duration;
 
-use pyebpf_tests::{count_where, debian_python, pyebpf_command, pyenv_python, record_collapsed, stacks_of, start_c_threads, switches_of_thread, total};
+use pyebpf_tests::{count_where, debian_python, pyenv_python, reader_wakes_at_49_hz, record_collapsed, stacks_of, start_c_threads, total};
 
 /// C threads calling into Python many times a second, each call in a new thread state, with
 /// glibc's allocator made to hand a freed state to whichever thread allocates next (no per-thread
@@ -77,19 +75,7 @@ fn c_threads_calling_into_python_keep_their_own_frames_debian_3_15() {
 fn the_reader_sleeps_through_samples_of_a_c_thread() {
     let dir = tempfile::tempdir().unwrap();
     let (child, _) = start_c_threads(&debian_python("3.13"), dir.path(), "spin", "30", &[]);
-    let profile = dir.path().join("profile.pb.gz");
-    let pid = child.pid().to_string();
-    let args = ["record", "-p", &pid, "-F", "49", "-d", "6", "-o", profile.to_str().unwrap()];
-    let pyebpf = pyebpf_command().args(args).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
-    // Past start-up: the process is attached, its first second over.
-    std::thread::sleep(Duration::from_millis(2000));
-    let before = switches_of_thread(pyebpf.id(), "pyebpf-reader");
-    std::thread::sleep(Duration::from_millis(3000));
-    let woken = switches_of_thread(pyebpf.id(), "pyebpf-reader") - before;
-    let output = pyebpf.wait_with_output().unwrap();
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(output.status.success(), "pyebpf failed: {stderr}");
-    let samples: u64 = stderr.split(" samples").next().and_then(|head| head.rsplit(' ').next()).and_then(|n| n.parse().ok()).unwrap_or(0);
+    let (woken, samples, stderr) = reader_wakes_at_49_hz(child.pid());
     assert!(samples >= 150, "too few samples to judge ({samples}): {stderr}");
     // As for a Python thread (wakeups.rs): the latency bound, the reader's own look after a batch
     // and its switches while it runs.

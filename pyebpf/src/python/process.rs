@@ -12,6 +12,7 @@ use super::tasks::Tasks;
 use crate::kernel_maps::KernelMaps;
 use crate::ktime::monotonic_ns;
 use crate::maps::MapsCache;
+use crate::process::own_namespace_id;
 use crate::stack::FrameCarry;
 
 /// How often thread lists are re-read, a safety net: a new thread is registered when a sample of
@@ -137,7 +138,7 @@ impl<M: Memory> Process<M> {
         if self.not_python.len() >= MAX_NOT_PYTHON_THREADS {
             self.not_python.clear();
         }
-        let entry = PyThreadEntry { tstate: 0, ns_tid: ns_tid(self.pid(), tid), tgid: self.pid() };
+        let entry = PyThreadEntry { tstate: 0, ns_tid: own_namespace_id(self.pid(), Some(tid)).unwrap_or(tid), tgid: self.pid() };
         if kernel.set_py_thread(tid, &entry).is_err() {
             return;
         }
@@ -195,11 +196,4 @@ impl<M: Memory> Process<M> {
             }
         }
     }
-}
-
-/// `tid`'s id in the PID namespace of its process `pid` (the last of `NSpid`), which is how its
-/// thread states would name it; `tid` where that cannot be read.
-fn ns_tid(pid: u32, tid: u32) -> u32 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/status")).unwrap_or_default();
-    status.lines().find_map(|line| line.strip_prefix("NSpid:")).and_then(|ids| ids.split_whitespace().last()?.parse().ok()).unwrap_or(tid)
 }

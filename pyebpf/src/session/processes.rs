@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use crate::kernel_maps::KernelMaps;
 use crate::maps::MapsCache;
-use crate::process::comm_to_string;
+use crate::process::{comm_to_string, own_namespace_id};
 use crate::stack::{ProcessDetails, ProcessLabels};
 
 /// A process not sampled for this long is checked against /proc (safety net for lost events).
@@ -126,9 +126,7 @@ fn start_time(pid: u32) -> Option<u64> {
 
 /// The PID inside the process's own PID namespace (when not the host's) and its cgroup.
 fn read_labels(pid: u32) -> ProcessLabels {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    let ns_pid =
-        status.lines().find_map(|line| line.strip_prefix("NSpid:")).and_then(|ids| ids.split_whitespace().last()?.parse().ok()).filter(|&inner| inner != pid);
+    let ns_pid = own_namespace_id(pid, None).filter(|&inner| inner != pid);
     let cgroup = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok().and_then(|text| cgroup_path(&text)).map(Arc::from);
     ProcessLabels { ns_pid, cgroup, details: None }
 }
