@@ -9,7 +9,9 @@
 //!
 //! The rules are the file's, wherever it is mapped: a process whose first unwind passes through a
 //! file is handed at once the pages of it published for other processes (where a loop runs hot in
-//! one interpreter it does in the next), so its later samples need no copy to find them.
+//! one interpreter it does in the next), and from then on every page of the file published for any
+//! process, so its later samples need no copy to find them: of many processes running one
+//! interpreter, one copy teaches them all.
 
 use std::collections::{HashMap, HashSet};
 use std::hash::BuildHasher;
@@ -48,8 +50,8 @@ pub(super) struct KernelPages {
     /// The pages published for any process, by file: their start in its stated addresses.
     hot: HashMap<FileId, HashSet<u64>>,
     hot_count: usize,
-    /// The files each process was handed the hot pages of.
-    seeded: HashSet<(u32, FileId)>,
+    /// The processes handed the hot pages of each file: they are handed its later pages too.
+    seeded: HashMap<FileId, HashSet<u32>>,
     updates: Vec<PageUpdate>,
     /// Scratch for one page's rules.
     rules: Vec<(u64, Rule)>,
@@ -57,29 +59,34 @@ pub(super) struct KernelPages {
 }
 
 impl KernelPages {
-    /// Publishes the pages `unwound` (reached its root in `pid`, which maps `files`, sorted by
-    /// address) went through that were not, or whose rows changed since with more of their file's
-    /// functions tabulated.
-    pub(super) fn publish(&mut self, pid: u32, unwound: &Unwound, files: &[MappedFile], tables: &RuleTables) {
+    /// Publishes the pages `unwound` (reached its root in `pid`) went through that were not, or
+    /// whose rows changed since with more of their file's functions tabulated; the same pages of
+    /// the same files go to the processes seeded with them. `files_of` gives a process's files
+    /// with unwind sections, sorted by address.
+    pub(super) fn publish<'f>(&mut self, pid: u32, unwound: &Unwound, files_of: impl Fn(u32) -> Option<&'f [MappedFile]>, tables: &RuleTables) {
+        let Some(files) = files_of(pid) else { return };
         for (index, &addr) in unwound.addrs.iter().enumerate() {
             // A caller's rule is its call instruction's, as the program looks it up.
             let lookup = if index == 0 { addr } else { addr.wrapping_sub(1) };
             let page = lookup & !(UNWIND_PAGE_SIZE - 1);
             let Some(file) = mapped_at(files, page) else { continue };
-            self.publish_page(pid, page, file, tables);
+            if self.publish_page(pid, page, file, tables) {
+                self.share(pid, file, page.wrapping_sub(file.base_avma), &files_of, tables);
+            }
             self.seed(pid, file, files, tables);
         }
     }
 
-    /// Publishes `pid`'s page at `page`, where `file` lies, unless it was with these rules.
-    fn publish_page(&mut self, pid: u32, page: u64, file: &MappedFile, tables: &RuleTables) {
+    /// Publishes `pid`'s page at `page`, where `file` lies, unless it was with these rules;
+    /// whether its rows changed.
+    fn publish_page(&mut self, pid: u32, page: u64, file: &MappedFile, tables: &RuleTables) -> bool {
         let key = UnwindPageKey { tgid: pid, _pad: 0, page };
         let known = self.published.get(&key);
         if known.is_some_and(|known| known.functions == tables.functions_of(file.id)) {
-            return;
+            return false;
         }
         if known.is_none() && self.published.len() >= MAX_UNWIND_PAGES as usize {
-            return;
+            return false;
         }
         let start = key.page.wrapping_sub(file.base_avma);
         tables.rules_over(file.id, start, start + UNWIND_PAGE_SIZE, &mut self.rules);
@@ -100,21 +107,38 @@ impl KernelPages {
         if self.hot.entry(file.id).or_default().insert(start) {
             self.hot_count += 1;
         }
+        changed
     }
 
     /// Hands `pid`, the first time an unwind of it passes through `file`, the pages of the file
     /// published for other processes, while half the program's room for pages is free.
     fn seed(&mut self, pid: u32, file: &MappedFile, files: &[MappedFile], tables: &RuleTables) {
-        if self.published.len() >= MAX_UNWIND_PAGES as usize / 2 || !self.seeded.insert((pid, file.id)) {
+        if self.published.len() >= MAX_UNWIND_PAGES as usize / 2 || !self.seeded.entry(file.id).or_default().insert(pid) {
             return;
         }
         let Some(hot) = self.hot.get(&file.id) else { return };
         let pages: Vec<u64> = hot.iter().map(|start| file.base_avma.wrapping_add(*start)).collect();
         for page in pages {
-            // The same file, mapped alike, lies there (not another part of it, or another file).
-            let alike = mapped_at(files, page).is_some_and(|at| at.id == file.id && at.base_avma == file.base_avma);
-            if alike && page % UNWIND_PAGE_SIZE == 0 {
+            if mapped_alike(files, page, file) {
                 self.publish_page(pid, page, file, tables);
+            }
+        }
+    }
+
+    /// Hands the page at stated address `start` of `file`, just published for `pid` with new rows,
+    /// to the other processes seeded with the file, while half the program's room is free.
+    fn share<'f>(&mut self, pid: u32, file: &MappedFile, start: u64, files_of: &impl Fn(u32) -> Option<&'f [MappedFile]>, tables: &RuleTables) {
+        let Some(seeded) = self.seeded.get(&file.id) else { return };
+        let others: Vec<u32> = seeded.iter().copied().filter(|&other| other != pid).collect();
+        for other in others {
+            if self.published.len() >= MAX_UNWIND_PAGES as usize / 2 {
+                return;
+            }
+            let Some(files) = files_of(other) else { continue };
+            let Some(theirs) = files.iter().find(|theirs| theirs.id == file.id) else { continue };
+            let page = theirs.base_avma.wrapping_add(start);
+            if mapped_alike(files, page, theirs) {
+                self.publish_page(other, page, theirs, tables);
             }
         }
     }
@@ -122,7 +146,10 @@ impl KernelPages {
     /// `pid` now maps `files` (sorted by address): its pages where another file, or the same
     /// elsewhere, lies go.
     pub(super) fn remapped(&mut self, pid: u32, files: &[MappedFile]) {
-        self.seeded.retain(|&(seeded, _)| seeded != pid);
+        self.seeded.retain(|_, seeded| {
+            seeded.remove(&pid);
+            !seeded.is_empty()
+        });
         let updates = &mut self.updates;
         self.published.retain(|key, known| {
             let same = key.tgid != pid || mapped_at(files, key.page).is_some_and(|file| file.id == known.file && file.base_avma == known.base_avma);
@@ -141,6 +168,12 @@ impl KernelPages {
     pub(super) fn take_updates(&mut self) -> Vec<PageUpdate> {
         std::mem::take(&mut self.updates)
     }
+}
+
+/// Whether `file` lies at `page` of a process mapping `files`, mapped as there (not another part of
+/// it, or another file), and `page` starts a page.
+fn mapped_alike(files: &[MappedFile], page: u64, file: &MappedFile) -> bool {
+    page.is_multiple_of(UNWIND_PAGE_SIZE) && mapped_at(files, page).is_some_and(|at| at.id == file.id && at.base_avma == file.base_avma)
 }
 
 /// The eBPF program's `UNWIND_PAGES`.
