@@ -1,5 +1,6 @@
 use super::*;
 use proptest::prelude::*;
+use pyebpf_common::unwind::{UnwindPage, UnwindPageKey};
 
 #[test]
 fn the_vdso_has_unwind_information_and_other_bytes_are_refused() {
@@ -85,11 +86,7 @@ fn unwinds_its_own_stack_through_every_recursion() {
 }
 
 /// The eBPF program's walk over `pages` as process `tgid`, from what `captured` was unwound from.
-fn program_walk(
-    pages: &HashMap<pyebpf_common::unwind::UnwindPageKey, Box<pyebpf_common::unwind::UnwindPage>>,
-    tgid: u32,
-    captured: &Captured,
-) -> Option<Unwound> {
+fn program_walk(pages: &HashMap<UnwindPageKey, Box<UnwindPage>>, tgid: u32, captured: &Captured) -> Option<Unwound> {
     let (ip, sp, bp) = captured.regs;
     let read = |addr: u64| {
         let at = usize::try_from(addr.checked_sub(sp)?).ok()?;
@@ -98,23 +95,40 @@ fn program_walk(
     kernel_pages::walk_as_the_program_does(pages, tgid, ip, sp, bp, read)
 }
 
+/// This stack captured and unwound to its root, its functions' rules tabulated first (so pages
+/// published from it are complete).
+fn capture_tabulated(unwinder: &mut Unwinding) -> Captured {
+    capture_here(3, unwinder);
+    let captured = capture_here(3, unwinder);
+    assert!(captured.unwound.complete, "{:x?}", captured.unwound);
+    captured
+}
+
+/// The innermost and outermost frames of `unwound`: an unwind through their pages only.
+fn ends_of(unwound: &Unwound) -> Unwound {
+    let addrs = &unwound.addrs;
+    Unwound { addrs: vec![addrs[0], addrs[addrs.len() - 1]], complete: true, ..Unwound::default() }
+}
+
+/// The program's pages once `updates` are applied to them.
+fn apply(updates: Vec<PageUpdate>, pages: &mut HashMap<UnwindPageKey, Box<UnwindPage>>) {
+    for update in updates {
+        match update {
+            PageUpdate::Set(key, page) => pages.insert(key, page),
+            PageUpdate::Remove(key) => pages.remove(&key),
+        };
+    }
+}
+
 /// A complete unwind publishes the pages it went through, and the eBPF program's walk over them
 /// finds the same frames and frame bases; a process forgotten has them withdrawn.
 #[test]
 fn published_pages_unwind_as_userspace_did() {
     let mut unwinder = Unwinding::default();
     let pid = std::process::id();
-    // Twice: the first unwind tabulates the functions, so pages published then are complete.
-    capture_here(3, &mut unwinder);
-    let captured = capture_here(3, &mut unwinder);
-    assert!(captured.unwound.complete, "{:x?}", captured.unwound);
+    let captured = capture_tabulated(&mut unwinder);
     let mut pages = HashMap::new();
-    for update in unwinder.unwinder.take_page_updates() {
-        match update {
-            PageUpdate::Set(key, page) => pages.insert(key, page),
-            PageUpdate::Remove(key) => pages.remove(&key),
-        };
-    }
+    apply(unwinder.unwinder.take_page_updates(), &mut pages);
     assert!(!pages.is_empty());
     let walked = program_walk(&pages, pid, &captured).expect("the program's walk reaches the root");
     assert_eq!(walked, captured.unwound);
@@ -129,25 +143,18 @@ fn published_pages_unwind_as_userspace_did() {
 fn a_process_is_handed_the_pages_another_published_of_its_files() {
     let mut unwinder = Unwinding::default();
     let pid = std::process::id();
-    capture_here(3, &mut unwinder);
-    let captured = capture_here(3, &mut unwinder);
-    assert!(captured.unwound.complete, "{:x?}", captured.unwound);
+    let captured = capture_tabulated(&mut unwinder);
     unwinder.unwinder.take_page_updates();
     // Another process mapping the same files alike, whose unwind went through the pages of
     // its innermost and outermost frames only.
     let other = pid | 0x4000_0000;
-    let addrs = &captured.unwound.addrs;
-    let ends = Unwound { addrs: vec![addrs[0], addrs[addrs.len() - 1]], complete: true, ..Unwound::default() };
     let unwinding = &mut unwinder.unwinder;
     let files = &unwinding.processes[&pid].files[..];
-    unwinding.pages.publish(other, &ends, |_| Some(files), &unwinding.rules);
+    unwinding.pages.publish(other, &ends_of(&captured.unwound), |_| Some(files), &unwinding.rules);
+    let updates = unwinding.take_page_updates();
+    assert!(updates.iter().all(|update| matches!(update, PageUpdate::Set(key, _) | PageUpdate::Remove(key) if key.tgid == other)), "{updates:?}");
     let mut pages = HashMap::new();
-    for update in unwinding.take_page_updates() {
-        if let PageUpdate::Set(key, page) = update {
-            assert_eq!(key.tgid, other);
-            pages.insert(key, page);
-        }
-    }
+    apply(updates, &mut pages);
     assert!(pages.len() > 2, "only the pages its own unwind went through: {}", pages.len());
     let walked = program_walk(&pages, other, &captured).expect("the program's walk reaches the root");
     assert_eq!(walked, captured.unwound);
@@ -159,32 +166,22 @@ fn a_process_is_handed_the_pages_another_published_of_its_files() {
 fn pages_published_later_for_one_process_reach_the_others_seeded_with_their_files() {
     let mut unwinder = Unwinding::default();
     let pid = std::process::id();
-    capture_here(3, &mut unwinder);
-    let captured = capture_here(3, &mut unwinder);
-    assert!(captured.unwound.complete, "{:x?}", captured.unwound);
+    let captured = capture_tabulated(&mut unwinder);
     // Two other processes mapping the same files alike, with none of the pages published yet.
     let (first, second) = (pid | 0x4000_0000, pid | 0x2000_0000);
     let files = &unwinder.unwinder.processes[&pid].files[..];
     let rules = &unwinder.unwinder.rules;
     let mut published = KernelPages::default();
-    let addrs = &captured.unwound.addrs;
-    let ends = Unwound { addrs: vec![addrs[0], addrs[addrs.len() - 1]], complete: true, ..Unwound::default() };
+    let ends = ends_of(&captured.unwound);
     published.publish(first, &ends, |_| Some(files), rules);
     published.publish(second, &ends, |_| Some(files), rules);
     let mut pages = HashMap::new();
-    let mut apply = |published: &mut KernelPages| {
-        for update in published.take_updates() {
-            match update {
-                PageUpdate::Set(key, page) => pages.insert(key, page),
-                PageUpdate::Remove(key) => pages.remove(&key),
-            };
-        }
-        program_walk(&pages, second, &captured)
-    };
-    assert_eq!(apply(&mut published), None, "the pages of its innermost and outermost frames walk the whole stack");
+    apply(published.take_updates(), &mut pages);
+    assert_eq!(program_walk(&pages, second, &captured), None, "the pages of its innermost and outermost frames walk the whole stack");
     // The first process's stack through the pages between.
     published.publish(first, &captured.unwound, |_| Some(files), rules);
-    assert_eq!(apply(&mut published), Some(captured.unwound.clone()));
+    apply(published.take_updates(), &mut pages);
+    assert_eq!(program_walk(&pages, second, &captured), Some(captured.unwound.clone()));
 }
 
 /// Every rule tabulated for the functions of this test binary and the C library it maps
