@@ -204,6 +204,11 @@ impl MapsCache {
         &self.entry(pid).maps
     }
 
+    /// `pid`'s latest snapshot, if its maps were ever read (never reads them).
+    pub fn latest(&self, pid: u32) -> Option<&Arc<Maps>> {
+        self.processes.get(&pid).map(|entry| &entry.maps)
+    }
+
     /// `pid`'s maps as read at most `age` ago, read now if older: for a reader that waits for a
     /// file to be mapped. Fails if they have to be read and cannot be.
     pub fn newer_than(&mut self, pid: u32, age: Duration) -> Result<&Arc<Maps>, MapsError> {

@@ -243,7 +243,13 @@ impl StackUnwinder {
         let unwound = unwind_with(&process.unwinder, &mut process.cache, &mut tabulated, snapshot);
         if unwound.complete {
             let processes = &self.processes;
-            self.pages.publish(pid, &unwound, |pid| processes.get(&pid).map(|process| &process.files[..]), &self.rules);
+            // Only modules built from a process's latest maps place its pages: by an older
+            // snapshot a page could lie where another file is mapped now.
+            let files_of = |pid| {
+                let process = processes.get(&pid)?;
+                maps.latest(pid).is_some_and(|latest| Arc::ptr_eq(latest, &process.snapshot)).then_some(&process.files[..])
+            };
+            self.pages.publish(pid, &unwound, files_of, &self.rules);
         }
         unwound
     }
