@@ -147,6 +147,13 @@ pub fn shares_pid_namespace(pid: u32) -> Option<bool> {
 }
 
 /// The id of a task (a process, or a thread with `tid`) in its own PID namespace: the last of
+/// `/proc/PID/stat`, read without opening the process's directory first (as
+/// `procfs::process::Process::stat` does): it is read for each process new to a recording.
+pub fn stat(pid: u32) -> procfs::ProcResult<procfs::process::Stat> {
+    use procfs::FromRead;
+    procfs::process::Stat::from_file(format!("/proc/{pid}/stat"))
+}
+
 /// `NSpid` in its status, as the process itself and its thread states name it. None where the
 /// task is gone or the kernel does not say.
 pub fn own_namespace_id(pid: u32, tid: Option<u32>) -> Option<u32> {

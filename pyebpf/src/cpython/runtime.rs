@@ -10,7 +10,7 @@ use std::sync::{LazyLock, Mutex};
 
 use object::read::ReadCache;
 use object::{Object, ObjectSection, ObjectSegment, ObjectSymbol, ReadRef, SectionIndex};
-use procfs::process::{MMapPath, Process};
+use procfs::process::MMapPath;
 
 use super::offsets::PyVersion;
 use super::PyError;
@@ -60,6 +60,11 @@ pub(super) fn is_python_file(path: &Path) -> bool {
     })
 }
 
+/// Whether `maps` map a file named as an interpreter or `libpython`.
+pub fn maps_python_file(maps: &Maps) -> bool {
+    !mapped_files(maps, is_python_file).is_empty()
+}
+
 /// The `MAJOR.MINOR` in an interpreter's file name (`python3.8`, `libpython2.7.so.1.0`,
 /// `python3.12d`), for versions without `Py_Version` (before 3.11).
 fn version_in_name(path: &Path) -> Option<String> {
@@ -76,8 +81,7 @@ pub fn has_exited(pid: u32) -> bool {
     // PF_EXITING: set when the process starts to exit, before its memory goes (its maps read
     // empty from then on) and well before it shows as a zombie.
     const PF_EXITING: u32 = 0x4;
-    let Ok(process) = Process::new(pid as i32) else { return true };
-    process.stat().map_or(true, |stat| matches!(stat.state, 'Z' | 'X') || stat.flags & PF_EXITING != 0)
+    crate::process::stat(pid).map_or(true, |stat| matches!(stat.state, 'Z' | 'X') || stat.flags & PF_EXITING != 0)
 }
 
 /// Where a process keeps its runtime state.

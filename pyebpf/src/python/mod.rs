@@ -30,7 +30,7 @@ use tasks::Tasks;
 use crate::cpython::memory::{MemCounters, ProcessMemory};
 use crate::cpython::{CodeCacheCounters, PyError, PyProcess};
 use crate::kernel_maps::KernelMaps;
-use crate::maps::MapsCache;
+use crate::maps::{Maps, MapsCache};
 use crate::stack::{FrameCarry, FrameTable};
 use crate::stats::{NamedProcesses, Stats};
 
@@ -86,6 +86,10 @@ struct Other {
     checks: u32,
     /// What was found cannot change without an exec (an unsupported version, say).
     settled: bool,
+    /// It ran code past the dynamic loader with no interpreter mapped: the libraries it needs
+    /// were all mapped, none of them Python. Still checked again (a `dlopen` may map one), but
+    /// its samples need not come soon.
+    loaded: bool,
 }
 
 impl Other {
@@ -111,8 +115,9 @@ pub struct Pythons<M = ProcessMemory> {
 impl Pythons<ProcessMemory> {
     /// Attaches to `pid` if it is a CPython 3.8+ process not seen before, and registers its
     /// threads with the eBPF program.
-    pub fn discover(&mut self, pid: u32, kernel: &mut dyn KernelMaps, maps: &mut MapsCache, stats: &mut Stats) {
-        if self.attach(pid, maps, stats) {
+    /// `ip`: the user instruction pointer of the sample that found it.
+    pub fn discover(&mut self, pid: u32, ip: Option<u64>, kernel: &mut dyn KernelMaps, maps: &mut MapsCache, stats: &mut Stats) {
+        if self.attach(pid, ip, maps, stats) {
             self.register(pid, kernel, maps);
         }
     }
@@ -122,25 +127,35 @@ impl Pythons<ProcessMemory> {
     /// the eBPF program.
     pub fn attach_all(&mut self, pids: impl IntoIterator<Item = u32>, maps: &mut MapsCache, stats: &mut Stats) {
         for pid in pids {
-            self.attach(pid, maps, stats);
+            self.attach(pid, None, maps, stats);
         }
     }
 
     /// True when `pid` was newly attached. Its maps are read afresh (a library the loader maps
     /// after an exec must show) into the snapshot the symbolizer and unwinder share.
-    fn attach(&mut self, pid: u32, maps: &mut MapsCache, stats: &mut Stats) -> bool {
+    fn attach(&mut self, pid: u32, ip: Option<u64>, maps: &mut MapsCache, stats: &mut Stats) -> bool {
         if self.processes.contains_key(&pid) || self.others.get(&pid).is_some_and(|other| !other.recheck_due()) {
             return false;
         }
         let checks = self.others.get(&pid).map_or(0, |other| other.checks + 1);
-        match maps.newer_than(pid, Duration::ZERO).map_err(PyError::from).and_then(|maps| PyProcess::attach_mapped(pid, maps)) {
+        let snapshot = match maps.newer_than(pid, Duration::ZERO) {
+            Ok(snapshot) => snapshot.clone(),
+            Err(err) => {
+                if checks == 0 {
+                    log::debug!("pid {pid}: not profiled as Python: {}", PyError::from(err));
+                }
+                self.not_python(pid, checks, false, false);
+                return false;
+            }
+        };
+        match PyProcess::attach_mapped(pid, &snapshot) {
             Ok(py) if py.fits_frame_window() => {
                 self.insert(py, stats);
                 true
             }
             Ok(_) => {
                 log::debug!("pid {pid}: frame fields beyond the eBPF program's window");
-                self.not_python(pid, checks, true);
+                self.not_python(pid, checks, true, false);
                 false
             }
             Err(err) => {
@@ -152,11 +167,21 @@ impl Pythons<ProcessMemory> {
                     }
                 }
                 let settled = err.unsupported_python().is_some() || matches!(err, PyError::BadOffsets(_));
-                self.not_python(pid, checks, settled);
+                self.not_python(pid, checks, settled, ran_past_loader(&snapshot, ip));
                 false
             }
         }
     }
+}
+
+/// Whether the instruction pointer lies in a file's code other than the dynamic loader's, with no
+/// interpreter mapped: the loader maps every library a program needs before any of them runs.
+fn ran_past_loader(maps: &Maps, ip: Option<u64>) -> bool {
+    let Some(file) = ip.and_then(|ip| maps.find(ip)).filter(|mapping| mapping.is_executable()).and_then(|mapping| mapping.file()) else {
+        return false;
+    };
+    let loader = file.file_name().and_then(|name| name.to_str()).is_some_and(|name| name.starts_with("ld-") || name.starts_with("ld64"));
+    !loader && !crate::cpython::runtime::maps_python_file(maps)
 }
 
 impl<M: Memory> Pythons<M> {
@@ -186,7 +211,7 @@ impl<M: Memory> Pythons<M> {
     /// Whether what `pid` is was settled: a CPython attached to, or a process that will not be
     /// checked again (until it execs). One still checked must have its samples soon.
     pub fn classified(&self, pid: u32) -> bool {
-        self.processes.contains_key(&pid) || self.others.get(&pid).is_some_and(|other| other.settled || other.checks >= RECHECKS)
+        self.processes.contains_key(&pid) || self.others.get(&pid).is_some_and(|other| other.settled || other.loaded || other.checks >= RECHECKS)
     }
 
     /// Whether `pid` is a free-threaded CPython attached to: it has no GIL to hold.
@@ -219,8 +244,8 @@ impl<M: Memory> Pythons<M> {
         self.processes.insert(pid, Process::new(frames::Resolver::new(py), tasks, self.next_serial));
     }
 
-    fn not_python(&mut self, pid: u32, checks: u32, settled: bool) {
-        self.others.insert(pid, Other { checked_at: Instant::now(), checks, settled });
+    fn not_python(&mut self, pid: u32, checks: u32, settled: bool, loaded: bool) {
+        self.others.insert(pid, Other { checked_at: Instant::now(), checks, settled, loaded });
     }
 
     pub fn register_all(&mut self, kernel: &mut dyn KernelMaps, maps: &mut MapsCache) {
@@ -242,7 +267,7 @@ impl<M: Memory> Pythons<M> {
         if !process.register(kernel) {
             log::debug!("pid {pid}: PY_PROCS is full; sampled natively");
             self.processes.remove(&pid);
-            self.not_python(pid, RECHECKS, true);
+            self.not_python(pid, RECHECKS, true, false);
         }
     }
 

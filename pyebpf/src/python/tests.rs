@@ -483,3 +483,39 @@ fn waiting_task_chains_that_loop_or_run_deep_are_cut() {
     assert_eq!((stacks[0].0.len(), stacks[0].1), (2 * pyebpf_common::MAX_TASKS, true));
     assert_eq!(stacks[11], (vec![12, 112], false));
 }
+
+/// A process without an interpreter mapped, sampled in its libraries' code, had every library
+/// it needs mapped: it is classified at once (its samples need not come soon). Sampled in the
+/// dynamic loader, or with no address, it may still map `libpython`: it stays unclassified while
+/// its rechecks last.
+#[test]
+fn a_process_running_past_the_loader_without_python_is_classified_at_once() {
+    let sleeper = Killed(std::process::Command::new("sleep").arg("60").spawn().unwrap());
+    let pid = sleeper.pid();
+    let mut maps = MapsCache::default();
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    // Its code in the C library, once the loader mapped it.
+    let code_in = |maps: &mut MapsCache, name: &str| {
+        let snapshot = maps.newer_than(pid, Duration::ZERO).unwrap();
+        let mapping = snapshot.executable().find(|mapping| mapping.file().is_some_and(|file| file.to_string_lossy().contains(name)));
+        mapping.map(|mapping| mapping.start + 16)
+    };
+    let libc = loop {
+        if let Some(addr) = code_in(&mut maps, "libc.so") {
+            break addr;
+        }
+        assert!(std::time::Instant::now() < deadline, "sleep never mapped the C library");
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let loader = code_in(&mut maps, "/ld-").expect("sleep maps the dynamic loader");
+    let (mut kernel, mut stats) = (FakeKernel::default(), Stats::default());
+
+    for ip in [None, Some(loader)] {
+        let mut pythons = Pythons::<ProcessMemory>::new(OPTIONS);
+        pythons.discover(pid, ip, &mut kernel, &mut maps, &mut stats);
+        assert!(!pythons.is_python(pid) && !pythons.classified(pid), "classified after a sample at {ip:x?}");
+    }
+    let mut pythons = Pythons::<ProcessMemory>::new(OPTIONS);
+    pythons.discover(pid, Some(libc), &mut kernel, &mut maps, &mut stats);
+    assert!(!pythons.is_python(pid) && pythons.classified(pid), "not classified after a sample in the C library");
+}

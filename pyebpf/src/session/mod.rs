@@ -258,7 +258,8 @@ impl Session {
             self.processes.known(record.tgid, kernel);
             return None;
         }
-        self.python.discover(record.tgid, kernel, self.processes.maps(), stats);
+        let ip = (record.user_len > 0).then(|| record.user_stack[0]);
+        self.python.discover(record.tgid, ip, kernel, self.processes.maps(), stats);
         let python = &self.python;
         let labels = self.processes.sampled(record.tgid, || python.version(record.tgid).map(|version| version.to_string()));
         if filter.python_only && !self.python.is_python(record.tgid) {

@@ -121,7 +121,7 @@ impl ProcessTable {
 }
 
 fn start_time(pid: u32) -> Option<u64> {
-    procfs::process::Process::new(pid as i32).and_then(|p| p.stat()).ok().map(|stat| stat.starttime)
+    crate::process::stat(pid).ok().map(|stat| stat.starttime)
 }
 
 /// The PID inside the process's own PID namespace (when not the host's) and its cgroup.

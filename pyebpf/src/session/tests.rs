@@ -190,7 +190,7 @@ fn rendered(profile: &Profile) -> Vec<String> {
 /// other native and kernel frames, and the process forgotten (an exec) and found again.
 fn varied_records(session: &mut Session, kernel: &mut FakeKernel, pid: u32) -> Vec<Box<SampleRecord>> {
     let mut stats = Stats::default();
-    session.python.discover(pid, kernel, session.processes.maps(), &mut stats);
+    session.python.discover(pid, None, kernel, session.processes.maps(), &mut stats);
     let mut tids: Vec<u32> =
         std::fs::read_dir(format!("/proc/{pid}/task")).unwrap().map(|e| e.unwrap().file_name().to_str().unwrap().parse().unwrap()).collect();
     tids.sort();
