@@ -146,7 +146,6 @@ pub fn shares_pid_namespace(pid: u32) -> Option<bool> {
     Some(Some(&theirs) == ns("/proc/self/ns/pid".into()).as_ref())
 }
 
-/// The id of a task (a process, or a thread with `tid`) in its own PID namespace: the last of
 /// `/proc/PID/stat`, read without opening the process's directory first (as
 /// `procfs::process::Process::stat` does): it is read for each process new to a recording.
 pub fn stat(pid: u32) -> procfs::ProcResult<procfs::process::Stat> {
@@ -154,6 +153,7 @@ pub fn stat(pid: u32) -> procfs::ProcResult<procfs::process::Stat> {
     procfs::process::Stat::from_file(format!("/proc/{pid}/stat"))
 }
 
+/// The id of a task (a process, or a thread with `tid`) in its own PID namespace: the last of
 /// `NSpid` in its status, as the process itself and its thread states name it. None where the
 /// task is gone or the kernel does not say.
 pub fn own_namespace_id(pid: u32, tid: Option<u32>) -> Option<u32> {

@@ -115,11 +115,13 @@ pub struct Pythons<M = ProcessMemory> {
 impl Pythons<ProcessMemory> {
     /// Attaches to `pid` if it is a CPython 3.8+ process not seen before, and registers its
     /// threads with the eBPF program.
-    /// `ip`: the user instruction pointer of the sample that found it.
-    pub fn discover(&mut self, pid: u32, ip: Option<u64>, kernel: &mut dyn KernelMaps, maps: &mut MapsCache, stats: &mut Stats) {
-        if self.attach(pid, ip, maps, stats) {
+    /// `ip`: the user instruction pointer of the sample that found it. True when it was attached now.
+    pub fn discover(&mut self, pid: u32, ip: Option<u64>, kernel: &mut dyn KernelMaps, maps: &mut MapsCache, stats: &mut Stats) -> bool {
+        let attached = self.attach(pid, ip, maps, stats);
+        if attached {
             self.register(pid, kernel, maps);
         }
+        attached
     }
 
     /// Attaches to processes before sampling starts (reading their ELF files takes time), so

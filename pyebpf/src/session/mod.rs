@@ -259,7 +259,10 @@ impl Session {
             return None;
         }
         let ip = (record.user_len > 0).then(|| record.user_stack[0]);
-        self.python.discover(record.tgid, ip, kernel, self.processes.maps(), stats);
+        if self.python.discover(record.tgid, ip, kernel, self.processes.maps(), stats) {
+            // Known before it was found to be Python (its `libpython` mapped late).
+            self.processes.unknown(record.tgid, kernel);
+        }
         let python = &self.python;
         let labels = self.processes.sampled(record.tgid, || python.version(record.tgid).map(|version| version.to_string()));
         if filter.python_only && !self.python.is_python(record.tgid) {

@@ -106,6 +106,15 @@ impl ProcessTable {
         }
     }
 
+    /// Withdraws what [`Self::known`] told: a process found to be Python after it was known (a
+    /// `libpython` mapped late) must have its first samples as one soon again.
+    pub fn unknown(&mut self, pid: u32, kernel: &mut dyn KernelMaps) {
+        if let Some(entry) = self.entries.get_mut(&pid).filter(|entry| entry.known) {
+            entry.known = false;
+            kernel.set_known(pid, false);
+        }
+    }
+
     pub fn forget(&mut self, pid: u32, kernel: &mut dyn KernelMaps) {
         if self.entries.remove(&pid).is_some_and(|entry| entry.known) {
             kernel.set_known(pid, false);

@@ -156,6 +156,20 @@ fn a_python_process_is_known_to_the_kernel_once_past_its_first_second() {
     assert!(kernel.known.contains(&pid), "a Python process sampled for a second is not known yet");
 }
 
+/// A process the kernel was told is known before it was found to be Python (a `libpython`
+/// mapped late: it ran past the dynamic loader without one) has its first samples as one soon.
+#[test]
+fn a_process_found_to_be_python_late_is_unknown_to_the_kernel_again() {
+    let (target, _dir) = blocked_python();
+    let pid = target.pid();
+    let records = varied_records(&mut cpu_session(), &mut FakeKernel::default(), pid);
+    let (mut kernel, mut stats, mut profile) = (FakeKernel::default(), Stats::default(), Profile::new(100));
+    let mut session = cpu_session();
+    session.processes.known(pid, &mut kernel);
+    assert!(session.resolve(&records[0], &mut kernel, &mut stats, &mut profile));
+    assert!(session.python.is_python(pid) && !kernel.known.contains(&pid), "a process found to be Python stays known");
+}
+
 fn cpu_session() -> Session {
     reading_session(SampleFilter::default(), UnwindMode::Fp, Mode::Cpu, true)
 }
