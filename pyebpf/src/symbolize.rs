@@ -44,6 +44,7 @@ use open_files::{Location, OpenFiles};
 
 mod debug_file;
 mod open_files;
+mod symbol_gaps;
 
 /// Files blazesym keeps open (and mapped) at most.
 const MAX_OPEN_FILES: usize = 256;
@@ -376,6 +377,12 @@ impl Symbolizer {
                     }
                     if !self.lines {
                         self.functions.found(id, range, &resolved);
+                    }
+                } else if resolved.is_empty() && !self.lines && self.open_files.debug_symbols(id).is_none() {
+                    // Without lines only the file's symbol tables name its code: the stretch around
+                    // an address none names is unnamed to its ends.
+                    if let Some(gap) = self.open_files.symbol_bounds(id).and_then(|bounds| bounds.gap(offset)) {
+                        self.functions.found(id, gap, &resolved);
                     }
                 }
                 self.by_file_offset.insert((id, offset), resolved);

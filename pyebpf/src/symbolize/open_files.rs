@@ -19,6 +19,7 @@ use std::path::{Path, PathBuf};
 use blazesym::symbolize::evict::{self, Evict};
 
 use super::debug_file::{DebugSymbols, DEBUG_ROOT};
+use super::symbol_gaps::SymbolBounds;
 use super::FileId;
 use crate::target_file;
 
@@ -39,13 +40,15 @@ struct OpenFile {
     debug_syms: Option<bool>,
     /// Its functions from its separate debug file, once looked for.
     debug_symbols: Option<Option<DebugSymbols>>,
+    /// Where its own symbols lie, once an address was found in none.
+    symbol_bounds: Option<Option<SymbolBounds>>,
 }
 
 impl OpenFile {
     fn new(file: File) -> OpenFile {
         let path = PathBuf::from(format!("/proc/self/fd/{}", file.as_raw_fd()));
         let size = file.metadata().map_or(0, |metadata| metadata.len());
-        OpenFile { file, path, size, debug_syms: None, debug_symbols: None }
+        OpenFile { file, path, size, debug_syms: None, debug_symbols: None, symbol_bounds: None }
     }
 
     fn open(location: &Location, id: FileId) -> io::Result<OpenFile> {
@@ -109,6 +112,12 @@ impl OpenFiles {
         let root = &self.debug_root;
         let file = self.files.get_mut(&id)?;
         file.debug_symbols.get_or_insert_with(|| DebugSymbols::find(root, &file.file)).as_ref()
+    }
+
+    /// Where file `id`'s own symbols lie ([`super::symbol_gaps`]), read the first time it is asked.
+    pub fn symbol_bounds(&mut self, id: FileId) -> Option<&SymbolBounds> {
+        let file = self.files.get_mut(&id)?;
+        file.symbol_bounds.get_or_insert_with(|| SymbolBounds::read(&file.file)).as_ref()
     }
 
     /// The file's GNU build ID, read from the open file, or from one opened for this alone.

@@ -175,6 +175,40 @@ fn stripped_code_shows_its_module_and_file_offset() {
     assert_eq!(crate::output::native_name(&frames[1]), expected);
 }
 
+/// Without lines, an address no symbol names teaches the stretch around it up to the symbols on
+/// either side: later addresses there are unnamed as a look-up would say, without one.
+#[test]
+fn addresses_between_the_symbols_of_a_stripped_file_need_no_look_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let exe = compile("gcc", PROGRAM, "spin", &["-O1", "-fno-omit-frame-pointer", "-rdynamic"], dir.path());
+    let stripped = dir.path().join("spin-stripped");
+    let status = Command::new("strip").arg("-o").arg(&stripped).arg(&exe).status().expect("strip (binutils) runs");
+    assert!(status.success());
+    let mut program = Running::start(&stripped);
+    let [leaf, middle, outer] = program.addresses()[..] else { panic!("three addresses") };
+    let pid = program.pid();
+    let known = |resolving: &Resolving, addr: u64| {
+        let mapping = resolving.symbolizer.processes.get(&pid).and_then(|maps| maps.find(addr)).expect("mapped");
+        let Backing::File { id, .. } = &mapping.backing else { panic!("a file") };
+        resolving.symbolizer.functions.at(*id, mapping.file_offset(addr)).map(|resolved| resolved.len())
+    };
+
+    let mut resolving = Resolving::default();
+    // The static middle_fn lies between the exported leaf_fn and outer_fn (gcc keeps their order).
+    assert!(leaf < middle && middle < outer, "{leaf:#x} {middle:#x} {outer:#x}");
+    assert_eq!(resolving.user_frames(pid, &[middle + 4])[0].symbol, None);
+    assert_eq!(known(&resolving, middle + 8), Some(0), "unnamed, known without a look-up");
+    assert_eq!(known(&resolving, leaf + 1), None, "leaf_fn bounds the stretch");
+    assert_eq!(known(&resolving, outer + 1), None, "outer_fn bounds the stretch");
+    let later = resolving.user_frames(pid, &[middle + 8]);
+    assert_eq!(later, Resolving::default().user_frames(pid, &[middle + 8]));
+    assert_eq!(names(&resolving.user_frames(pid, &[leaf + 1, outer + 1])), ["leaf_fn", "outer_fn"]);
+
+    let mut with_lines = Resolving::with_lines();
+    with_lines.user_frames(pid, &[middle + 4]);
+    assert_eq!(with_lines.symbolizer.functions.count, 0);
+}
+
 /// The function names `symbolize_file` gives `file`'s offsets, with debug files under `debug_root`
 /// (and the file's own DWARF, as with `--native-lines`).
 fn names_in_file(file: &Path, debug_root: &Path, offsets: &[u64]) -> Vec<Vec<(String, Option<u32>)>> {
