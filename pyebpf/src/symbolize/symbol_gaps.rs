@@ -10,8 +10,9 @@ use std::ops::Range;
 
 use object::{Object, ObjectSegment, ObjectSymbol};
 
-/// Symbols read from one file at most.
-const MAX_SYMBOLS: usize = 1 << 20;
+/// Symbols read from one file at most (16 bytes each kept): a file with more has no gaps found,
+/// as a table read in part would show gaps where the rest names code.
+const MAX_SYMBOLS: usize = 1 << 17;
 
 /// A loaded segment: where its bytes lie in the file and in the file's address space.
 #[derive(Debug, Clone, Copy)]
@@ -31,10 +32,15 @@ pub(super) struct SymbolBounds {
 }
 
 impl SymbolBounds {
-    /// The symbols of the open file `file`, if it parses as an object file with segments.
+    /// The symbols of the open file `file`, if it parses as an object file and holds no more
+    /// than [`MAX_SYMBOLS`], nor a compressed symbol table (`.gnu_debugdata`, which blazesym can be
+    /// built to read).
     pub fn read(file: &File) -> Option<SymbolBounds> {
         let cache = object::ReadCache::new(file);
         let elf = object::File::parse(&cache).ok()?;
+        if elf.section_by_name(".gnu_debugdata").is_some() {
+            return None;
+        }
         let segments: Vec<Segment> = elf
             .segments()
             .map(|segment| {
@@ -48,9 +54,12 @@ impl SymbolBounds {
             .chain(elf.dynamic_symbols())
             // Any kind counts: more bounds only make gaps smaller.
             .filter(|symbol| symbol.address() != 0)
-            .take(MAX_SYMBOLS)
+            .take(MAX_SYMBOLS + 1)
             .map(|symbol| (symbol.address(), symbol.address().saturating_add(symbol.size())))
             .collect();
+        if symbols.len() > MAX_SYMBOLS {
+            return None;
+        }
         symbols.sort_unstable();
         let mut furthest = 0;
         let ends_so_far = symbols
@@ -76,11 +85,11 @@ impl SymbolBounds {
             None => 0,
         };
         let unnamed_to = self.starts.get(before).copied().unwrap_or(u64::MAX);
-        // Back to file offsets, within the segment.
+        // Back to file offsets, within the segment (whose numbers the file chose: checked).
         let segment_end = segment.address.checked_add(segment.file_size)?;
         let from = unnamed_from.max(segment.address);
         let to = unnamed_to.min(segment_end);
-        Some(from - segment.address + segment.file_offset..to - segment.address + segment.file_offset)
+        Some(segment.file_offset.checked_add(from - segment.address)?..segment.file_offset.checked_add(to - segment.address)?)
     }
 }
 
