@@ -29,12 +29,23 @@ pub(super) const DEBUG_ROOT: &str = "/usr/lib/debug";
 /// Function symbols read from one debug file at most: glibc's has about 6,000.
 const MAX_SYMBOLS: usize = 1 << 20;
 
-/// A loaded segment of the stripped file: where its bytes lie in the file and in its address space.
+/// A loaded segment of a file: where its bytes lie in the file and in its address space.
 #[derive(Debug, Clone, Copy)]
-struct Segment {
-    file_offset: u64,
-    file_size: u64,
-    address: u64,
+pub(super) struct Segment {
+    pub file_offset: u64,
+    pub file_size: u64,
+    pub address: u64,
+}
+
+/// The segments of `elf` that hold bytes of the file.
+pub(super) fn loaded_segments<'data, R: object::ReadRef<'data>>(elf: &object::File<'data, R>) -> Vec<Segment> {
+    elf.segments()
+        .map(|segment| {
+            let (file_offset, file_size) = segment.file_range();
+            Segment { file_offset, file_size, address: segment.address() }
+        })
+        .filter(|segment| segment.file_size > 0)
+        .collect()
 }
 
 /// One function of the debug file's symbol table; its name is `names[name]`.
@@ -111,14 +122,7 @@ fn stripped_segments(file: &File) -> Option<(Vec<Segment>, Vec<u8>)> {
         return None;
     }
     let build_id = elf.build_id().ok()??.to_vec();
-    let segments: Vec<Segment> = elf
-        .segments()
-        .map(|segment| {
-            let (file_offset, file_size) = segment.file_range();
-            Segment { file_offset, file_size, address: segment.address() }
-        })
-        .filter(|segment| segment.file_size > 0)
-        .collect();
+    let segments = loaded_segments(&elf);
     (!segments.is_empty()).then_some((segments, build_id))
 }
 

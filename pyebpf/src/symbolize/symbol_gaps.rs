@@ -8,19 +8,13 @@
 use std::fs::File;
 use std::ops::Range;
 
-use object::{Object, ObjectSegment, ObjectSymbol};
+use object::{Object, ObjectSymbol};
+
+use super::debug_file::{loaded_segments, Segment};
 
 /// Symbols read from one file at most (16 bytes each kept): a file with more has no gaps found,
 /// as a table read in part would show gaps where the rest names code.
 const MAX_SYMBOLS: usize = 1 << 17;
-
-/// A loaded segment: where its bytes lie in the file and in the file's address space.
-#[derive(Debug, Clone, Copy)]
-struct Segment {
-    file_offset: u64,
-    file_size: u64,
-    address: u64,
-}
 
 /// Every symbol of a file's symbol tables (`.symtab`, `.dynsym`), of any kind, by address.
 pub(super) struct SymbolBounds {
@@ -41,14 +35,7 @@ impl SymbolBounds {
         if elf.section_by_name(".gnu_debugdata").is_some() {
             return None;
         }
-        let segments: Vec<Segment> = elf
-            .segments()
-            .map(|segment| {
-                let (file_offset, file_size) = segment.file_range();
-                Segment { file_offset, file_size, address: segment.address() }
-            })
-            .filter(|segment| segment.file_size > 0)
-            .collect();
+        let segments = loaded_segments(&elf);
         let mut symbols: Vec<(u64, u64)> = elf
             .symbols()
             .chain(elf.dynamic_symbols())

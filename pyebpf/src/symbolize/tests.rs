@@ -157,13 +157,19 @@ fn finds_functions_files_and_lines_in_a_running_program() {
     assert_eq!(named.iter().map(|frame| frame.addr).collect::<Vec<_>>(), frames.iter().map(|frame| frame.addr).collect::<Vec<_>>());
 }
 
+/// [`PROGRAM`] built into `dir` with its functions exported, and a stripped copy of it.
+fn program_and_stripped_copy(dir: &Path) -> (PathBuf, PathBuf) {
+    let exe = compile("gcc", PROGRAM, "spin", &["-O1", "-fno-omit-frame-pointer", "-rdynamic"], dir);
+    let stripped = dir.join("spin-stripped");
+    let status = Command::new("strip").arg("-o").arg(&stripped).arg(&exe).status().expect("strip (binutils) runs");
+    assert!(status.success());
+    (exe, stripped)
+}
+
 #[test]
 fn stripped_code_shows_its_module_and_file_offset() {
     let dir = tempfile::tempdir().unwrap();
-    let exe = compile("gcc", PROGRAM, "spin", &["-O1", "-fno-omit-frame-pointer", "-rdynamic"], dir.path());
-    let stripped = dir.path().join("spin-stripped");
-    let status = Command::new("strip").arg("-o").arg(&stripped).arg(&exe).status().expect("strip (binutils) runs");
-    assert!(status.success());
+    let (exe, stripped) = program_and_stripped_copy(dir.path());
     let mut program = Running::start(&stripped);
     let [leaf, middle, _] = program.addresses()[..] else { panic!("three addresses") };
 
@@ -180,10 +186,7 @@ fn stripped_code_shows_its_module_and_file_offset() {
 #[test]
 fn addresses_between_the_symbols_of_a_stripped_file_need_no_look_up() {
     let dir = tempfile::tempdir().unwrap();
-    let exe = compile("gcc", PROGRAM, "spin", &["-O1", "-fno-omit-frame-pointer", "-rdynamic"], dir.path());
-    let stripped = dir.path().join("spin-stripped");
-    let status = Command::new("strip").arg("-o").arg(&stripped).arg(&exe).status().expect("strip (binutils) runs");
-    assert!(status.success());
+    let (_, stripped) = program_and_stripped_copy(dir.path());
     let mut program = Running::start(&stripped);
     let [leaf, middle, outer] = program.addresses()[..] else { panic!("three addresses") };
     let pid = program.pid();
