@@ -37,6 +37,20 @@ pub(super) struct Segment {
     pub address: u64,
 }
 
+impl Segment {
+    /// The address (as the file's symbol tables count) of the file's byte at `offset`, if this
+    /// segment holds it.
+    pub fn address_of(&self, offset: u64) -> Option<u64> {
+        let within = offset.checked_sub(self.file_offset).filter(|&within| within < self.file_size)?;
+        self.address.checked_add(within)
+    }
+}
+
+/// The segment of `segments` holding the file's byte at `offset`, and that byte's address.
+pub(super) fn segment_at(segments: &[Segment], offset: u64) -> Option<(&Segment, u64)> {
+    segments.iter().find_map(|segment| Some((segment, segment.address_of(offset)?)))
+}
+
 /// The segments of `elf` that hold bytes of the file.
 pub(super) fn loaded_segments<'data, R: object::ReadRef<'data>>(elf: &object::File<'data, R>) -> Vec<Segment> {
     elf.segments()
@@ -100,8 +114,7 @@ impl DebugSymbols {
     /// The address (as the symbol table counts) of the stripped file's byte at `offset`, if a
     /// loaded segment holds it.
     fn address(&self, offset: u64) -> Option<u64> {
-        let segment = self.segments.iter().find(|segment| offset.checked_sub(segment.file_offset).is_some_and(|within| within < segment.file_size))?;
-        segment.address.checked_add(offset - segment.file_offset)
+        segment_at(&self.segments, offset).map(|(_, address)| address)
     }
 
     /// The function whose range holds `address`, and how far into it the address is.

@@ -10,7 +10,7 @@ use std::ops::Range;
 
 use object::{Object, ObjectSymbol};
 
-use super::debug_file::{loaded_segments, Segment};
+use super::debug_file::{loaded_segments, segment_at, Segment};
 
 /// Symbols read from one file at most (16 bytes each kept): a file with more has no gaps found,
 /// as a table read in part would show gaps where the rest names code.
@@ -35,8 +35,7 @@ impl SymbolBounds {
         if elf.section_by_name(".gnu_debugdata").is_some() {
             return None;
         }
-        let segments = loaded_segments(&elf);
-        let mut symbols: Vec<(u64, u64)> = elf
+        let symbols: Vec<(u64, u64)> = elf
             .symbols()
             .chain(elf.dynamic_symbols())
             // Any kind counts: more bounds only make gaps smaller.
@@ -44,9 +43,11 @@ impl SymbolBounds {
             .take(MAX_SYMBOLS + 1)
             .map(|symbol| (symbol.address(), symbol.address().saturating_add(symbol.size())))
             .collect();
-        if symbols.len() > MAX_SYMBOLS {
-            return None;
-        }
+        (symbols.len() <= MAX_SYMBOLS).then(|| SymbolBounds::new(loaded_segments(&elf), symbols))
+    }
+
+    /// The bounds of `symbols` (start and end addresses, in any order) in a file of `segments`.
+    fn new(segments: Vec<Segment>, mut symbols: Vec<(u64, u64)>) -> SymbolBounds {
         symbols.sort_unstable();
         let mut furthest = 0;
         let ends_so_far = symbols
@@ -56,14 +57,13 @@ impl SymbolBounds {
                 furthest
             })
             .collect();
-        Some(SymbolBounds { segments, starts: symbols.into_iter().map(|(start, _)| start).collect(), ends_so_far })
+        SymbolBounds { segments, starts: symbols.into_iter().map(|(start, _)| start).collect(), ends_so_far }
     }
 
     /// The file offsets around `offset` that no symbol holds, if none holds `offset` (a symbol of
     /// no size holds its own address), within the segment that holds it.
     pub fn gap(&self, offset: u64) -> Option<Range<u64>> {
-        let segment = self.segments.iter().find(|segment| offset.checked_sub(segment.file_offset).is_some_and(|within| within < segment.file_size))?;
-        let address = segment.address.checked_add(offset - segment.file_offset)?;
+        let (segment, address) = segment_at(&self.segments, offset)?;
         let before = self.starts.partition_point(|&start| start <= address);
         let unnamed_from = match before.checked_sub(1) {
             Some(last) if self.starts[last] == address || self.ends_so_far[last] > address => return None,
@@ -85,18 +85,7 @@ mod tests {
     use super::*;
 
     fn bounds(symbols: &[(u64, u64)]) -> SymbolBounds {
-        let mut furthest = 0;
-        SymbolBounds {
-            segments: vec![Segment { file_offset: 0x1000, file_size: 0x1000, address: 0x40_1000 }],
-            starts: symbols.iter().map(|&(start, _)| start).collect(),
-            ends_so_far: symbols
-                .iter()
-                .map(|&(_, end)| {
-                    furthest = furthest.max(end);
-                    furthest
-                })
-                .collect(),
-        }
+        SymbolBounds::new(vec![Segment { file_offset: 0x1000, file_size: 0x1000, address: 0x40_1000 }], symbols.to_vec())
     }
 
     #[test]

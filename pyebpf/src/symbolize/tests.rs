@@ -190,11 +190,7 @@ fn addresses_between_the_symbols_of_a_stripped_file_need_no_look_up() {
     let mut program = Running::start(&stripped);
     let [leaf, middle, outer] = program.addresses()[..] else { panic!("three addresses") };
     let pid = program.pid();
-    let known = |resolving: &Resolving, addr: u64| {
-        let mapping = resolving.symbolizer.processes.get(&pid).and_then(|maps| maps.find(addr)).expect("mapped");
-        let Backing::File { id, .. } = &mapping.backing else { panic!("a file") };
-        resolving.symbolizer.functions.at(*id, mapping.file_offset(addr)).map(|resolved| resolved.len())
-    };
+    let known = |resolving: &Resolving, addr: u64| known_function(resolving, pid, addr).map(|resolved| resolved.len());
 
     let mut resolving = Resolving::default();
     // The static middle_fn lies between the exported leaf_fn and outer_fn (gcc keeps their order).
@@ -467,6 +463,14 @@ fn the_eval_loop_is_looked_up_once_per_file() {
     assert!(names(&beside).ends_with(&["other_fn"]) && beside.iter().all(|frame| frame.line.is_some()), "{beside:?}");
 }
 
+/// What `pid`'s `addr` resolves to from the functions (and unnamed stretches) found before,
+/// without a look-up.
+fn known_function(resolving: &Resolving, pid: u32, addr: u64) -> Option<Resolved> {
+    let mapping = resolving.symbolizer.processes.get(&pid).and_then(|maps| maps.find(addr)).expect("mapped");
+    let Backing::File { id, .. } = &mapping.backing else { panic!("a file") };
+    resolving.symbolizer.functions.at(*id, mapping.file_offset(addr))
+}
+
 /// Without lines, a new address in a function found before is that function, as a look-up would
 /// say, without one; with lines each address is looked up (its line is its own).
 #[test]
@@ -476,11 +480,7 @@ fn addresses_in_a_function_found_before_need_no_look_up() {
     let mut program = Running::start(&exe);
     let [leaf, middle, _] = program.addresses()[..] else { panic!("three addresses") };
     let pid = program.pid();
-    let known = |resolving: &Resolving, addr: u64| {
-        let mapping = resolving.symbolizer.processes.get(&pid).and_then(|maps| maps.find(addr)).expect("mapped");
-        let Backing::File { id, .. } = &mapping.backing else { panic!("a file") };
-        resolving.symbolizer.functions.at(*id, mapping.file_offset(addr)).map(|resolved| resolved[0].name.to_string())
-    };
+    let known = |resolving: &Resolving, addr: u64| known_function(resolving, pid, addr).map(|resolved| resolved[0].name.to_string());
 
     let mut resolving = Resolving::default();
     assert_eq!(names(&resolving.user_frames(pid, &[leaf + 1])), ["leaf_fn"]);
