@@ -15,7 +15,7 @@ use crate::stack::{Frame, FrameCarry, FrameId, FrameTable, NativeFrame};
 use crate::symbolize::{call_sites, Symbolizer};
 
 /// How long an address found in no mapping is taken as such before it is looked up again.
-const UNMAPPED_RECHECK: Duration = Duration::from_millis(100);
+pub(crate) const UNMAPPED_RECHECK: Duration = Duration::from_millis(100);
 
 /// Frame ids kept at most (in levels); beyond, every cache starts afresh.
 const MAX_LEVEL_IDS: usize = 1 << 20;
@@ -120,9 +120,9 @@ impl NativeIds {
         true
     }
 
-    /// What the merge would read of `pid`'s level at `site`, if it was resolved before.
-    pub fn known_traits(&self, pid: u32, site: u64) -> Option<LevelTraits> {
-        self.user.get(&pid)?.get(&site).map(IdLevel::traits)
+    /// `pid`'s level at `site`, if it was resolved before.
+    pub fn known_level(&self, pid: u32, site: u64) -> Option<IdLevel> {
+        self.user.get(&pid)?.get(&site).copied()
     }
 
     /// Symbolizes the entries of `stack` not resolved before.

@@ -263,11 +263,20 @@ impl Symbolizer {
     /// The frame at `addr` of `pid` where it lies in an eval loop found before: known without a
     /// look-up, as [`Self::site_levels`] would give it.
     pub fn eval_loop_frame(&self, pid: u32, addr: u64) -> Option<NativeFrame> {
+        let mapping = self.eval_loop_mapping(pid, addr)?;
+        let name = self.eval_loop.first().map(|function| function.name.clone());
+        Some(NativeFrame { addr, module: Some(mapping.module.clone()), symbol: name, file: None, line: None })
+    }
+
+    /// Whether `addr` of `pid` lies in an eval loop found before.
+    pub fn in_eval_loop(&self, pid: u32, addr: u64) -> bool {
+        self.eval_loop_mapping(pid, addr).is_some()
+    }
+
+    fn eval_loop_mapping(&self, pid: u32, addr: u64) -> Option<&Mapping> {
         let mapping = self.processes.get(&pid)?.find(addr)?;
         let Backing::File { id, .. } = &mapping.backing else { return None };
-        let in_eval_loop = self.eval_loops.get(id)?.contains(&mapping.file_offset(addr));
-        let name = self.eval_loop.first().map(|function| function.name.clone());
-        in_eval_loop.then(|| NativeFrame { addr, module: Some(mapping.module.clone()), symbol: name, file: None, line: None })
+        self.eval_loops.get(id)?.contains(&mapping.file_offset(addr)).then_some(mapping)
     }
 
     /// Drops what is known of `pid`'s address space (it exited or replaced its program); what was

@@ -81,6 +81,8 @@ const YOUNG_PYTHON: Duration = Duration::from_secs(1);
 struct Scratch {
     python: Vec<PyItem>,
     task_stacks: Vec<TaskStack>,
+    /// A repeat's stack, where its leaf level's frames differ from the first's.
+    repeat: Vec<FrameId>,
 }
 
 /// Turns raw records into stacks.
@@ -185,10 +187,10 @@ impl Session {
         let before = SampleCounts::of(stats);
         let python = &mut self.scratch.python;
         let outcome = self.python.python_stack(record, kernel, stats, &mut profile.frames, python);
-        let (frames, leaf) = self.native.stack(record, outcome.is_python().then_some(&python[..]), self.processes.maps(), kernel, stats, &mut profile.frames);
+        let (frames, native) = self.native.stack(record, outcome.is_python().then_some(&python[..]), self.processes.maps(), kernel, stats, &mut profile.frames);
         let state = thread_state(record, frames, self.options.kernel, profile);
         if let Some(slot) = slot {
-            self.repeats.keep(slot, frames, outcome.is_cut(), before.since(stats), leaf);
+            self.repeats.keep(slot, frames, outcome.is_cut(), before.since(stats), native);
         }
         let sample = SampleStack { pid: record.tgid, tid: record.tid, comm: &comm, frames, truncated: outcome.is_cut(), labels: Some(&labels), state };
         self.off_cpu.count(record, sample, stats, profile);
@@ -201,6 +203,9 @@ impl Session {
     /// is classified, how its stacks unwind is settled and it is past its first second. A repeat
     /// may settle it too: a process whose samples all repeat (a loop in C) has no other.
     fn known_once_settled(&mut self, record: &SampleRecord, kernel: &mut dyn KernelMaps) {
+        if self.processes.is_known(record.tgid) {
+            return;
+        }
         if self.python.classified(record.tgid) && self.native.unwinding_settled(record) && !self.young_python(record.tgid) {
             self.processes.known(record.tgid, kernel);
         }
@@ -221,16 +226,29 @@ impl Session {
             self.repeats.clear();
             self.native_resets = self.native.resets();
         }
+        self.native.know_leaf(record, self.processes.maps(), &mut profile.frames);
         let native = &self.native;
-        let leaf_traits = |leaf| native.leaf_traits(record.tgid, leaf);
-        let resolved = match self.repeats.look_up(record, native.unwound(), self.python.state(record.tgid), leaf_traits) {
+        let leaf_level = |leaf| native.leaf_level(record.tgid, leaf);
+        let resolved = match self.repeats.look_up(record, native.unwound(), self.python.state(record.tgid), leaf_level) {
             Ok(resolved) => resolved,
             Err(slot) => return Some(slot),
         };
         stats.repeats += 1;
         resolved.counts.add_to(stats);
         self.python.repeat(record, kernel, stats, &mut profile.frames);
-        let (frames, truncated) = (resolved.frames, resolved.truncated);
+        let frames = match resolved.leaf {
+            Some((at, leaf)) => {
+                let (inner, outer) = resolved.frames.split_at(at.min(resolved.frames.len()));
+                let stack = &mut self.scratch.repeat;
+                stack.clear();
+                stack.extend_from_slice(inner);
+                stack.extend_from_slice(leaf);
+                stack.extend_from_slice(outer);
+                &stack[..]
+            }
+            None => resolved.frames,
+        };
+        let truncated = resolved.truncated;
         let sample = SampleStack { pid: record.tgid, tid: record.tid, comm, frames, truncated, labels: Some(labels), state: ThreadState::OnCpu };
         self.off_cpu.count(record, sample, stats, profile);
         self.native.settle_repeat(record);
@@ -365,9 +383,7 @@ impl Session {
     /// (`lost_events`: exec and exit events lost so far).
     pub fn upkeep(&mut self, kernel: &mut dyn KernelMaps, lost_events: u64) {
         self.python.upkeep(kernel, self.processes.maps());
-        for pid in self.native.expire_unmapped() {
-            self.repeats.invalidate(pid);
-        }
+        self.repeats.forget_unmapped(&self.native.expire_unmapped());
         let (checked, lost) = self.stale_checked;
         if lost_events == lost && checked.elapsed() < STALE_CHECK {
             return;

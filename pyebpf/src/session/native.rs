@@ -8,7 +8,7 @@ use pyebpf_common::{user_status, SampleRecord};
 use crate::bpf::UnwindMode;
 use crate::kernel_maps::KernelMaps;
 use crate::maps::MapsCache;
-use crate::merge::{python_frames, Merged, Merger, NativeStack};
+use crate::merge::{python_frames, Merged, Merger, NativeLevel, NativeStack};
 use crate::native_ids::{IdLevel, LevelTraits, NativeIds};
 use crate::python::PyItem;
 use crate::stack::{Frame, FrameCarry, FrameId, FrameTable};
@@ -20,16 +20,34 @@ use crate::unwind::{Snapshot, StackUnwinder, Unwound};
 /// pointers (`--unwind auto`): a walk through code without frame pointers sometimes holds by chance.
 const WALKS_TO_TRUST: u32 = 8;
 
-/// How a sample's innermost user address figured in its stack: what its repeats must match.
+/// How a sample's innermost user address figured in its stack: what its repeats must match. The
+/// merge reads only a level's traits, so any address whose level has the same traits is merged
+/// alike: a repeat at another address of a C function has the same stack but for that level's
+/// frames.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LeafUse {
-    /// Its frames are in the stack: only the same address gives the same stack.
-    Shown,
-    /// The merge put Python frames in its place: any address whose level has these traits is
-    /// merged alike (the eval loop's thousands of addresses, mostly).
+    /// Its level's frames are `at..at + len` of the stack.
+    Shown { at: usize, len: usize, traits: LevelTraits },
+    /// The merge put Python frames in its place (the eval loop's thousands of addresses, mostly).
     Hidden(LevelTraits),
-    /// Native frames were not read (`--no-native`, a sample with Python frames).
+    /// There is none, or native frames were not read (`--no-native`, a sample with Python frames).
     Unread,
+}
+
+/// What a sample's stack read of its native levels: what its repeats must match, and whether it
+/// read a level found in no mapping (which its process's upkeep looks up again).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NativeUse {
+    pub leaf: LeafUse,
+    pub unmapped: bool,
+}
+
+/// What is known of a process's level at an innermost user address, without a look-up.
+#[derive(Clone, Copy)]
+pub struct LeafLevel<'a> {
+    pub traits: LevelTraits,
+    /// Its frames, where it was resolved before (an address found in an eval loop has none).
+    pub frames: Option<&'a [FrameId]>,
 }
 
 /// Turns the native part of samples into frames, caching what it learns per process and file.
@@ -97,10 +115,27 @@ impl NativeStacks {
         self.unwound.as_ref()
     }
 
-    /// The traits of `pid`'s level at the innermost user address `leaf`, if resolved before or
-    /// known without a look-up (an address in an eval loop found before).
-    pub fn leaf_traits(&self, pid: u32, leaf: u64) -> Option<LevelTraits> {
-        self.ids.known_traits(pid, leaf).or_else(|| self.symbolizer.eval_loop_frame(pid, leaf).map(|frame| LevelTraits::of(&[frame])))
+    /// Resolves the sample's innermost user address where it is new to the process, so that a
+    /// sample like one resolved before but for that address (a new instruction of a hot C
+    /// function) repeats it. After [`Self::unwind_ahead`] for the sample.
+    pub fn know_leaf(&mut self, record: &SampleRecord, maps: &mut MapsCache, table: &mut FrameTable) {
+        let leaf = match &self.unwound {
+            Some(unwound) => unwound.addrs.first().copied(),
+            None => (record.user_len > 0).then_some(record.user_stack[0]),
+        };
+        let Some(leaf) = leaf.filter(|_| !self.no_native) else { return };
+        if self.ids.known_level(record.tgid, leaf).is_none() && !self.symbolizer.in_eval_loop(record.tgid, leaf) {
+            self.ids.user_levels(&mut self.symbolizer, maps, table, record.tgid, &[leaf], &mut self.levels);
+        }
+    }
+
+    /// `pid`'s level at the innermost user address `leaf`, if resolved before or known without a
+    /// look-up (an address in an eval loop found before).
+    pub fn leaf_level(&self, pid: u32, leaf: u64) -> Option<LeafLevel<'_>> {
+        match self.ids.known_level(pid, leaf) {
+            Some(level) => Some(LeafLevel { traits: level.traits(), frames: Some(self.ids.frames(&level)) }),
+            None => self.symbolizer.eval_loop_frame(pid, leaf).map(|frame| LeafLevel { traits: LevelTraits::of(&[frame]), frames: None }),
+        }
     }
 
     /// The sample's whole stack, innermost first: kernel frames, then user frames with the Python
@@ -114,11 +149,11 @@ impl NativeStacks {
         kernel: &mut dyn KernelMaps,
         stats: &mut Stats,
         table: &mut FrameTable,
-    ) -> (&mut Vec<FrameId>, LeafUse) {
+    ) -> (&mut Vec<FrameId>, NativeUse) {
         if let (true, Some(python)) = (self.no_native, python) {
             self.frames.clear();
             self.frames.extend(python_frames(python).copied());
-            return (&mut self.frames, LeafUse::Unread);
+            return (&mut self.frames, NativeUse { leaf: LeafUse::Unread, unmapped: false });
         }
         // Unwound from the stack copy where the sample has one (done ahead, but with --no-native),
         // else the kernel's frame-pointer walk.
@@ -149,26 +184,29 @@ impl NativeStacks {
         }
         let ids = &self.ids;
         let leaf = self.levels.first();
-        let mut leaf_shown = false;
+        let mut leaf_at = None;
         if let Some(python) = python {
             self.merger.merge(&stack, python, |piece| match piece {
                 Merged::Native(level) => {
-                    leaf_shown |= leaf.is_some_and(|leaf| std::ptr::eq(leaf, level));
+                    if leaf.is_some_and(|leaf| std::ptr::eq(leaf, level)) {
+                        leaf_at = Some(out.len());
+                    }
                     out.extend_from_slice(ids.frames(level));
                 }
                 Merged::Python(&id) => out.push(id),
             });
         } else {
+            leaf_at = Some(out.len());
             for level in &self.levels[..stack.trusted_levels()] {
                 out.extend_from_slice(ids.frames(level));
             }
-            leaf_shown = true;
         }
-        let leaf = match leaf {
-            Some(leaf) if !leaf_shown => LeafUse::Hidden(leaf.traits()),
-            _ => LeafUse::Shown,
+        let leaf = match (leaf, leaf_at) {
+            (None, _) => LeafUse::Unread,
+            (Some(level), Some(at)) => LeafUse::Shown { at, len: ids.frames(level).len(), traits: level.traits() },
+            (Some(level), None) => LeafUse::Hidden(level.traits()),
         };
-        (out, leaf)
+        (out, NativeUse { leaf, unmapped: self.levels.iter().any(|level| !level.is_mapped()) })
     }
 
     /// `--unwind auto`, a sample copied because its process was not known yet: the process needs

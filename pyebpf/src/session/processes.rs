@@ -68,15 +68,23 @@ impl ProcessTable {
     /// The labels of `pid`, read when it is first sampled (with the details wanted, and the
     /// CPython version `python_version` gives).
     pub fn sampled(&mut self, pid: u32, python_version: impl FnOnce() -> Option<String>) -> Arc<ProcessLabels> {
-        let wanted = self.details.as_ref().map(|wanted| wanted.env_var.clone());
-        let entry = self.entry(pid, &[]);
-        let sampled = entry.sampled.get_or_insert_with(|| {
-            let mut labels = read_labels(pid);
-            labels.details = wanted.map(|env_var| Arc::new(read_details(pid, env_var.as_deref(), python_version())));
-            Sampled { start_time: start_time(pid), labels: Arc::new(labels), first_sample: Instant::now(), last_sample: Instant::now() }
-        });
-        sampled.last_sample = Instant::now();
-        sampled.labels.clone()
+        if let Some(sampled) = self.entries.get_mut(&pid).and_then(|entry| entry.sampled.as_mut()) {
+            sampled.last_sample = Instant::now();
+            return sampled.labels.clone();
+        }
+        let mut labels = read_labels(pid);
+        let wanted = self.details.as_ref().map(|wanted| wanted.env_var.as_deref());
+        labels.details = wanted.map(|env_var| Arc::new(read_details(pid, env_var, python_version())));
+        let labels = Arc::new(labels);
+        let now = Instant::now();
+        let start_time = start_time(pid);
+        self.entry(pid, &[]).sampled = Some(Sampled { start_time, labels: labels.clone(), first_sample: now, last_sample: now });
+        labels
+    }
+
+    /// Whether the eBPF program was told `pid` is known.
+    pub fn is_known(&self, pid: u32) -> bool {
+        self.entries.get(&pid).is_some_and(|entry| entry.known)
     }
 
     /// How long since the first sample of `pid` the filter kept (zero before it).

@@ -5,12 +5,14 @@
 //!
 //! The key is everything resolution reads from the record, so what a sample proves at sample
 //! time (each Python frame's code identity) stays in it. The innermost user address is kept
-//! apart: where the merge put Python frames in place of its level (a sample in the interpreter's
-//! eval loop, which has thousands of addresses), a record differing only there, at an address
-//! whose level the merge reads alike, resolves to the same stack; elsewhere it must be the same.
+//! apart: the merge reads only its level's traits, so a record differing only there, at an
+//! address whose level has the same traits, resolves to the same stack, but for that level's own
+//! frames where the stack shows them (a hot C function's hundreds of addresses); where the merge
+//! put Python frames in its place (the interpreter's eval loop), to the very same stack.
 //! What resolution reads outside the record is covered by invalidation: the frame table (the
 //! whole cache goes with it), a process forgotten or whose Python state changed (its entries go,
-//! through its epoch), native entries looked up again. A record with a stack copy is keyed by
+//! through its epoch), native entries looked up again (all of them, or a process's found in no
+//! mapping: the entries that read one). A record with a stack copy is keyed by
 //! what the copy unwound to (unwinding reads nothing else of it), so only unwinding is done
 //! again. Records with asyncio tasks, or off CPU, bypass the cache: their resolution keeps state
 //! of its own.
@@ -20,7 +22,7 @@ use std::hash::{BuildHasher, Hasher};
 use hashbrown::{DefaultHashBuilder, HashMap, HashTable};
 use pyebpf_common::{origin, PyFrameRecord, SampleRecord};
 
-use super::native::LeafUse;
+use super::native::{LeafLevel, LeafUse, NativeUse};
 use crate::native_ids::LevelTraits;
 use crate::stack::{same_values, FrameId};
 use crate::stats::SampleCounts;
@@ -37,20 +39,20 @@ const MAX_EPOCHS: usize = 65_536;
 /// What a record's innermost user address must be for an entry to hold for it.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum LeafMatch {
-    /// The same address (or none).
-    Exact(Option<u64>),
-    /// An address whose level has these traits (its frames did not reach the stack).
-    Alike(LevelTraits),
-    /// Any (native frames were not read).
+    /// An address whose level has these traits; where the stack shows its frames, they go at
+    /// `shown_at` of the entry's frames (which lack them).
+    Alike { traits: LevelTraits, shown_at: Option<u32> },
+    /// Any (there is none, or native frames were not read).
     Any,
 }
 
 /// A resolved sample, kept for its repeats.
 struct Entry {
-    /// The identity's hash without the innermost user address, and with it for [`LeafMatch::Exact`].
+    /// The identity's hash, without the innermost user address.
     hash: u64,
     leaf: LeafMatch,
     /// The process's epoch and Python state when it was resolved: either changed, it is stale.
+    pid: u32,
     epoch: u32,
     python_state: u64,
     key: Box<[u8]>,
@@ -58,11 +60,15 @@ struct Entry {
     truncated: bool,
     /// The per-sample counters its resolution added, added again for each repeat.
     counts: SampleCounts,
+    /// Its native stack read a level found in no mapping.
+    unmapped: bool,
 }
 
 /// What a repeat is counted with.
 pub struct Resolved<'a> {
     pub frames: &'a [FrameId],
+    /// Where the repeat's leaf level's frames go in `frames`, and they.
+    pub leaf: Option<(usize, &'a [FrameId])>,
     pub truncated: bool,
     pub counts: SampleCounts,
 }
@@ -105,15 +111,15 @@ impl<'r> Identity<'r> {
         let words32 = [record.tgid, record.tid, user.len() as u32, bases.len() as u32, record.kernel_len, record.user_status, record.origin, copied];
         let words64 = [record.user_sp, py.tstate, py.frame, py.marker_gen];
         let tail32 = [py.marker_position, py.status, py.frames_len];
-        let bytes = words32
-            .iter()
-            .flat_map(|w| w.to_ne_bytes())
-            .chain(words64.iter().flat_map(|w| w.to_ne_bytes()))
-            .chain(record.comm)
-            .chain(tail32.iter().flat_map(|w| w.to_ne_bytes()));
-        for (slot, byte) in fixed.iter_mut().zip(bytes) {
-            *slot = byte;
-        }
+        let mut at = 0;
+        let mut put = |bytes: &[u8]| {
+            fixed[at..at + bytes.len()].copy_from_slice(bytes);
+            at += bytes.len();
+        };
+        words32.iter().for_each(|word| put(&word.to_ne_bytes()));
+        words64.iter().for_each(|word| put(&word.to_ne_bytes()));
+        put(&record.comm);
+        tail32.iter().for_each(|word| put(&word.to_ne_bytes()));
         let kernel = &record.kernel_stack[..(record.kernel_len as usize).min(record.kernel_stack.len())];
         let python = &record.py_frames[..(py.frames_len as usize).min(record.py_frames.len())];
         let (leaf, callers) = match user.split_first() {
@@ -171,10 +177,8 @@ fn frames_bytes(frames: &[PyFrameRecord]) -> &[u8] {
 
 /// Where a record's resolution goes in the cache, once resolved.
 pub struct Slot {
-    /// The identity's hash without the innermost user address, and with it.
     hash: u64,
-    exact_hash: u64,
-    leaf: Option<u64>,
+    pid: u32,
     epoch: u32,
     python_state: u64,
     key: Box<[u8]>,
@@ -202,55 +206,75 @@ impl Repeats {
     }
 
     /// The stack resolved for an identical record, or where this one's goes once resolved (None:
-    /// it bypasses the cache). `leaf_traits`: the traits of the process's level at an innermost
-    /// user address, where it was resolved before.
-    pub fn look_up(
-        &self,
+    /// it bypasses the cache). `leaf_level`: the process's level at an innermost user address,
+    /// where known without a look-up.
+    pub fn look_up<'a>(
+        &'a self,
         record: &SampleRecord,
         unwound: Option<&Unwound>,
         python_state: u64,
-        leaf_traits: impl Fn(u64) -> Option<LevelTraits>,
-    ) -> Result<Resolved<'_>, Option<Slot>> {
+        leaf_level: impl Fn(u64) -> Option<LeafLevel<'a>>,
+    ) -> Result<Resolved<'a>, Option<Slot>> {
         if !self.cacheable(record, unwound) {
             return Err(None);
         }
         let identity = Identity::of(record, unwound);
         let hash = identity.hash(&self.hasher);
-        let exact_hash = self.hasher.hash_one((hash, identity.leaf));
         let epoch = self.epoch(record.tgid);
+        let leaf = identity.leaf.and_then(leaf_level);
         let holds = |entry: &Entry| {
             let leaf_holds = match entry.leaf {
-                LeafMatch::Exact(leaf) => entry.hash == exact_hash && leaf == identity.leaf,
-                LeafMatch::Alike(traits) => entry.hash == hash && identity.leaf.and_then(&leaf_traits) == Some(traits),
-                LeafMatch::Any => entry.hash == hash,
+                LeafMatch::Alike { traits, shown_at } => leaf.is_some_and(|leaf| leaf.traits == traits && (shown_at.is_none() || leaf.frames.is_some())),
+                LeafMatch::Any => true,
             };
-            leaf_holds && entry.epoch == epoch && entry.python_state == python_state && identity.matches(&entry.key)
+            leaf_holds && entry.hash == hash && entry.epoch == epoch && entry.python_state == python_state && identity.matches(&entry.key)
         };
-        let found = self.entries.find(hash, holds).or_else(|| self.entries.find(exact_hash, holds));
-        match found {
-            Some(entry) => Ok(Resolved { frames: &entry.frames, truncated: entry.truncated, counts: entry.counts }),
-            None => Err(Some(Slot { hash, exact_hash, leaf: identity.leaf, epoch, python_state, key: identity.to_key() })),
+        match self.entries.find(hash, holds) {
+            Some(entry) => {
+                let leaf = match (entry.leaf, leaf.and_then(|leaf| leaf.frames)) {
+                    (LeafMatch::Alike { shown_at: Some(at), .. }, Some(frames)) => Some((at as usize, frames)),
+                    _ => None,
+                };
+                Ok(Resolved { frames: &entry.frames, leaf, truncated: entry.truncated, counts: entry.counts })
+            }
+            None => Err(Some(Slot { hash, pid: record.tgid, epoch, python_state, key: identity.to_key() })),
         }
     }
 
-    /// Keeps a record's resolution for its repeats; `leaf`: how its stack used its innermost user
-    /// address.
-    pub fn keep(&mut self, slot: Slot, frames: &[FrameId], truncated: bool, counts: SampleCounts, leaf: LeafUse) {
-        let bytes = slot.key.len() + size_of_val(frames);
+    /// Keeps a record's resolution for its repeats; `native`: what its stack read of its native
+    /// levels.
+    pub fn keep(&mut self, slot: Slot, frames: &[FrameId], truncated: bool, counts: SampleCounts, native: NativeUse) {
+        let (leaf, frames): (LeafMatch, Box<[FrameId]>) = match native.leaf {
+            LeafUse::Shown { at, len, traits } => {
+                let Some(after) = at.checked_add(len).filter(|&end| end <= frames.len()) else { return };
+                let without = frames[..at].iter().chain(&frames[after..]).copied().collect();
+                (LeafMatch::Alike { traits, shown_at: Some(at as u32) }, without)
+            }
+            LeafUse::Hidden(traits) => (LeafMatch::Alike { traits, shown_at: None }, frames.into()),
+            LeafUse::Unread => (LeafMatch::Any, frames.into()),
+        };
+        let bytes = slot.key.len() + size_of_val(&frames[..]);
         if self.entries.len() >= MAX_ENTRIES || self.bytes + bytes > MAX_BYTES {
             self.clear();
         }
-        let (hash, leaf) = match leaf {
-            LeafUse::Shown => (slot.exact_hash, LeafMatch::Exact(slot.leaf)),
-            LeafUse::Hidden(traits) => (slot.hash, LeafMatch::Alike(traits)),
-            LeafUse::Unread => (slot.hash, LeafMatch::Any),
+        let entry = Entry {
+            hash: slot.hash,
+            leaf,
+            pid: slot.pid,
+            epoch: slot.epoch,
+            python_state: slot.python_state,
+            key: slot.key,
+            frames,
+            truncated,
+            counts,
+            unmapped: native.unmapped,
         };
-        let entry = Entry { hash, leaf, epoch: slot.epoch, python_state: slot.python_state, key: slot.key, frames: frames.into(), truncated, counts };
-        // A stale entry for the same records is replaced: one of the same address, or one of any.
-        let same_records = |old: &Entry| {
-            let exact = |leaf: LeafMatch| matches!(leaf, LeafMatch::Exact(_));
-            old.hash == entry.hash && exact(old.leaf) == exact(entry.leaf) && (!exact(old.leaf) || old.leaf == entry.leaf) && same_values(&old.key, &entry.key)
+        // A stale entry for the same records is replaced: one for the same traits of the leaf.
+        let traits = |leaf: LeafMatch| match leaf {
+            LeafMatch::Alike { traits, .. } => Some(traits),
+            LeafMatch::Any => None,
         };
+        let same_records = |old: &Entry| old.hash == entry.hash && traits(old.leaf) == traits(entry.leaf) && same_values(&old.key, &entry.key);
         match self.entries.find_entry(entry.hash, same_records) {
             Ok(mut old) => {
                 self.bytes -= old.get().key.len() + size_of_val(&old.get().frames[..]);
@@ -275,6 +299,22 @@ impl Repeats {
         }
         let epoch = self.epochs.entry(pid).or_insert(0);
         *epoch = epoch.wrapping_add(1);
+    }
+
+    /// The levels found in no mapping of processes `pids` are looked up again: the entries that
+    /// read one go.
+    pub fn forget_unmapped(&mut self, pids: &[u32]) {
+        if pids.is_empty() {
+            return;
+        }
+        let bytes = &mut self.bytes;
+        self.entries.retain(|entry| {
+            let stale = entry.unmapped && pids.contains(&entry.pid);
+            if stale {
+                *bytes -= entry.key.len() + size_of_val(&entry.frames[..]);
+            }
+            !stale
+        });
     }
 
     /// Forgets every entry (a new frame table, a new mode, native entries dropped).

@@ -314,10 +314,11 @@ fn repeats_count_as_resolving_each_sample_would() {
     };
     let (mut cached, cached_profile) = run(Repeats::new());
     let (mut resolved, resolved_profile) = run(Repeats::disabled());
-    // 54 samples; before the exec and after, 10 resolved: the 6 distinct records of the first 19,
-    // then the eval loop's first address, the second elsewhere (now known to be the eval loop's,
-    // so the second under the first's caller repeats the first), and the two shown addresses.
-    assert_eq!((cached.repeats, resolved.repeats), (34, 0));
+    // 54 samples; before the exec and after, 9 resolved: the 6 distinct records of the first 19,
+    // then the eval loop's first address, the second elsewhere, and the first shown address. The
+    // second address of each, under the first's caller, repeats the first's stack: the eval
+    // loop's as it is, the shown function's with the second address's own frames.
+    assert_eq!((cached.repeats, resolved.repeats), (36, 0));
     assert!(cached.python_samples == 54 && cached.kernel_frames > 0, "{cached}");
     assert!(cached.unwound_samples == 6 && cached.unwind_truncated == 0, "{cached}");
     // Counts, not the CPU time they took.
@@ -325,6 +326,40 @@ fn repeats_count_as_resolving_each_sample_would() {
     assert_eq!(cached.to_string(), resolved.to_string());
     assert_eq!(rendered(&cached_profile), rendered(&resolved_profile));
     assert_eq!(cached_profile.total_samples(), 54);
+}
+
+/// A stack that read a native level found in no mapping is resolved again once its process's
+/// upkeep looks such levels up again (a library mapped there since names it); the process's other
+/// stacks still repeat.
+#[test]
+fn upkeep_has_only_stacks_that_read_an_unmapped_level_resolved_again() {
+    let (target, _dir) = blocked_python();
+    let pid = target.pid();
+    let mut session = cpu_session();
+    let (mut kernel, mut stats, mut profile) = (FakeKernel::default(), Stats::default(), Profile::new(100));
+    let base = varied_records(&mut session, &mut kernel, pid).swap_remove(0);
+    let (leaf, caller) = (function_in_executable(pid, "PyObject_GetAttr").start + 8, function_in_executable(pid, "PyNumber_Add").start + 0x21);
+    let called_from = |callers: &[u64]| {
+        let mut sample = base.clone();
+        sample.user_stack[0] = leaf;
+        sample.user_stack[1..=callers.len()].copy_from_slice(callers);
+        sample.user_len = callers.len() as u32 + 1;
+        sample
+    };
+    // Its caller's caller lies in no mapping (a frame-pointer walk gone astray).
+    let (mapped, unmapped) = (called_from(&[caller]), called_from(&[caller, 0x1000]));
+    let mut repeats_of = |session: &mut Session| {
+        for sample in [&mapped, &unmapped] {
+            assert!(session.resolve(sample, &mut kernel, &mut stats, &mut profile));
+        }
+        stats.repeats
+    };
+    assert_eq!(repeats_of(&mut session), 0);
+    assert_eq!(repeats_of(&mut session), 2);
+    std::thread::sleep(crate::native_ids::UNMAPPED_RECHECK + Duration::from_millis(20));
+    session.upkeep(&mut FakeKernel::default(), 0);
+    assert_eq!(repeats_of(&mut session), 3, "the mapped stack repeats, the other is resolved again");
+    assert_eq!(repeats_of(&mut session), 5);
 }
 
 /// `--unwind auto`, a process not settled yet: a copied sample whose frame-pointer walk ends in

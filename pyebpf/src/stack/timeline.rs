@@ -69,11 +69,13 @@ impl Timeline {
             }
             return;
         }
-        if !self.events.contains_key(sample) {
-            self.events.insert(StoredStack::from_sample(sample), Vec::new());
+        let event = Event { unix_ns: (monotonic_ns as i64).saturating_add(self.offset_ns), ns };
+        match self.events.get_mut(sample) {
+            Some(events) => events.push(event),
+            None => {
+                self.events.insert(StoredStack::from_sample(sample), vec![event]);
+            }
         }
-        let Some(events) = self.events.get_mut(sample) else { return };
-        events.push(Event { unix_ns: (monotonic_ns as i64).saturating_add(self.offset_ns), ns });
         self.kept += 1;
     }
 
