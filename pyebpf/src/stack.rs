@@ -5,6 +5,7 @@ use std::hash::{BuildHasher, Hash, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+use hashbrown::hash_map::EntryRef;
 use hashbrown::HashMap;
 
 use crate::mode::Mode;
@@ -289,6 +290,14 @@ pub(crate) struct StoredStack {
     state: ThreadState,
 }
 
+/// An aggregated stack's weight and, with a timeline, the events it is made of (see
+/// [`Timeline`]).
+#[derive(Debug, Default)]
+struct Counted {
+    weight: Weight,
+    events: Vec<Event>,
+}
+
 /// A sample's stack as resolved, borrowing everything: what is looked up (without allocating)
 /// in the aggregated stacks.
 #[derive(Debug, Clone, Copy)]
@@ -404,7 +413,7 @@ impl<'a> Frames<'a> {
 #[derive(Debug, Default)]
 pub struct Profile {
     pub frames: FrameTable,
-    counts: HashMap<StoredStack, Weight>,
+    counts: HashMap<StoredStack, Counted>,
     /// What the weights measure.
     pub mode: Mode,
     /// Sampling frequency per CPU, in Hz.
@@ -439,11 +448,11 @@ impl Profile {
     pub fn renew_frames(&mut self, carry_caches: impl FnOnce(&mut FrameCarry<'_>)) {
         let old = std::mem::take(&mut self.frames);
         let mut carry = FrameCarry::new(&old, &mut self.frames);
-        for (mut stored, count) in std::mem::take(&mut self.counts) {
+        for (mut stored, counted) in std::mem::take(&mut self.counts) {
             for id in stored.frames.iter_mut() {
                 *id = carry.carry(*id);
             }
-            self.counts.insert(stored, count);
+            self.counts.insert(stored, counted);
         }
         carry_caches(&mut carry);
     }
@@ -471,16 +480,20 @@ impl Profile {
 
     /// Adds a resolved sample; allocates only for a stack not seen before.
     pub fn add_sample(&mut self, sample: SampleStack<'_>, weight: Weight) {
-        if let Some(total) = self.counts.get_mut(&sample) {
-            *total += weight;
-            return;
+        self.counted(&sample).weight += weight;
+    }
+
+    /// The stack's counts, found with one hash of it.
+    fn counted(&mut self, sample: &SampleStack<'_>) -> &mut Counted {
+        match self.counts.entry_ref(sample) {
+            EntryRef::Occupied(counted) => counted.into_mut(),
+            EntryRef::Vacant(vacant) => vacant.insert_with_key(StoredStack::from_sample(sample), Counted::default()),
         }
-        self.counts.insert(StoredStack::from_sample(&sample), weight);
     }
 
     /// Every aggregated stack with its weight, in no particular order.
     pub fn stacks(&self) -> impl Iterator<Item = (Stack<'_>, Weight)> {
-        self.counts.iter().map(|(stored, &weight)| (self.stack(stored), weight))
+        self.counts.iter().map(|(stored, counted)| (self.stack(stored), counted.weight))
     }
 
     fn stack<'a>(&'a self, stored: &'a StoredStack) -> Stack<'a> {
@@ -510,12 +523,12 @@ impl Profile {
     }
 
     pub fn total_samples(&self) -> u64 {
-        self.counts.values().map(|weight| weight.samples).sum()
+        self.counts.values().map(|counted| counted.weight.samples).sum()
     }
 
     /// The time every stack stands for, in nanoseconds.
     pub fn total_ns(&self) -> u64 {
-        self.counts.values().map(|weight| weight.ns).fold(0, u64::saturating_add)
+        self.counts.values().map(|counted| counted.weight.ns).fold(0, u64::saturating_add)
     }
 
     /// Distinct processes sampled.
@@ -537,10 +550,10 @@ impl Profile {
     /// and interned here.
     fn add_counts_of(&mut self, other: &Profile, mut frame_of: impl FnMut(&Frame) -> Frame) {
         let mut ids = Vec::new();
-        for (stored, &weight) in &other.counts {
+        for (stored, counted) in &other.counts {
             ids.clear();
             ids.extend(stored.frames.iter().map(|&id| self.frames.intern(frame_of(other.frames.frame(id)))));
-            self.add_sample(SampleStack { frames: &ids, ..stored.as_sample() }, weight);
+            self.add_sample(SampleStack { frames: &ids, ..stored.as_sample() }, counted.weight);
         }
     }
 

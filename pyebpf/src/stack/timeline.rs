@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use hashbrown::HashMap;
 
-use super::{Profile, SampleStack, Stack, StoredStack, Weight};
+use super::{Profile, SampleStack, Stack, Weight};
 use crate::process::comm_to_string;
 
 /// The most events an export period keeps (16 bytes each: about 32 MB).
@@ -29,9 +29,9 @@ pub struct Timeline {
     /// clock step during the run must not reorder events.
     offset_ns: i64,
     limit: usize,
-    /// Events kept in the export period so far, this piece's and the earlier pieces'.
+    /// Events kept in the export period so far, this piece's and the earlier pieces' (each with
+    /// its stack, in the profile's counts).
     kept: usize,
-    events: HashMap<StoredStack, Vec<Event>>,
     /// Each thread's latest `comm` (pid, tid): the kernel's name of the thread itself.
     thread_names: HashMap<(u32, u32), Arc<str>>,
     /// This piece had an event past the bound: its events are gone.
@@ -45,7 +45,7 @@ impl Timeline {
     }
 
     pub(crate) fn with_offset(offset_ns: i64, limit: usize) -> Timeline {
-        Timeline { offset_ns, limit, kept: 0, events: HashMap::new(), thread_names: HashMap::new(), overflowed: false }
+        Timeline { offset_ns, limit, kept: 0, thread_names: HashMap::new(), overflowed: false }
     }
 
     /// An empty timeline for the next piece of the same export period (past the bound too, if
@@ -59,24 +59,17 @@ impl Timeline {
         self.kept = 0;
     }
 
-    fn add(&mut self, sample: &SampleStack<'_>, monotonic_ns: u64, ns: u64) {
+    fn keep(&mut self, monotonic_ns: u64, ns: u64) -> Kept {
         if self.kept >= self.limit {
             // The period is sent without timestamps (as a profile's samples should all have the
             // same shape): what was kept of this piece is of no use.
-            if !self.overflowed {
-                self.overflowed = true;
-                self.events = HashMap::new();
-            }
-            return;
-        }
-        let event = Event { unix_ns: (monotonic_ns as i64).saturating_add(self.offset_ns), ns };
-        match self.events.get_mut(sample) {
-            Some(events) => events.push(event),
-            None => {
-                self.events.insert(StoredStack::from_sample(sample), vec![event]);
-            }
+            return match std::mem::replace(&mut self.overflowed, true) {
+                false => Kept::Overflowed,
+                true => Kept::Dropped,
+            };
         }
         self.kept += 1;
+        Kept::Event(Event { unix_ns: (monotonic_ns as i64).saturating_add(self.offset_ns), ns })
     }
 
     /// Whether events of the export period (of this piece or an earlier one) went past the bound.
@@ -97,14 +90,26 @@ impl Timeline {
     }
 }
 
+/// What became of an event.
+enum Kept {
+    Event(Event),
+    /// Past the bound, as the events before it: they are of no use.
+    Overflowed,
+    Dropped,
+}
+
 impl Profile {
     /// Adds a resolved sample that happened (or began) at `monotonic_ns`: with a timeline, its
     /// event is kept too.
     pub fn add_event(&mut self, sample: SampleStack<'_>, weight: Weight, monotonic_ns: u64) {
-        if let Some(timeline) = &mut self.timeline {
-            timeline.add(&sample, monotonic_ns, weight.ns);
+        let kept = self.timeline.as_mut().map_or(Kept::Dropped, |timeline| timeline.keep(monotonic_ns, weight.ns));
+        let counted = self.counted(&sample);
+        counted.weight += weight;
+        match kept {
+            Kept::Event(event) => counted.events.push(event),
+            Kept::Overflowed => self.counts.values_mut().for_each(|counted| counted.events = Vec::new()),
+            Kept::Dropped => {}
         }
-        self.add_sample(sample, weight);
     }
 
     /// With a timeline, notes the name (`comm`) the kernel gives thread `tid` of `pid` now.
@@ -117,10 +122,11 @@ impl Profile {
     /// Every aggregated stack with its weight and, where every sample of it was kept as an event,
     /// its events in the order they were counted.
     pub fn timed_stacks(&self) -> impl Iterator<Item = (Stack<'_>, Weight, Option<&[Event]>)> {
-        self.counts.iter().map(|(stored, &weight)| {
-            let events = self.timeline.as_ref().and_then(|timeline| timeline.events.get(stored).map(Vec::as_slice));
+        let timed = self.timeline.as_ref().is_some_and(|timeline| !timeline.overflowed);
+        self.counts.iter().map(move |(stored, counted)| {
+            let (weight, events) = (counted.weight, &counted.events[..]);
             // A stack also added without a time (not through `add_event`) is not all there.
-            let events = events.filter(|events| events.len() as u64 == weight.samples);
+            let events = (timed && !events.is_empty() && events.len() as u64 == weight.samples).then_some(events);
             (self.stack(stored), weight, events)
         })
     }
