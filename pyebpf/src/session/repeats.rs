@@ -51,8 +51,8 @@ struct Entry {
     /// The identity's hash, without the innermost user address.
     hash: u64,
     leaf: LeafMatch,
-    /// The process's epoch and Python state when it was resolved: either changed, it is stale.
     pid: u32,
+    /// The process's epoch and Python state when it was resolved: either changed, it is stale.
     epoch: u32,
     python_state: u64,
     key: Box<[u8]>,
