@@ -38,6 +38,10 @@ pub use processes::DetailsWanted;
 use processes::ProcessTable;
 use repeats::{Repeats, Slot};
 
+/// Frames a repeat's innermost level may have beyond those of the sample it repeats (calls
+/// inlined there) without its stack being reallocated.
+const LEAF_FRAMES_SPARE: usize = 16;
+
 /// How often the safety upkeep runs: thread lists re-read now and then, unmapped code expired,
 /// lost events looked for. What needs to be prompt is driven by records instead: a sample of an
 /// unknown process or thread (the eBPF program wakes the reader soon for it), exec and exit events.
@@ -191,6 +195,9 @@ impl Session {
         let state = thread_state(record, frames, self.options.kernel, profile);
         if let Some(slot) = slot {
             self.repeats.keep(slot, frames, outcome.is_cut(), before.since(stats), native);
+            // Its repeats at other addresses are built here: sized now, they allocate nothing.
+            self.scratch.repeat.clear();
+            self.scratch.repeat.reserve(frames.len() + LEAF_FRAMES_SPARE);
         }
         let sample = SampleStack { pid: record.tgid, tid: record.tid, comm: &comm, frames, truncated: outcome.is_cut(), labels: Some(&labels), state };
         self.off_cpu.count(record, sample, stats, profile);
