@@ -152,6 +152,10 @@ impl<M: ReadMemory> PyProcess<M> {
             Some(at) => u64::from(self.mem.read_u32(id.wrapping_add(at))?),
             None => id,
         };
+        // 0 until the new thread binds its state (it is listed from its creation in the parent).
+        if tid == 0 {
+            return Ok(None);
+        }
         u32::try_from(tid).map(Some).map_err(|_| PyError::Malformed(format!("native thread id {tid}")))
     }
 

@@ -232,6 +232,25 @@ fn a_thread_whose_registration_the_kernel_dropped_is_registered_again() {
     assert!(kernel.threads.contains_key(&pid), "the thread that took the id was not registered");
 }
 
+/// A thread state is listed from its creation in the thread that starts it, with `native_thread_id`
+/// 0 until the new thread binds it: such a state names no thread yet and registers none (an
+/// entry under id 0 would outlive it, since no thread 0 ever exits).
+#[test]
+fn a_thread_state_not_yet_bound_to_its_thread_registers_nothing() {
+    for version in ["3.13", "3.15"] {
+        let (target, _dir, mut py) = start(version);
+        let pid = target.pid();
+        let threads = py.threads().unwrap();
+        let worker = threads.iter().find(|thread| thread.tid != pid).unwrap_or_else(|| panic!("{version}: no worker in {threads:?}"));
+        let at = worker.tstate + py.offsets().tstate_native_thread_id;
+        py.memory().patch(at, &0u64.to_le_bytes());
+        let mut kernel = FakeKernel::default();
+        registered(py, OPTIONS, &mut kernel);
+        let tids: Vec<u32> = kernel.threads.keys().copied().collect();
+        assert_eq!(tids, [pid], "{version}: registered threads");
+    }
+}
+
 /// A thread missing from the thread lists (a C thread) is registered without a thread state, so
 /// its samples wake nobody and the kernel looks its state up when it calls into Python; it is
 /// registered again once the kernel dropped it, and goes with its process.
