@@ -29,16 +29,21 @@ def spin(seconds):
         pass
 
 
+# Each call's own work (a new thread state and its data stack, the GIL taken, all given back on
+# return) has no Python frame: the callback runs long enough that its frames are most of a call.
+CALL_SECONDS = 0.005
+
+
 def churn_a():
-    spin(0.002)
+    spin(CALL_SECONDS)
 
 
 def churn_b():
-    spin(0.002)
+    spin(CALL_SECONDS)
 
 
 def churn_c():
-    spin(0.002)
+    spin(CALL_SECONDS)
 
 
 callbacks = {"a": CALLBACK(churn_a), "b": CALLBACK(churn_b), "c": CALLBACK(churn_c)}

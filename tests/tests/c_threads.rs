@@ -12,33 +12,38 @@ use pyebpf_tests::{count_where, debian_python, pyenv_python, reader_wakes_at_49_
 /// C threads calling into Python many times a second, each call in a new thread state, with
 /// glibc's allocator made to hand a freed state to whichever thread allocates next (no per-thread
 /// caches, one arena: as allocators without per-thread caches do, musl's among them). Each
-/// thread's samples in its calls show its own callback: none shows another's, and they have its
-/// frames, also for a thread first sampled before it ever called into Python.
+/// thread's samples in its calls show its own callback: none shows another's, and those in user
+/// code have its frames, also for a thread first sampled before it ever called into Python.
 fn check_churn(python: &Path) {
     let dir = tempfile::tempdir().unwrap();
     let env = [("GLIBC_TUNABLES", "glibc.malloc.tcache_count=0"), ("MALLOC_ARENA_MAX", "1")];
     let (child, threads) = start_c_threads(python, dir.path(), "churn", "8", &env);
     let pid = child.pid();
-    let (collapsed, stderr) = record_collapsed(&["-p", &pid.to_string(), "-F", "499", "-d", "5", "--threads"]);
+    let (collapsed, stderr) = record_collapsed(&["-p", &pid.to_string(), "-F", "499", "-d", "5", "--threads", "--kernel"]);
     drop(child);
     let stacks = stacks_of(&collapsed, pid);
     for (name, tid) in &threads {
         let thread = format!("thread {tid}");
-        // Calling into Python: under the C library's callback machinery (libffi's closures).
-        let in_call = |frames: &[String]| frames.first() == Some(&thread) && frames.iter().any(|frame| frame.contains("ffi"));
+        // Calling into Python: under the C library's callback machinery (libffi's closures). A
+        // sample in the kernel there is, but for a few, the call's own system calls, with no frame
+        // to show: handing the GIL over (futex) and mapping and unmapping the new thread state's
+        // data stack, 5-12% of a thread's samples here, more on a slower host.
+        let in_user = |frames: &[String]| frames.last().is_some_and(|leaf| !leaf.ends_with("_[k]"));
+        let in_call = |frames: &[String]| frames.first() == Some(&thread) && frames.iter().any(|frame| frame.contains("ffi")) && in_user(frames);
         let calling: Vec<_> = stacks.iter().filter(|(frames, _)| in_call(frames)).cloned().collect();
         let samples = total(&calling);
         let runs = |callback: &str| count_where(&calling, |frames| frames.iter().any(|frame| frame.starts_with(callback)));
         let own = runs(&format!("churn_{name} "));
         let others: u64 = threads.iter().filter(|(other, _)| other != name).map(|(other, _)| runs(&format!("churn_{other} "))).sum();
         let context = format!(
-            "{} thread {name} ({tid}): {own} of its {samples} samples in calls into Python in its callback, {others} in another's\n{stderr}",
+            "{} thread {name} ({tid}): {own} of its {samples} samples in user code in calls into Python in its callback, {others} in another's\n{stderr}",
             python.display()
         );
         // Thread c spins in C for the first 2 s: it is first sampled before it calls into Python.
         assert!(samples >= 200, "too few samples to judge: {context}");
         assert_eq!(others, 0, "a thread was read through another's thread state: {context}");
-        // The rest is taking and dropping the thread state, around the callback.
+        // The rest is taking and dropping the thread state, around the callback: 1-3% here, and
+        // once 7% (one thread, its frames missing in its callback: cause not found yet).
         assert!(own as f64 >= 0.9 * samples as f64, "Python frames missing: {context}");
     }
 }

@@ -153,7 +153,8 @@ impl<M: Memory> Process<M> {
         }
     }
 
-    /// Registers new threads and drops dead ones; false when the process is gone.
+    /// Registers new threads, and threads whose state left the lists as running without one (those
+    /// gone are dropped); false when the process is gone.
     pub(super) fn refresh_threads(&mut self, kernel: &mut dyn KernelMaps) -> bool {
         self.threads_read = Instant::now();
         let Ok(threads) = self.resolver.py.threads() else {
@@ -162,15 +163,16 @@ impl<M: Memory> Process<M> {
         let live: HashSet<u32> = threads.iter().map(|t| t.tid).collect();
         // A thread that ran no Python and runs it now is registered with its state below.
         self.not_python.retain(|tid, _| !live.contains(tid));
-        let known = self.threads.len();
-        self.threads.retain(|tid, _| {
-            let keep = live.contains(tid);
-            if !keep {
-                kernel.remove_py_thread(*tid);
-            }
-            keep
-        });
-        let mut changed = self.threads.len() != known;
+        let left: Vec<u32> = self.threads.keys().filter(|tid| !live.contains(tid)).copied().collect();
+        let mut changed = !left.is_empty();
+        // A thread whose state left the lists may still run (a C thread between calls into Python,
+        // or about to exit): its entry stays, without a state, so the kernel looks up the next one
+        // it gets at each sample rather than losing that sample's frames until the next read.
+        for tid in left {
+            self.threads.remove(&tid);
+            kernel.remove_marker_chain(tid);
+            self.register_not_python(tid, kernel);
+        }
         self.find_attached_states(kernel);
         for thread in threads {
             let known = self.threads.get(&thread.tid).is_some_and(|t| t.tstate == thread.tstate);

@@ -285,6 +285,43 @@ fn a_thread_without_a_thread_state_is_registered_without_one() {
     assert!(kernel.threads.is_empty(), "registrations outlived their process: {:?}", kernel.threads);
 }
 
+/// A thread whose state leaves the thread lists while the thread runs on (a C thread between
+/// calls into Python, its state freed by `PyGILState_Release`) keeps an entry, without a state:
+/// the kernel looks up the state of its next call at each sample, where without an entry that
+/// sample's frames went missing until the lists were read again.
+#[test]
+fn a_thread_whose_state_leaves_the_lists_stays_registered_without_one() {
+    let (target, _dir, mut py) = start("3.13");
+    let pid = target.pid();
+    let threads = py.threads().unwrap();
+    let worker = threads.iter().find(|thread| thread.tid != pid).unwrap_or_else(|| panic!("no worker in {threads:?}"));
+    let (tid, tstate) = (worker.tid, worker.tstate);
+    let mut kernel = FakeKernel::default();
+    let mut pythons = registered(py, OPTIONS, &mut kernel);
+    assert_eq!(kernel.threads.get(&tid).map(|thread| thread.tstate), Some(tstate), "the worker was not registered with its state");
+    // Unlinks the worker's state, as deleting a thread state does.
+    let py = &pythons.processes.get(&pid).unwrap().resolver.py;
+    let offsets = py.offsets();
+    let read = |addr: u64| {
+        let mut bytes = [0u8; 8];
+        py.memory().read(addr, &mut bytes).unwrap();
+        u64::from_le_bytes(bytes)
+    };
+    let (prev, next) = (read(tstate + offsets.tstate_prev), read(tstate + offsets.tstate_next));
+    let link = if prev == 0 { read(tstate + offsets.tstate_interp) + offsets.interp_threads_head } else { prev + offsets.tstate_next };
+    py.memory().patch(link, &next.to_le_bytes());
+    if next != 0 {
+        py.memory().patch(next + offsets.tstate_prev, &prev.to_le_bytes());
+    }
+    // A sample of a thread the kernel does not know has the lists read again.
+    std::thread::sleep(Duration::from_millis(30));
+    let (mut stats, mut frames) = (Stats::default(), FrameTable::default());
+    resolve(&mut pythons, &unknown_sample(pid, pid + 1_000_000, monotonic_ns()), &mut kernel, &mut stats, &mut frames);
+    let stateless = PyThreadEntry { tstate: 0, ns_tid: tid, tgid: pid };
+    assert_eq!(kernel.threads.get(&tid), Some(&stateless), "the worker's entry did not stay without a state");
+    assert_eq!(kernel.threads.get(&pid).map(|thread| thread.tgid), Some(pid), "the main thread's entry went");
+}
+
 #[test]
 fn a_marker_chain_is_proven_then_joined_and_a_moving_thread_gets_none() {
     let (target, _dir, py) = start("3.15");
