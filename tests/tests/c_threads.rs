@@ -7,7 +7,7 @@
 
 use std::path::Path;
 
-use pyebpf_tests::{count_where, debian_python, pyenv_python, reader_wakes_at_49_hz, record_collapsed, stacks_of, start_c_threads, total};
+use pyebpf_tests::{count_where, debian_python, pyenv_python, reader_wakes_at_49_hz, record_collapsed, stacks_of, start_c_threads, total, Stack};
 
 /// C threads calling into Python many times a second, each call in a new thread state, with
 /// glibc's allocator made to hand a freed state to whichever thread allocates next (no per-thread
@@ -28,13 +28,14 @@ fn check_churn(python: &Path) {
         // sample in the kernel there is, but for a few, the call's own system calls, with no frame
         // to show: handing the GIL over (futex) and mapping and unmapping the new thread state's
         // data stack, 5-12% of a thread's samples here, more on a slower host.
-        let in_user = |frames: &[String]| frames.last().is_some_and(|leaf| !leaf.ends_with("_[k]"));
-        let in_call = |frames: &[String]| frames.first() == Some(&thread) && frames.iter().any(|frame| frame.contains("ffi")) && in_user(frames);
-        let calling: Vec<_> = stacks.iter().filter(|(frames, _)| in_call(frames)).cloned().collect();
-        let samples = total(&calling);
-        let runs = |callback: &str| count_where(&calling, |frames| frames.iter().any(|frame| frame.starts_with(callback)));
-        let own = runs(&format!("churn_{name} "));
-        let others: u64 = threads.iter().filter(|(other, _)| other != name).map(|(other, _)| runs(&format!("churn_{other} "))).sum();
+        let in_call = |frames: &[String]| frames.first() == Some(&thread) && frames.iter().any(|frame| frame.contains("ffi"));
+        let calling: Vec<Stack> = stacks.iter().filter(|(frames, _)| in_call(frames)).cloned().collect();
+        let in_user_code: Vec<Stack> = calling.iter().filter(|(frames, _)| frames.last().is_some_and(|leaf| !leaf.ends_with("_[k]"))).cloned().collect();
+        let samples = total(&in_user_code);
+        let runs = |among: &[Stack], callback: &str| count_where(among, |frames| frames.iter().any(|frame| frame.starts_with(callback)));
+        let own = runs(&in_user_code, &format!("churn_{name} "));
+        // No sample of the thread, in the kernel or not, may show another thread's callback.
+        let others: u64 = threads.iter().filter(|(other, _)| other != name).map(|(other, _)| runs(&calling, &format!("churn_{other} "))).sum();
         let context = format!(
             "{} thread {name} ({tid}): {own} of its {samples} samples in user code in calls into Python in its callback, {others} in another's\n{stderr}",
             python.display()

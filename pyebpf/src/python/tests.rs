@@ -13,7 +13,7 @@ use super::tasks::{waiting_task_stacks, TaskPart};
 use super::*;
 use crate::budget::SharedBudget;
 use crate::cpython::asyncio::AsyncioOffsets;
-use crate::cpython::memory::{MemCounters, MemError, ReadMemory, WriteMemory};
+use crate::cpython::memory::{MemCounters, MemError, ReadExt, ReadMemory, WriteMemory};
 use crate::cpython::runtime;
 use crate::kernel_maps::fake::FakeKernel;
 use crate::ktime::monotonic_ns;
@@ -302,11 +302,7 @@ fn a_thread_whose_state_leaves_the_lists_stays_registered_without_one() {
     // Unlinks the worker's state, as deleting a thread state does.
     let py = &pythons.processes.get(&pid).unwrap().resolver.py;
     let offsets = py.offsets();
-    let read = |addr: u64| {
-        let mut bytes = [0u8; 8];
-        py.memory().read(addr, &mut bytes).unwrap();
-        u64::from_le_bytes(bytes)
-    };
+    let read = |addr: u64| py.memory().read_u64(addr).unwrap();
     let (prev, next) = (read(tstate + offsets.tstate_prev), read(tstate + offsets.tstate_next));
     let link = if prev == 0 { read(tstate + offsets.tstate_interp) + offsets.interp_threads_head } else { prev + offsets.tstate_next };
     py.memory().patch(link, &next.to_le_bytes());
