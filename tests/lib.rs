@@ -411,7 +411,9 @@ static void *run(void *arg) {
         sink++;
     while (job->callback && now() - start < job->seconds) {
         job->callback();
-        usleep(300);
+        /* Out of the running for as long as a call: the GIL goes round, rather than between
+           two threads while a third waits (as glibc's condition variable may have it). */
+        usleep(5000);
     }
     return 0;
 }
