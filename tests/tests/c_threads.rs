@@ -43,8 +43,8 @@ fn check_churn(python: &Path) {
         // Thread c spins in C for the first 2 s: it is first sampled before it calls into Python.
         assert!(samples >= 200, "too few samples to judge: {context}");
         assert_eq!(others, 0, "a thread was read through another's thread state: {context}");
-        // The rest is taking and dropping the thread state, around the callback: 1-3% here, and
-        // once 7% (one thread, its frames missing in its callback: cause not found yet).
+        // The rest is taking and dropping the thread state, around the callback: 0.4-3% here, and
+        // once in 17 runs 6% (thread a's frames missing in its callback: cause not found yet).
         assert!(own as f64 >= 0.9 * samples as f64, "Python frames missing: {context}");
     }
 }
