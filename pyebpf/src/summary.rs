@@ -46,7 +46,7 @@ pub struct RunTotals {
     functions: HashMap<Function, (u64, u64)>,
     /// Nanoseconds whose innermost function came after [`MAX_RUN_FUNCTIONS`] others.
     uncounted: u64,
-    unresolved: u64,
+    frameless: u64,
 }
 
 impl RunTotals {
@@ -64,7 +64,7 @@ impl RunTotals {
         self.frequency_hz = profile.frequency_hz;
         self.mode = profile.mode;
         self.pids.extend(profile.stacks().map(|(key, _)| key.pid));
-        self.unresolved += profile.stacks().filter(|(key, _)| key.frames.is_empty()).map(|(_, weight)| weight.samples).sum::<u64>();
+        self.frameless += profile.stacks().filter(|(key, _)| key.frames.is_empty()).map(|(_, weight)| weight.samples).sum::<u64>();
         self.uncounted += add_python_functions(profile, &mut self.functions, MAX_RUN_FUNCTIONS);
     }
 
@@ -93,7 +93,7 @@ pub struct Summary {
     /// Python stacks cut where the chain could not be proven.
     pub truncated: u64,
     /// Samples without a single frame.
-    pub unresolved: u64,
+    pub frameless: u64,
     /// Processes of CPythons pyebpf does not read, as `Stats` names them, and how many more.
     pub unsupported_pythons: NamedProcesses,
     pub free_threaded: NamedProcesses,
@@ -121,7 +121,7 @@ impl Summary {
             uncounted: totals.uncounted,
             lost: stats.lost_samples,
             truncated: stats.truncated_samples,
-            unresolved: totals.unresolved,
+            frameless: totals.frameless,
             unsupported_pythons: stats.unsupported_pythons.clone(),
             free_threaded: stats.free_threaded.clone(),
             tasks: stats.tasks.clone(),
@@ -283,7 +283,7 @@ impl fmt::Display for Summary {
         self.write_run(f)?;
         self.write_top(f)?;
         self.write_tasks(f)?;
-        write!(f, "  lost: {}, Python stacks truncated: {}, unresolved (no frames): {}", self.lost, self.truncated, self.unresolved)?;
+        write!(f, "  lost: {}, Python stacks truncated: {}, samples without frames: {}", self.lost, self.truncated, self.frameless)?;
         if let Some(otlp) = &self.otlp {
             write!(f, "\n  {otlp}")?;
         }
@@ -349,7 +349,7 @@ mod tests {
         assert!(text.contains("2.0 s at 100 Hz, 15 samples, 2 processes (1 Python)"), "{text}");
         assert!(text.contains(" 66.7%   66.7%  Worker.compute (/srv/work.py)"), "{text}");
         assert!(!text.contains("main (/srv/work.py)"), "a function without own samples is listed: {text}");
-        assert!(text.contains("lost: 2, Python stacks truncated: 1, unresolved (no frames): 0"), "{text}");
+        assert!(text.contains("lost: 2, Python stacks truncated: 1, samples without frames: 0"), "{text}");
         assert!(text.ends_with("open it: xdg-open out.svg"), "{text}");
         assert!(!text.contains("native frames only"), "{text}");
     }

@@ -226,12 +226,12 @@ fn differences(requests: &[Export], traces: &[Trace]) -> Vec<(Option<u32>, u64, 
 
 /// Every sample of the file reached the collector, once, and it got no other: those with frames
 /// are the ones `go tool pprof` shows of the file (it leaves out samples without a location),
-/// those without are the summary's `unresolved (no frames)`; the summary counts them all.
+/// those without are the summary's `samples without frames`; the summary counts them all.
 fn assert_same_samples(requests: &[Export], traces: &[Trace], summary: &Summary, stderr: &str) {
     let (with_frames, without) = counted(requests);
     let in_file: u64 = traces.iter().map(|t| t.count).sum();
     let unresolved =
-        stderr.lines().find_map(|line| line.split_once("unresolved (no frames): ")?.1.split(|c: char| !c.is_ascii_digit()).next()?.parse::<u64>().ok());
+        stderr.lines().find_map(|line| line.split_once("samples without frames: ")?.1.split(|c: char| !c.is_ascii_digit()).next()?.parse::<u64>().ok());
     assert!(
         with_frames == in_file && Some(without) == unresolved && summary.samples == with_frames + without,
         "{summary:?}: {with_frames} samples with frames at the collector, {in_file} in the file; {without} without frames, {unresolved:?} \

@@ -258,7 +258,7 @@ fn summary_names_the_hottest_function_with_its_share() {
     assert!((share(rows[0]) - 60.0).abs() <= 3.0, "sixty_percent's share is {}: {stderr}", share(rows[0]));
     let thirty = rows.iter().find(|r| r.contains("thirty_percent (")).unwrap_or_else(|| panic!("{stderr}"));
     assert!((share(thirty) - 30.0).abs() <= 3.0, "thirty_percent's share is {}: {stderr}", share(thirty));
-    assert!(stderr.contains("lost: ") && stderr.contains("Python stacks truncated: ") && stderr.contains("unresolved (no frames): "), "{stderr}");
+    assert!(stderr.contains("lost: ") && stderr.contains("Python stacks truncated: ") && stderr.contains("samples without frames: "), "{stderr}");
     assert!(stderr.contains(&format!("open it: go tool pprof -http=: {}", out.display())), "{stderr}");
     // stderr is a pipe here: no status line.
     assert!(!stderr.contains("recording ") && !stderr.contains('\r'), "status line on a pipe: {stderr}");
