@@ -22,7 +22,7 @@ use pyebpf_common::unwind::{
     UNWIND_STRETCH_UNKNOWN,
 };
 
-use super::rows::{Rule, RuleTables};
+use super::rows::{Rule, RuleTables, RulesSource};
 use super::{mapped_at, FileId, MappedFile, Unwound};
 
 /// A change to the eBPF program's pages.
@@ -36,8 +36,8 @@ pub enum PageUpdate {
 struct Published {
     file: FileId,
     base_avma: u64,
-    /// [`RuleTables::functions_of`] its file when it was.
-    functions: usize,
+    /// What its rules were derived from, when it was.
+    source: RulesSource,
     /// A hash of its rows (0: they did not fit a page). Were two pages' rows to hash alike, the
     /// later would not be set: the earlier still holds, for fewer functions.
     rows: u64,
@@ -81,19 +81,20 @@ impl KernelPages {
     /// whether its rows changed.
     fn publish_page(&mut self, pid: u32, page: u64, file: &MappedFile, tables: &RuleTables) -> bool {
         let key = UnwindPageKey { tgid: pid, _pad: 0, page };
+        let start = key.page.wrapping_sub(file.base_avma);
+        let source = tables.source_over(file.id, start, start + UNWIND_PAGE_SIZE);
         let known = self.published.get(&key);
-        if known.is_some_and(|known| known.functions == tables.functions_of(file.id)) {
+        if known.is_some_and(|known| known.source == source) {
             return false;
         }
         if known.is_none() && self.published.len() >= MAX_UNWIND_PAGES as usize {
             return false;
         }
-        let start = key.page.wrapping_sub(file.base_avma);
         tables.rules_over(file.id, start, start + UNWIND_PAGE_SIZE, &mut self.rules);
         let page = encode_page(start, &self.rules);
         let rows = page.as_ref().map_or(0, |page| self.hasher.hash_one(&page.rows[..page.len as usize]) | 1);
         let changed = known.is_none_or(|known| known.rows != rows);
-        self.published.insert(key, Published { file: file.id, base_avma: file.base_avma, functions: tables.functions_of(file.id), rows });
+        self.published.insert(key, Published { file: file.id, base_avma: file.base_avma, source, rows });
         match page {
             Some(page) if changed => self.updates.push(PageUpdate::Set(key, Box::new(page))),
             // Rows too dense for a page: its samples stay with userspace.

@@ -282,7 +282,7 @@ impl StackUnwinder {
         if self.files.len() >= MAX_FILES || self.cached_bytes >= MAX_CACHED_BYTES {
             self.files.clear();
             self.cached_bytes = 0;
-            self.rules = RuleTables::default();
+            self.rules.start_afresh();
         }
         let mut unwinder = UnwinderX86_64::new();
         let files = self.mapped_files(pid, snapshot);

@@ -59,6 +59,15 @@ pub(super) struct RuleTables {
     /// Each file's functions, by start address.
     files: HashMap<FileId, Vec<Function>>,
     rows: usize,
+    /// Times the tables started afresh: what was derived before may have had functions since gone.
+    resets: u64,
+}
+
+/// What the rules over a stretch of a file are derived from (see [`RuleTables::source_over`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct RulesSource {
+    resets: u64,
+    functions: usize,
 }
 
 impl RuleTables {
@@ -73,8 +82,7 @@ impl RuleTables {
         let function = tabulate(cfi, svma)?;
         let rule = function.rule_at(svma);
         if self.rows + function.rows.len() > MAX_ROWS {
-            self.files.clear();
-            self.rows = 0;
+            self.start_afresh();
         }
         let functions = self.files.entry(file).or_default();
         let at = functions.partition_point(|known| known.start <= function.start);
@@ -87,10 +95,27 @@ impl RuleTables {
         Some(rule)
     }
 
-    /// Functions of `file` tabulated: what was derived from its table before covers less once
-    /// this grew (or differs, after the tables started afresh).
-    pub(super) fn functions_of(&self, file: FileId) -> usize {
-        self.files.get(&file).map_or(0, Vec::len)
+    /// Drops every function tabulated.
+    pub(super) fn start_afresh(&mut self) {
+        self.files.clear();
+        self.rows = 0;
+        self.resets += 1;
+    }
+
+    /// What [`Self::rules_over`] the same stretch reads: the functions of `file` tabulated there,
+    /// counted, and the times the tables started afresh. Functions are only added in between, so
+    /// the rules there are as derived before while this is as it was: a function tabulated
+    /// elsewhere in the file does not change them.
+    pub(super) fn source_over(&self, file: FileId, start: u64, end: u64) -> RulesSource {
+        let functions = self.functions_over(file, start, end).count();
+        RulesSource { resets: self.resets, functions }
+    }
+
+    /// The functions of `file` tabulated that overlap `start..end`, by start address.
+    fn functions_over(&self, file: FileId, start: u64, end: u64) -> impl Iterator<Item = &Function> {
+        let functions = self.files.get(&file).map_or(&[][..], |functions| &functions[..]);
+        let first = functions.partition_point(|function| function.end <= start);
+        functions[first..].iter().take_while(move |function| function.start < end)
     }
 
     /// The rules of `file` over the stated addresses `start..end`, from the functions tabulated
@@ -103,10 +128,8 @@ impl RuleTables {
                 out.push((at, rule));
             }
         };
-        let functions = self.files.get(&file).map_or(&[][..], |functions| &functions[..]);
-        let first = functions.partition_point(|function| function.end <= start);
         let mut at = start;
-        for function in functions[first..].iter().take_while(|function| function.start < end) {
+        for function in self.functions_over(file, start, end) {
             if function.start > at {
                 push(at, Rule::Other);
                 at = function.start;

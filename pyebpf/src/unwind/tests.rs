@@ -1,6 +1,6 @@
 use super::*;
 use proptest::prelude::*;
-use pyebpf_common::unwind::{UnwindPage, UnwindPageKey};
+use pyebpf_common::unwind::{UnwindPage, UnwindPageKey, UNWIND_PAGE_SIZE};
 
 #[test]
 fn the_vdso_has_unwind_information_and_other_bytes_are_refused() {
@@ -230,6 +230,38 @@ fn tabulated_rules_unwind_as_framehop_does() {
     }
     // Thousands of rows stepped both ways, nearly all of them tabulated.
     assert!(compared[0] > 10_000 && compared[2] * 20 < compared[0], "(stepped, stuck or root, left to framehop): {compared:?}");
+}
+
+/// What a page's rules are derived from changes with a function tabulated over the page, not with
+/// one tabulated elsewhere in its file (publishing would encode the page again for nothing), and
+/// once the tables started afresh, whatever the count of functions there.
+#[test]
+fn a_pages_rules_change_with_the_functions_tabulated_over_it_only() {
+    let maps = Maps::read_own().unwrap();
+    let files = StackUnwinder::new().mapped_files(std::process::id(), &maps);
+    let own = std::env::current_exe().unwrap();
+    let code = a_pages_rules_change_with_the_functions_tabulated_over_it_only as *const () as u64;
+    let file = files.iter().find(|file| file.avma.contains(&code)).expect("this binary's code is mapped");
+    let mapped: Vec<u64> = row_starts(&file.cfi).into_iter().filter(|svma| file.avma.contains(&svma.wrapping_add(file.base_avma))).collect();
+    // Two rows a MiB apart: no function of this binary spans that.
+    let here = mapped[0];
+    let elsewhere = *mapped.iter().find(|&&svma| svma > here + (1 << 20)).unwrap_or_else(|| panic!("{own:?} has code a MiB past its first function"));
+    let source_at = |tables: &RuleTables, svma: u64| {
+        let page = svma.wrapping_add(file.base_avma) & !(UNWIND_PAGE_SIZE - 1);
+        let start = page.wrapping_sub(file.base_avma);
+        tables.source_over(file.id, start, start + UNWIND_PAGE_SIZE)
+    };
+    let mut tables = RuleTables::default();
+    let (untouched, empty) = (source_at(&tables, here), source_at(&tables, elsewhere));
+    tables.rule(file.id, &file.cfi, elsewhere).expect("a row has a function");
+    assert_eq!(source_at(&tables, here), untouched, "a function elsewhere in the file");
+    assert_ne!(source_at(&tables, elsewhere), empty, "a function over the page");
+    tables.rule(file.id, &file.cfi, here).expect("a row has a function");
+    let tabulated = source_at(&tables, here);
+    assert_ne!(tabulated, untouched);
+    tables.start_afresh();
+    tables.rule(file.id, &file.cfi, here).expect("a row has a function");
+    assert_ne!(source_at(&tables, here), tabulated, "as many functions, after the tables started afresh");
 }
 
 /// The start of every CFI row of every function `cfi`'s `.eh_frame_hdr` lists.
