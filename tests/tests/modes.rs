@@ -28,21 +28,12 @@ impl Workload {
         self.child.pid().to_string()
     }
 
-    /// Seconds the serving thread has spent in `wait_io` and `compute` so far, as it measured them.
+    /// Seconds the serving thread has spent in `wait_io` and `compute` so far (with `gil`: CPU
+    /// seconds `quarter` and `three_quarters` have run holding the GIL), as the workload measured.
     fn truth(&self) -> (f64, f64) {
         let text = std::fs::read_to_string(self._dir.path().join("ready.truth")).unwrap_or_default();
         let mut numbers = text.split_whitespace().map(|n| n.parse::<f64>().unwrap_or(0.0));
         (numbers.next().unwrap_or(0.0), numbers.next().unwrap_or(0.0))
-    }
-
-    /// CPU time each of the threads `names` has run so far, in nanoseconds, as the kernel counts it.
-    fn cpu_ns(&self, names: &[&str]) -> Vec<u64> {
-        let pid = self.child.pid();
-        let on_cpu = |tid: u32| {
-            let text = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/schedstat")).unwrap_or_else(|e| panic!("thread {tid}'s schedstat: {e}"));
-            text.split_whitespace().next().and_then(|n| n.parse().ok()).unwrap_or_else(|| panic!("thread {tid}'s schedstat: {text:?}"))
-        };
-        names.iter().map(|name| on_cpu(self.tids[*name])).collect()
     }
 
     /// The stacks of thread `name` (collapsed output with `--threads`), without the thread frame.
@@ -120,9 +111,11 @@ fn check_wall_split(python: &std::path::Path) {
     let before = workload.truth();
     let (collapsed, stderr) = record(&["-p", &workload.pid(), "--mode", "wall", "-F", "199", "-d", "4", "--threads"]);
     let after = workload.truth();
-    // The true split is 70/30 as written, less what its sleeps overrun: the thread measures it.
+    // The true split is 70/30 as written, moved by what its sleeps overrun and its work waits for
+    // a CPU (58% waiting on a host losing time to steal): the thread measures it. It needs only to
+    // be a split, far from either end.
     let true_wait = measured_wait_share(before, after);
-    assert!((true_wait - 70.0).abs() <= 5.0, "the serving thread waited {true_wait:.1}% of its time, not about 70%");
+    assert!((45.0..=85.0).contains(&true_wait), "the serving thread waited {true_wait:.1}% of its time, not a split near 70%");
     let stacks = stacks_of(&collapsed, workload.child.pid());
     let serve = workload.thread(&stacks, "serve");
     let serve_total = weight(&serve, |_| true);
@@ -187,27 +180,28 @@ fn check_off_cpu_waits(python: &std::path::Path) {
 
 fn check_gil_split(python: &std::path::Path) {
     let workload = Workload::start(python, &["gil"]);
-    // The two holders run only while they hold the GIL (each waits for its turn without it), so
-    // their CPU time is the truth: the 1 ms / 3 ms the workload aims for moves on a busy host, where
-    // hand-offs and preemption take their share. 8 s at 499 Hz: about 3,800 samples of holders,
-    // whose quarter then varies by chance about 0.7 points (1 point in 4 s).
-    let before = workload.cpu_ns(&["quarter", "three_quarters"]);
+    // The truth is the CPU time each holder measured of itself while it held the GIL: the 1 ms /
+    // 3 ms the workload aims for moves on a busy host, where preemption takes its share, and the
+    // kernel's count of their CPU time adds the hand-offs, which cost both the same per turn (on a
+    // host losing time to steal, quarter ran 28.7% of it where pyebpf saw it hold the GIL 22.6%).
+    // 8 s at 499 Hz: about 3,800 samples of holders, whose quarter varies by chance 0.7 points.
+    let before = workload.truth();
     let (collapsed, stderr) = record(&["-p", &workload.pid(), "--mode", "gil", "-F", "499", "-d", "8", "--threads"]);
-    let after = workload.cpu_ns(&["quarter", "three_quarters"]);
-    let ran = |i: usize| after[i].saturating_sub(before[i]);
-    let true_quarter = 100.0 * ran(0) as f64 / (ran(0) + ran(1)).max(1) as f64;
+    let after = workload.truth();
+    let (quarter_s, three_quarters_s) = (after.0 - before.0, after.1 - before.1);
+    let true_quarter = 100.0 * quarter_s / (quarter_s + three_quarters_s).max(1e-9);
     let stacks = stacks_of(&collapsed, workload.child.pid());
     let quarter = weight(&workload.thread(&stacks, "quarter"), |_| true);
     let three_quarters = weight(&workload.thread(&stacks, "three_quarters"), |_| true);
     let holders = quarter + three_quarters;
     assert!(holders > 800, "too few samples holding the GIL ({holders}): {stderr}");
     assert!(
-        (20.0..=30.0).contains(&true_quarter),
-        "quarter ran {true_quarter:.1}% of the holders' CPU time, not about a quarter: the workload did not run as meant"
+        (15.0..=35.0).contains(&true_quarter),
+        "quarter held {true_quarter:.1}% of the holders' CPU time with the GIL, not about a quarter: the workload did not run as meant"
     );
     assert!(
         (share(quarter, holders) - true_quarter).abs() <= 3.0,
-        "{}: quarter held {:.1}% ({quarter} of {holders}) where it ran {true_quarter:.1}% of the holders' CPU time: {stderr}",
+        "{}: quarter held {:.1}% ({quarter} of {holders}) where it measured {true_quarter:.1}% of the holders' CPU time with the GIL: {stderr}",
         python.display(),
         share(quarter, holders)
     );
