@@ -7,9 +7,10 @@ Without `gil`: a serving thread sleeps 7 ms (SLEEP_MS) in `wait_io`, then spins 
 (`lock_waiter`). With PIECES, `wait_io` sleeps that many times, for SLEEP_MS in all: waits far
 shorter than `--off-cpu-min`.
 
-With `gil`: two threads take turns holding the GIL, `quarter` for 1 ms, `three_quarters` for 3 ms
-(25% and 75% of the time the GIL is held by either), beside a thread that hashes in `hashlib`
-without the GIL half of the time (`no_gil`), which `--mode gil` leaves out.
+With `gil`: two threads take turns holding the GIL, `quarter` for 1 ms of its CPU time,
+`three_quarters` for 3 ms (25% and 75% of the time the GIL is held by either), beside a thread
+that hashes in `hashlib` without the GIL half of the time (`no_gil`), which `--mode gil` leaves
+out.
 
 READY_FILE receives `TID NAME` lines, one per thread, once every thread runs. READY_FILE.truth
 holds the seconds the serving thread has spent in `wait_io` and in `compute` so far (with `gil`:
@@ -44,6 +45,14 @@ def write_truth(first, second):
 def spin_for(seconds):
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
+        pass
+
+
+def spin_cpu(seconds):
+    """Spins until this thread has run `seconds` of CPU time: time the hypervisor or another thread
+    takes from it lengthens the turn, not shortens the work."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
         pass
 
 
@@ -93,7 +102,7 @@ def hold_turn(mine, seconds):
     turn[mine].wait()
     start = time.thread_time()
     turn[mine].clear()
-    spin_for(seconds)
+    spin_cpu(seconds)
     turn[1 - mine].set()
     held[mine] += time.thread_time() - start
 
