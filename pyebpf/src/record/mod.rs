@@ -220,6 +220,8 @@ async fn record(args: &RecordArgs, watched: &Watched, mut periods: Periods) -> R
     let mut stats = Stats::default();
     stats.tasks.enabled = args.mode.async_aware;
     let mut sampler = session.start_sampler(&sampler_options(args), &mut stats)?;
+    // For whoever measures steady state (the always-on bench): start-up ends here.
+    log::info!("sampling at {} Hz", args.frequency);
     let mut command = launch(args, &mut sampler)?;
     session.start_recording();
     let profile = first_profile(args, &periods);

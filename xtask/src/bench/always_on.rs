@@ -40,6 +40,11 @@ const OTEL_ENV: &str = "PYEBPF_OTEL_PROFILER";
 const OTEL_DEFAULT: &str = "../shared/peers/otel-ebpf-profiler/ebpf-profiler";
 /// The OpenTelemetry profiler's log line once sampling has begun.
 const ATTACHED: &str = "Attached sched monitor";
+/// pyebpf's, at `RUST_LOG` info.
+const SAMPLING: &str = "sampling at";
+/// How long a profiler may take to start sampling: under 50 busy processes on 2 CPUs pyebpf's
+/// start-up (loading its eBPF programs, mostly the kernel's verifier) takes 10 to 13 s of wall time.
+const START_LIMIT: Duration = Duration::from_secs(300);
 const TRACEFS: &str = "/sys/kernel/tracing";
 const BUSY_SCRIPT: &str = "always_busy.py";
 /// How long pyebpf waits at its stop for its last period to be delivered, and the collector for
@@ -59,6 +64,14 @@ impl Agent {
         match self {
             Agent::Pyebpf => "pyebpf",
             Agent::Otel => "otel",
+        }
+    }
+
+    /// The line each logs once it samples: its start-up ends there, and its warm-up begins.
+    fn started_line(self) -> &'static str {
+        match self {
+            Agent::Pyebpf => SAMPLING,
+            Agent::Otel => ATTACHED,
         }
     }
 }
@@ -156,11 +169,12 @@ fn measure(bench: &Bench, agents: &Agents, agent: Agent, hz: u32, receiver: &Rec
     let hz = hz.to_string();
     let (program, args) = agents.command(agent, &hz, &endpoint);
     let mut running = Running::start(&program, &args, &bench.out.join(format!("always_on-{}.log", agent.key())))?;
-    if agent == Agent::Otel {
-        running.wait_for_line(ATTACHED, Duration::from_secs(300))?;
-    }
-    std::thread::sleep(Duration::from_secs(WARMUP_S));
+    let launched = Instant::now();
+    running.wait_for_line(agent.started_line(), START_LIMIT)?;
     let pid = running.pid();
+    let startup_s = launched.elapsed().as_secs_f64();
+    let startup_cpu_ms = threads_cpu_ns(pid).context("read its CPU time at start")? as f64 / 1e6;
+    std::thread::sleep(Duration::from_secs(WARMUP_S));
     let (share, receiver_share) = window_shares(agent, &running, receiver)?;
     let max_rss_mb = vm_hwm_kb(pid).context("read VmHWM")? as f64 / 1024.0;
     let load_1m = std::fs::read_to_string("/proc/loadavg").ok().and_then(|l| l.split_whitespace().next()?.parse::<f64>().ok());
@@ -172,6 +186,7 @@ fn measure(bench: &Bench, agents: &Agents, agent: Agent, hz: u32, receiver: &Rec
     Ok(json!({
         "problem": problem,
         "share_of_one_core": share, "max_rss_mb": max_rss_mb, "load_1m": load_1m, "receiver_share_of_one_core": receiver_share,
+        "startup_s": startup_s, "startup_cpu_ms": startup_cpu_ms,
         "command": agents.command_line(agent, &hz, &endpoint),
         "delivered": delivered.to_json(), "readable_processes": readable,
     }))
@@ -229,6 +244,8 @@ impl Running {
         let file = File::create(log)?;
         let child = Command::new(program)
             .args(args)
+            // pyebpf logs when it starts sampling (only its own info lines: aya's are many).
+            .env("RUST_LOG", "pyebpf=info")
             .stdin(Stdio::null())
             .stdout(file.try_clone()?)
             .stderr(file)
@@ -330,16 +347,18 @@ pub fn table(results: &Value) -> String {
         return "(not measured in this run)\n".to_string();
     }
     let mut md = format!(
-        "Always on: each profiler alone, host-wide, on the same workload, {warmup} s after its start (the OpenTelemetry profiler's: after it logs `{ATTACHED}`), for {measure} s: \
-         the CPU all its threads ran (per-thread `schedstat`) as a share of one core, and its peak RSS (`VmHWM`). Both send OTLP profiles over gRPC to an OpenTelemetry Collector, \
+        "Always on: each profiler alone, host-wide, on the same workload, {warmup} s after it starts sampling (after it logs so: the OpenTelemetry profiler `{ATTACHED}`, \
+         pyebpf `{SAMPLING} HZ Hz` with `RUST_LOG=pyebpf=info`), for {measure} s: \
+         the CPU all its threads ran (per-thread `schedstat`) as a share of one core, and its peak RSS (`VmHWM`). Its start-up is apart: the seconds from its launch to that line \
+         and the CPU its threads ran by then (on a loaded host a start-up takes longer than its CPU, since the busy processes share the CPUs with it). Both send OTLP profiles over gRPC to an OpenTelemetry Collector, \
          whose sink decodes each request; \"Python frames from\" counts the busy processes with samples carrying Python frames. \
          pyebpf is `{build}`; its default 60 s OTLP period ends after the window (it sends at its stop), so the window holds no export of its (the `export` table has that cost), \
          while the OpenTelemetry profiler reports every 5 s (its default). The busy processes are `tests/scripts/{BUSY_SCRIPT}` (a loop four frames deep) on {versions} in turn; \
          the OpenTelemetry profiler does not read CPython 3.15, so its 3.15 processes have native frames only. \"Idle\" runs nothing of the bench's: the host's 1-minute load average shows what else ran. \
          Each run starts once the collector and the sink are quiet (done with the last run's export); \"receiver\" is the CPU they ran during the window, which the profiler samples too.\n\n\
          - pyebpf: `{pyebpf}`\n- OpenTelemetry eBPF profiler: `{otel}`\n\n\
-         | host workload | rate | pyebpf CPU, % of a core | pyebpf max RSS (MB) | otel CPU, % of a core | otel max RSS (MB) | pyebpf ÷ otel (CPU) | Python frames from: pyebpf / otel | load (1 min): pyebpf / otel runs | receiver CPU: pyebpf / otel runs |\n\
-         |---|---|---|---|---|---|---|---|---|---|\n",
+         | host workload | rate | pyebpf CPU, % of a core | pyebpf max RSS (MB) | otel CPU, % of a core | otel max RSS (MB) | pyebpf ÷ otel (CPU) | Python frames from: pyebpf / otel | start-up s, CPU ms: pyebpf / otel | load (1 min): pyebpf / otel runs | receiver CPU: pyebpf / otel runs |\n\
+         |---|---|---|---|---|---|---|---|---|---|---|\n",
         warmup = section["warmup_s"],
         measure = section["measure_s"],
         build = section["pyebpf_binary"].as_str().unwrap_or("?"),
@@ -377,8 +396,12 @@ fn table_row(row: &Value) -> String {
         None => seen(run),
     };
     let load = |run: &Value| run["load_1m"].as_f64().map_or("–".into(), |l| format!("{l:.1}"));
+    let startup = |run: &Value| match (run["startup_s"].as_f64(), run["startup_cpu_ms"].as_f64()) {
+        (Some(s), Some(ms)) => format!("{s:.1} s, {ms:.0} ms"),
+        _ => "–".into(),
+    };
     format!(
-        "| {workload} | {} Hz | {} | {} | {} | {} | {ratio} | {} / {} | {} / {} | {} / {} |\n",
+        "| {workload} | {} Hz | {} | {} | {} | {} | {ratio} | {} / {} | {} / {} | {} / {} | {} / {} |\n",
         row["hz"],
         percent(&ours["share_of_one_core"]),
         mb(&ours["max_rss_mb"]),
@@ -386,6 +409,8 @@ fn table_row(row: &Value) -> String {
         mb(&otel["max_rss_mb"]),
         seen(ours),
         seen(otel),
+        startup(ours),
+        startup(otel),
         load(ours),
         load(otel),
         percent(&ours["receiver_share_of_one_core"]),
@@ -399,7 +424,7 @@ mod tests {
 
     #[test]
     fn the_table_names_what_the_otel_profiler_cannot_read() {
-        let run = |share: f64, seen: u64, readable: u64| json!({ "share_of_one_core": share, "max_rss_mb": 50.4, "readable_processes": readable, "delivered": { "python_processes": seen }, "receiver_share_of_one_core": share / 10.0 });
+        let run = |share: f64, seen: u64, readable: u64| json!({ "share_of_one_core": share, "max_rss_mb": 50.4, "readable_processes": readable, "delivered": { "python_processes": seen }, "receiver_share_of_one_core": share / 10.0, "startup_s": 11.04, "startup_cpu_ms": 612.4 });
         let results = json!({ "always_on": {
             "pyebpf_binary": "dist/pyebpf (static, musl)", "warmup_s": 8, "measure_s": 40,
             "commands": { "pyebpf": "dist/pyebpf record -a -F HZ", "otel": "ebpf-profiler -samples-per-second HZ" },
@@ -409,7 +434,7 @@ mod tests {
             ],
         }});
         let md = table(&results);
-        assert!(md.contains("| idle | 19 Hz | 0.040% | 50 | 1.000% | 50 | 0.04 | – / – | – / – | 0.004% / 0.100% |"), "{md}");
+        assert!(md.contains("| idle | 19 Hz | 0.040% | 50 | 1.000% | 50 | 0.04 | – / – | 11.0 s, 612 ms / 11.0 s, 612 ms | – / – | 0.004% / 0.100% |"), "{md}");
         assert!(md.contains("| 20 busy Python processes | 99 Hz | 0.500% | 50 | 2.000% | 50 | 0.25 | 20/20 / 16/20 (4 on 3.15: not read) |"), "{md}");
         assert!(md.contains("on 3.11, 3.12, 3.13, 3.14, 3.15 in turn"), "{md}");
     }
