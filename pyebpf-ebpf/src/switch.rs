@@ -46,8 +46,12 @@ fn on_switch<const TASKS: bool>(ctx: BtfTracePointContext) -> u32 {
     }
     let Some(config) = CONFIG.get(0) else { return 0 };
     // Argument 3 is `prev_state`, an unsigned int.
-    let prev_state: u64 = ctx.arg(3);
-    leaves::<TASKS>(&ctx, config, tgid, tid, prev_state as u32);
+    let state = ctx.arg::<u64>(3) as u32;
+    let now = leaves(config, tid, tgid, state);
+    if now != 0 {
+        let leaving = Origin { origin: origin::OFF_CPU, time_ns: now, wait_state: state, scratch_half: 1, interrupted_regs: false };
+        capture_and_emit::<_, TASKS>(&ctx, config, tgid, tid, &leaving, true);
+    }
     0
 }
 
@@ -56,7 +60,10 @@ fn watched(tgid: u32) -> bool {
     WAIT_PROCS.get(tgid / 64).is_some_and(|word| word & (1u64 << (tgid % 64)) != 0)
 }
 
-/// Thread `tid` comes back onto the CPU: its interval ends.
+/// Thread `tid` comes back onto the CPU: its interval ends. A subprogram of its own, as is
+/// [`leaves`]: their records would otherwise sit in the hook's stack frame, under the capture's
+/// calls, whose frames together the verifier bounds at 512 bytes.
+#[inline(never)]
 fn came_back(tid: u32) {
     let Some(entry) = OFF_CPU.get_ptr_mut(tid) else { return };
     // SAFETY: the entry of `tid`, which only switches of `tid` change, and one switch of a thread
@@ -93,14 +100,15 @@ fn add_short(away: u64) {
     }
 }
 
-/// The current thread, of a watched process, leaves the CPU: its interval starts, captured if it
-/// has a capture left (see [`OffCpuStart::tokens`]).
-fn leaves<const TASKS: bool>(ctx: &BtfTracePointContext, config: &Config, tgid: u32, tid: u32, state: u32) {
+/// The current thread, of a watched process, leaves the CPU: its interval starts. Returns when,
+/// if it is to be captured (it has a capture left, see [`OffCpuStart::tokens`]), else 0.
+#[inline(never)]
+fn leaves(config: &Config, tid: u32, tgid: u32, state: u32) -> u64 {
     // SAFETY: no preconditions.
     let now = unsafe { bpf_ktime_get_ns() };
     if state & TASK_DEAD != 0 {
         let _ = OFF_CPU.remove(tid);
-        return;
+        return 0;
     }
     let existing = OFF_CPU.get_ptr_mut(tid);
     // SAFETY: as in came_back.
@@ -124,13 +132,13 @@ fn leaves<const TASKS: bool>(ctx: &BtfTracePointContext, config: &Config, tgid: 
         // Full (more threads watched than it holds): the interval goes uncounted.
         None => {
             if OFF_CPU.insert(tid, entry, 0).is_err() {
-                return;
+                return 0;
             }
         }
     }
-    if !capture {
-        return;
+    if capture {
+        now
+    } else {
+        0
     }
-    let leaving = Origin { origin: origin::OFF_CPU, time_ns: now, wait_state: state, scratch_half: 1, interrupted_regs: false };
-    capture_and_emit::<_, TASKS>(ctx, config, tgid, tid, &leaving, true);
 }
