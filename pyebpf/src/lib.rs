@@ -33,3 +33,4 @@ pub mod timer_clock;
 pub mod top;
 pub mod unwind;
 pub mod waits;
+pub mod wake_timer;

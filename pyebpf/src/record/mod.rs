@@ -27,6 +27,7 @@ use crate::stack::{FrameCarry, Profile, Timeline, MAX_EVENTS};
 use crate::stats::Stats;
 use crate::stop_signals::StopSignals;
 use crate::summary::{RunTotals, Summary};
+use crate::wake_timer::WakeTimer;
 use periods::{report_period, write_and_retain, Boundary, Ended, Periods, WrittenPeriods};
 
 /// An export period that ends this close to `--duration`'s end is ended by it (the timers of
@@ -232,7 +233,7 @@ async fn record(args: &RecordArgs, watched: &Watched, mut periods: Periods) -> R
     let mut lost_reported = 0;
     let progress = Progress::start();
     let mut status = progress.shown().then(|| tokio::time::interval(STATUS_EVERY));
-    let mut upkeep_at = tokio::time::Instant::now() + run.session.upkeep_interval();
+    let mut upkeep = WakeTimer::after(run.session.upkeep_interval()).context("create the upkeep timer")?;
     let exits = process::exits(command.as_ref().map(Launched::pidfd).transpose()?, watched.pidfds().context("watch the processes")?);
     tokio::pin!(exits);
     loop {
@@ -240,6 +241,10 @@ async fn record(args: &RecordArgs, watched: &Watched, mut periods: Periods) -> R
             read = run.sampler.read_samples(&mut batch) => {
                 read?;
                 run.add(&mut batch);
+                // Awake anyway: an upkeep nearly due is done now, not on a wakeup of its own.
+                if upkeep.left() < run.session.upkeep_interval() / 4 {
+                    lost_reported = run.upkeep(&mut upkeep, &periods, &progress, lost_reported)?;
+                }
             }
             signal = stops.next() => if !pass_to_command(&mut command, signal) { break },
             boundary = periods.next() => {
@@ -258,10 +263,7 @@ async fn record(args: &RecordArgs, watched: &Watched, mut periods: Periods) -> R
                 exited.context("watch the processes")?;
                 break;
             }
-            _ = tokio::time::sleep_until(upkeep_at) => {
-                lost_reported = run.upkeep(&periods, &progress, lost_reported);
-                upkeep_at = tokio::time::Instant::now() + run.session.upkeep_interval();
-            }
+            _ = upkeep.fired() => lost_reported = run.upkeep(&mut upkeep, &periods, &progress, lost_reported)?,
             _ = tick(&mut status) => progress.update(&run.stats, lost_reported),
         }
     }
@@ -303,15 +305,16 @@ impl Recording {
     }
 
     /// The slow upkeep: lost samples and the exporter's complaints said, the session's safety
-    /// checks; returns the lost samples reported so far.
-    fn upkeep(&mut self, periods: &Periods, progress: &Progress, lost_reported: u64) -> u64 {
+    /// checks; then `timer` set for the next. Returns the lost samples reported so far.
+    fn upkeep(&mut self, timer: &mut WakeTimer, periods: &Periods, progress: &Progress, lost_reported: u64) -> Result<u64> {
         let lost_reported = report_lost(&self.sampler, lost_reported, progress);
         for line in periods.exporter_lines() {
             progress.warn(&format!("pyebpf: {line}"));
         }
         let lost_events = self.sampler.lost_events();
         self.session.upkeep(&mut self.sampler, lost_events);
-        lost_reported
+        timer.set(self.session.upkeep_interval()).context("set the upkeep timer")?;
+        Ok(lost_reported)
     }
 
     /// The last profile, ended at `ended`, and the run's counts.
