@@ -97,6 +97,8 @@ struct Bench {
     out: PathBuf,
     /// The interpreters measured in this run: all of `VERSIONS`, or those `--versions` names.
     versions: Vec<&'static str>,
+    /// Times each always-on cell is measured (`--rounds`).
+    rounds: usize,
 }
 
 /// The parts of a bench run, by the name `--only` takes and the key of their figures.
@@ -107,6 +109,8 @@ pub const SECTIONS: [&str; 9] = ["cpu_per_sample", "profile", "kernel_and_reads"
 pub struct Selection {
     pub sections: Option<Vec<String>>,
     pub versions: Option<Vec<String>>,
+    /// Times each always-on cell is measured.
+    pub rounds: usize,
 }
 
 /// The pyebpf binaries measured.
@@ -134,6 +138,7 @@ pub fn bench(root: &Path, binaries: Binaries, pythons: &Path, free_threaded: &Pa
         free_threaded: free_threaded.to_path_buf(),
         out: root.join("target/bench"),
         versions,
+        rounds: selection.rounds.max(1),
     };
     std::fs::create_dir_all(&bench.out)?;
     crate::toolchain::ensure_apt_packages(&[("perf", "linux-perf")])?;

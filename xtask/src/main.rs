@@ -47,6 +47,10 @@ enum Task {
         /// Only measure these interpreters (e.g. `3.13t`), keeping the others' figures
         #[arg(long, value_delimiter = ',')]
         versions: Option<Vec<String>>,
+        /// Measure each always-on cell this many times, the two profilers in turn; the tables
+        /// show each profiler's median and the spread (a single run of either varies severalfold)
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=9))]
+        rounds: u32,
     },
     /// Build what is shipped into dist/: a static binary, a Python wheel and a Debian package
     Dist,
@@ -81,9 +85,9 @@ fn main() -> Result<()> {
         }
         Task::Test { filter } => test(&root, &filter)?,
         Task::Bench { report_only: true, .. } => bench::report_only(&root)?,
-        Task::Bench { report_only: false, only, versions } => {
+        Task::Bench { report_only: false, only, versions, rounds } => {
             let installed = setup(&root)?;
-            let selection = bench::Selection { sections: only, versions };
+            let selection = bench::Selection { sections: only, versions, rounds: rounds as usize };
             // The binary that ships is measured beside the release build: built here, so that
             // both are of the code benched.
             let shipped = dist::dist(&root)?.binary;

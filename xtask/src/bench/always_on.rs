@@ -76,6 +76,9 @@ impl Agent {
     }
 }
 
+/// In the order each round runs them.
+const AGENTS: [Agent; 2] = [Agent::Pyebpf, Agent::Otel];
+
 /// The two profilers' binaries: pyebpf's is the one that ships.
 struct Agents {
     pyebpf: PathBuf,
@@ -133,14 +136,21 @@ pub fn always_on(bench: &Bench) -> Result<Value> {
         }
         for hz in RATES {
             let mut row = json!({ "processes": processes, "versions": if processes > 0 { mix.clone() } else { Vec::new() }, "hz": hz });
-            for agent in [Agent::Pyebpf, Agent::Otel] {
-                // A profiler that fails to start or stop is a row of the table, not the end of the run.
-                row[agent.key()] = measure(bench, &agents, agent, hz, &receiver, &targets).unwrap_or_else(|err| {
-                    eprintln!("  {}: {err:#}", agent.key());
-                    json!({ "problem": format!("{err:#}").lines().next().unwrap_or_default() })
-                });
+            let mut runs = [Vec::new(), Vec::new()];
+            for _ in 0..bench.rounds {
+                for (agent, runs) in AGENTS.into_iter().zip(&mut runs) {
+                    // A profiler that fails to start or stop is a row of the table, not the end of the run.
+                    let run = measure(bench, &agents, agent, hz, &receiver, &targets).unwrap_or_else(|err| {
+                        eprintln!("  {}: {err:#}", agent.key());
+                        json!({ "problem": format!("{err:#}").lines().next().unwrap_or_default() })
+                    });
+                    eprintln!("  {processes} busy processes, {hz} Hz, {}: {run}", agent.key());
+                    runs.push(run);
+                }
             }
-            eprintln!("  {processes} busy processes, {hz} Hz: {row}");
+            for (agent, runs) in AGENTS.into_iter().zip(runs) {
+                row[agent.key()] = median_run(runs);
+            }
             rows.push(row);
         }
     }
@@ -152,7 +162,7 @@ pub fn always_on(bench: &Bench) -> Result<Value> {
             "pyebpf": agents.command_line(Agent::Pyebpf, "HZ", "127.0.0.1:PORT").replace(&format!("{}/", bench.root.display()), ""),
             "otel": agents.command_line(Agent::Otel, "HZ", "127.0.0.1:PORT").replace(&format!("{}/", bench.root.display()), ""),
         },
-        "warmup_s": WARMUP_S, "measure_s": MEASURE_S, "section_seconds": started.elapsed().as_secs_f64().round(),
+        "warmup_s": WARMUP_S, "measure_s": MEASURE_S, "rounds": bench.rounds, "section_seconds": started.elapsed().as_secs_f64().round(),
         "rows": rows,
     }))
 }
@@ -190,6 +200,28 @@ fn measure(bench: &Bench, agents: &Agents, agent: Agent, hz: u32, receiver: &Rec
         "command": agents.command_line(agent, &hz, &endpoint),
         "delivered": delivered.to_json(), "readable_processes": readable,
     }))
+}
+
+/// One profiler's rounds of a cell as one: the round whose share is the median (of two, the lower,
+/// with the share their mean), with every round's share in `round_shares` and the highest peak
+/// RSS of any. A round that failed has no share; a problem of any round is kept.
+fn median_run(runs: Vec<Value>) -> Value {
+    let share = |run: &Value| run["share_of_one_core"].as_f64();
+    let mut measured: Vec<&Value> = runs.iter().filter(|run| share(run).is_some()).collect();
+    let problem = runs.iter().find_map(|run| run["problem"].as_str().map(str::to_string));
+    if measured.is_empty() {
+        return runs.into_iter().next().unwrap_or_else(|| json!({ "problem": "not measured" }));
+    }
+    measured.sort_by(|a, b| share(a).unwrap_or(0.0).total_cmp(&share(b).unwrap_or(0.0)));
+    let n = measured.len();
+    let lower = measured[(n - 1) / 2];
+    let median = (share(lower).unwrap_or(0.0) + share(measured[n / 2]).unwrap_or(0.0)) / 2.0;
+    let mut run = lower.clone();
+    run["share_of_one_core"] = json!(median);
+    run["round_shares"] = json!(runs.iter().map(share).collect::<Vec<_>>());
+    run["max_rss_mb"] = json!(measured.iter().filter_map(|run| run["max_rss_mb"].as_f64()).fold(0.0, f64::max));
+    run["problem"] = json!(problem);
+    run
 }
 
 /// The CPU the running profiler and the receiver ran over the measured window, each as a share of
@@ -355,10 +387,17 @@ pub fn table(results: &Value) -> String {
          pyebpf is `{build}`; its default 60 s OTLP period ends after the window (it sends at its stop), so the window holds no export of its (the `export` table has that cost), \
          while the OpenTelemetry profiler reports every 5 s (its default). The busy processes are `tests/scripts/{BUSY_SCRIPT}` (a loop four frames deep) on {versions} in turn; \
          the OpenTelemetry profiler does not read CPython 3.15, so its 3.15 processes have native frames only. \"Idle\" runs nothing of the bench's: the host's 1-minute load average shows what else ran. \
-         Each run starts once the collector and the sink are quiet (done with the last run's export); \"receiver\" is the CPU they ran during the window, which the profiler samples too.\n\n\
+         {rounds}Each run starts once the collector and the sink are quiet (done with the last run's export); \"receiver\" is the CPU they ran during the window, which the profiler samples too.\n\n\
          - pyebpf: `{pyebpf}`\n- OpenTelemetry eBPF profiler: `{otel}`\n\n\
          | host workload | rate | pyebpf CPU, % of a core | pyebpf max RSS (MB) | otel CPU, % of a core | otel max RSS (MB) | pyebpf ÷ otel (CPU) | Python frames from: pyebpf / otel | start-up s, CPU ms: pyebpf / otel | load (1 min): pyebpf / otel runs | receiver CPU: pyebpf / otel runs |\n\
          |---|---|---|---|---|---|---|---|---|---|---|\n",
+        rounds = match section["rounds"].as_u64() {
+            Some(n) if n > 1 => format!(
+                "Each cell was measured {n} times, the two profilers in turn; a share is the median of its {n} runs (the range in brackets), the ratio that of the medians, \
+                 the RSS the highest, and the other columns are of the median run. "
+            ),
+            _ => String::new(),
+        },
         warmup = section["warmup_s"],
         measure = section["measure_s"],
         build = section["pyebpf_binary"].as_str().unwrap_or("?"),
@@ -375,6 +414,15 @@ pub fn table(results: &Value) -> String {
 /// One row of the always-on table: a workload at a rate, both profilers.
 fn table_row(row: &Value) -> String {
     let percent = |v: &Value| v.as_f64().map_or("–".into(), |s| format!("{:.3}%", s * 100.0));
+    // With rounds, the median and the range of all rounds.
+    let share = |run: &Value| {
+        let rounds: Vec<f64> = run["round_shares"].as_array().into_iter().flatten().filter_map(Value::as_f64).collect();
+        let (low, high) = rounds.iter().fold((f64::MAX, f64::MIN), |(low, high), &s| (low.min(s), high.max(s)));
+        match rounds.len() {
+            0 | 1 => percent(&run["share_of_one_core"]),
+            _ => format!("{} ({:.3}–{:.3})", percent(&run["share_of_one_core"]), low * 100.0, high * 100.0),
+        }
+    };
     let mb = |v: &Value| v.as_f64().map_or("–".into(), |m| format!("{m:.0}"));
     let (ours, otel) = (&row["pyebpf"], &row["otel"]);
     let ratio = match (ours["share_of_one_core"].as_f64(), otel["share_of_one_core"].as_f64()) {
@@ -403,9 +451,9 @@ fn table_row(row: &Value) -> String {
     format!(
         "| {workload} | {} Hz | {} | {} | {} | {} | {ratio} | {} / {} | {} / {} | {} / {} | {} / {} |\n",
         row["hz"],
-        percent(&ours["share_of_one_core"]),
+        share(ours),
         mb(&ours["max_rss_mb"]),
-        percent(&otel["share_of_one_core"]),
+        share(otel),
         mb(&otel["max_rss_mb"]),
         seen(ours),
         seen(otel),
@@ -437,5 +485,31 @@ mod tests {
         assert!(md.contains("| idle | 19 Hz | 0.040% | 50 | 1.000% | 50 | 0.04 | – / – | 11.0 s, 612 ms / 11.0 s, 612 ms | – / – | 0.004% / 0.100% |"), "{md}");
         assert!(md.contains("| 20 busy Python processes | 99 Hz | 0.500% | 50 | 2.000% | 50 | 0.25 | 20/20 / 16/20 (4 on 3.15: not read) |"), "{md}");
         assert!(md.contains("on 3.11, 3.12, 3.13, 3.14, 3.15 in turn"), "{md}");
+    }
+
+    #[test]
+    fn rounds_give_the_median_share_the_highest_rss_and_the_spread() {
+        let run = |share: f64, rss: f64, startup: f64| json!({ "share_of_one_core": share, "max_rss_mb": rss, "startup_s": startup, "problem": null });
+        let three = median_run(vec![run(0.003, 40.0, 1.0), run(0.001, 45.0, 2.0), run(0.002, 38.0, 3.0)]);
+        assert_eq!(three["share_of_one_core"], json!(0.002));
+        assert_eq!(three["startup_s"], json!(3.0), "the other figures are the median run's");
+        assert_eq!(three["max_rss_mb"], json!(45.0));
+        assert_eq!(three["round_shares"], json!([0.003, 0.001, 0.002]));
+        let two = median_run(vec![run(0.004, 40.0, 1.0), run(0.002, 41.0, 2.0)]);
+        assert!((two["share_of_one_core"].as_f64().unwrap() - 0.003).abs() < 1e-12, "{two}");
+        assert_eq!(two["startup_s"], json!(2.0));
+        let failed = median_run(vec![json!({ "problem": "no profiles reached the collector" }), run(0.002, 41.0, 2.0)]);
+        assert_eq!(failed["share_of_one_core"], json!(0.002));
+        assert_eq!(failed["problem"], json!("no profiles reached the collector"));
+        assert_eq!(failed["round_shares"], json!([null, 0.002]));
+
+        let results = json!({ "always_on": {
+            "pyebpf_binary": "dist/pyebpf (static, musl)", "warmup_s": 6, "measure_s": 40, "rounds": 3,
+            "commands": { "pyebpf": "dist/pyebpf record -a -F HZ", "otel": "ebpf-profiler -samples-per-second HZ" },
+            "rows": [{ "processes": 0, "versions": [], "hz": 99, "pyebpf": three, "otel": median_run(vec![run(0.01, 50.0, 2.0), run(0.03, 60.0, 2.0), run(0.02, 55.0, 2.0)]) }],
+        }});
+        let md = table(&results);
+        assert!(md.contains("| idle | 99 Hz | 0.200% (0.100–0.300) | 45 | 2.000% (1.000–3.000) | 60 | 0.10 |"), "{md}");
+        assert!(md.contains("measured 3 times"), "{md}");
     }
 }
