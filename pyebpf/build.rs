@@ -16,7 +16,7 @@ fn main() {
 fn embed_ebpf_object() {
     println!("cargo:rerun-if-env-changed=PYEBPF_EBPF_OBJECT");
     let out = PathBuf::from(env::var_os("OUT_DIR").unwrap()).join("pyebpf-ebpf.o");
-    let default = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/ebpf/bpfel-unknown-none/release/pyebpf");
+    let default = manifest_dir().join("../target/ebpf/bpfel-unknown-none/release/pyebpf");
     let source = env::var_os("PYEBPF_EBPF_OBJECT").map(PathBuf::from).unwrap_or(default);
     println!("cargo:rerun-if-changed={}", source.display());
     let object = match std::fs::read(&source) {
@@ -37,7 +37,7 @@ fn embed_ebpf_object() {
 fn version_line() {
     let commit = std::process::Command::new("git")
         .args(["rev-parse", "--short=12", "HEAD"])
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .current_dir(manifest_dir())
         .output()
         .ok()
         .filter(|out| out.status.success())
@@ -54,11 +54,17 @@ fn version_line() {
     }
 }
 
+/// This crate's directory, as cargo says when it runs the script: not as it was when the script was
+/// built, which a target directory shared by two checkouts would take from the other.
+fn manifest_dir() -> PathBuf {
+    PathBuf::from(env::var_os("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR for build scripts"))
+}
+
 /// Where `name` (`HEAD`, a ref, `packed-refs`) is in the repository holding this crate.
 fn git_path(name: &str) -> Option<PathBuf> {
     let out = std::process::Command::new("git")
         .args(["rev-parse", "--path-format=absolute", "--git-path", name])
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .current_dir(manifest_dir())
         .output()
         .ok()
         .filter(|out| out.status.success())?;

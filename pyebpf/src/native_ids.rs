@@ -132,7 +132,10 @@ impl NativeIds {
         let mut sites: Vec<u64> = call_sites(stack).filter(|site| !levels.contains_key(site)).collect();
         sites.sort_unstable();
         sites.dedup();
-        let resolved = symbolizer.site_levels(maps, pid, &sites);
+        // Where every site is known without a look-up (a new address of a function resolved
+        // before), the batch look-up's set-up is most of the cost.
+        let known: Option<Vec<_>> = sites.iter().map(|&site| symbolizer.known_site(maps, pid, site)).collect();
+        let resolved = known.unwrap_or_else(|| symbolizer.site_levels(maps, pid, &sites));
         for (site, native) in sites.into_iter().zip(resolved) {
             let traits = LevelTraits::of(&native);
             let level = IdLevel { first: self.level_ids.len() as u32, len: native.len() as u32, traits, checked_at: (!traits.mapped).then(Instant::now) };

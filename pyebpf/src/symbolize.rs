@@ -260,6 +260,26 @@ impl Symbolizer {
             .collect()
     }
 
+    /// The frames of call site `addr` of `pid` where [`Self::site_levels`] would give them without
+    /// reading anything: `pid`'s latest maps (as `maps` holds them) are those followed, and the
+    /// address lies in a file mapping at an offset resolved before, or in a function found before
+    /// (in this or another process): a hot C function's new addresses in each process, mostly.
+    pub fn known_site(&self, maps: &MapsCache, pid: u32, addr: u64) -> Option<Vec<NativeFrame>> {
+        let known = self.processes.get(&pid)?;
+        if !maps.latest(pid).is_some_and(|latest| Arc::ptr_eq(latest, &known.snapshot)) {
+            return None;
+        }
+        let mapping = known.find(addr)?;
+        let Backing::File { id, .. } = &mapping.backing else { return None };
+        let offset = mapping.file_offset(addr);
+        let resolved = match self.by_file_offset.get(&(*id, offset)) {
+            Some(resolved) => resolved.clone(),
+            None if self.eval_loops.get(id).is_some_and(|range| range.contains(&offset)) => self.eval_loop.clone(),
+            None => self.functions.at(*id, offset)?,
+        };
+        Some(level_frames(addr, &mapping.module, &resolved))
+    }
+
     /// The frame at `addr` of `pid` where it lies in an eval loop found before: known without a
     /// look-up, as [`Self::site_levels`] would give it.
     pub fn eval_loop_frame(&self, pid: u32, addr: u64) -> Option<NativeFrame> {

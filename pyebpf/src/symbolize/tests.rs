@@ -494,3 +494,30 @@ fn addresses_in_a_function_found_before_need_no_look_up() {
     with_lines.user_frames(pid, &[leaf + 1]);
     assert_eq!(with_lines.symbolizer.functions.count, 0);
 }
+
+/// A site found before, in this process or another mapping the same file, is known without a
+/// look-up and as one would give it; one never looked up, or of a process whose maps were not
+/// followed, is not.
+#[test]
+fn sites_resolved_before_are_known_in_every_process_mapping_their_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let exe = compile("gcc", PROGRAM, "spin", &["-g", "-O1", "-fno-omit-frame-pointer"], dir.path());
+    let (mut first, mut second) = (Running::start(&exe), Running::start(&exe));
+    let [leaf, middle, _] = first.addresses()[..] else { panic!("three addresses") };
+    let [other_leaf, _, other_outer] = second.addresses()[..] else { panic!("three addresses") };
+    let mut resolving = Resolving::default();
+    let known = |resolving: &Resolving, pid: u32, addr: u64| resolving.symbolizer.known_site(&resolving.maps, pid, addr);
+
+    assert_eq!(known(&resolving, first.pid(), leaf + 1), None, "nothing followed yet");
+    resolving.symbolizer.site_levels(&mut resolving.maps, first.pid(), &[leaf + 1]);
+    assert_eq!(known(&resolving, first.pid(), leaf + 9), Some(Resolving::default().user_frames(first.pid(), &[leaf + 9])));
+    assert_eq!(known(&resolving, first.pid(), middle + 1), None, "middle_fn was not looked up");
+    assert_eq!(known(&resolving, second.pid(), other_leaf + 9), None, "the second process's maps were not followed");
+
+    // Once the second process's maps are followed (for another site), the first's finds serve it.
+    resolving.symbolizer.site_levels(&mut resolving.maps, second.pid(), &[other_outer + 1]);
+    let shared = known(&resolving, second.pid(), other_leaf + 9).expect("leaf_fn found in the first process");
+    assert_eq!(shared, Resolving::default().user_frames(second.pid(), &[other_leaf + 9]));
+    assert_eq!((names(&shared), shared[0].addr), (vec!["leaf_fn"], other_leaf + 9));
+    assert_eq!(known(&resolving, second.pid(), 0x10), None, "outside every mapping");
+}
