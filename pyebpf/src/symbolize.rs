@@ -272,12 +272,17 @@ impl Symbolizer {
         let mapping = known.find(addr)?;
         let Backing::File { id, .. } = &mapping.backing else { return None };
         let offset = mapping.file_offset(addr);
-        let resolved = match self.by_file_offset.get(&(*id, offset)) {
-            Some(resolved) => resolved.clone(),
-            None if self.eval_loops.get(id).is_some_and(|range| range.contains(&offset)) => self.eval_loop.clone(),
-            None => self.functions.at(*id, offset)?,
-        };
+        let resolved = self.by_file_offset.get(&(*id, offset)).cloned().or_else(|| self.known_without_look_up(*id, offset))?;
         Some(level_frames(addr, &mapping.module, &resolved))
+    }
+
+    /// What `offset` of file `id` resolves to without a look-up, though not resolved itself: it
+    /// lies in the file's eval loop or in a function found before.
+    fn known_without_look_up(&self, id: FileId, offset: u64) -> Option<Resolved> {
+        if self.eval_loops.get(&id).is_some_and(|range| range.contains(&offset)) {
+            return Some(self.eval_loop.clone());
+        }
+        self.functions.at(id, offset)
     }
 
     /// The frame at `addr` of `pid` where it lies in an eval loop found before: known without a
@@ -378,9 +383,7 @@ impl Symbolizer {
                     if self.by_file_offset.contains_key(&(*id, offset)) {
                         continue;
                     }
-                    if self.eval_loops.get(id).is_some_and(|range| range.contains(&offset)) {
-                        self.by_file_offset.insert((*id, offset), self.eval_loop.clone());
-                    } else if let Some(resolved) = self.functions.at(*id, offset) {
+                    if let Some(resolved) = self.known_without_look_up(*id, offset) {
                         self.by_file_offset.insert((*id, offset), resolved);
                     } else {
                         by_file.entry(*id).or_insert_with(|| FileBatch::new(pid, mapping, path_in_process)).offsets.push(offset);
