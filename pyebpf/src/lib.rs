@@ -10,6 +10,7 @@ pub mod kernel_btf;
 pub mod kernel_maps;
 pub mod ktime;
 pub mod maps;
+pub mod mem_copy;
 pub mod merge;
 pub mod mode;
 pub mod native_ids;

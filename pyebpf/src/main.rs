@@ -7,6 +7,29 @@ use pyebpf::report;
 #[global_allocator]
 static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
+/// musl's `memcpy` and `memmove` replaced (see `pyebpf::mem_copy`): both, since musl's `memmove`
+/// would bring its `memcpy` along.
+#[cfg(all(target_env = "musl", target_arch = "x86_64"))]
+mod musl_mem {
+    /// # Safety
+    /// As C's `memcpy`.
+    #[no_mangle]
+    pub unsafe extern "C" fn memcpy(dest: *mut u8, src: *const u8, n: usize) -> *mut u8 {
+        // SAFETY: the caller's promise is memcpy's, which covers copy_bytes'.
+        unsafe { pyebpf::mem_copy::copy_bytes(dest, src, n) };
+        dest
+    }
+
+    /// # Safety
+    /// As C's `memmove`.
+    #[no_mangle]
+    pub unsafe extern "C" fn memmove(dest: *mut u8, src: *const u8, n: usize) -> *mut u8 {
+        // SAFETY: as memcpy; copy_bytes allows overlapping ranges.
+        unsafe { pyebpf::mem_copy::copy_bytes(dest, src, n) };
+        dest
+    }
+}
+
 fn main() {
     // Before anything else, so a stop signal has the same effect at every moment of the run.
     if let Err(err) = pyebpf::stop_signals::install() {

@@ -40,7 +40,7 @@ impl WakeTimer {
         // A zero deadline would disarm it.
         let after = after.max(Duration::from_nanos(1));
         let zero = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-        let value = libc::timespec { tv_sec: after.as_secs() as libc::time_t, tv_nsec: after.subsec_nanos() as libc::c_long };
+        let value = libc::timespec { tv_sec: after.as_secs() as _, tv_nsec: after.subsec_nanos() as libc::c_long };
         let spec = libc::itimerspec { it_interval: zero, it_value: value };
         // SAFETY: a timerfd of ours and a valid itimerspec; the old setting is not asked for.
         if unsafe { libc::timerfd_settime(self.fd.as_raw_fd(), 0, &spec, std::ptr::null_mut()) } != 0 {

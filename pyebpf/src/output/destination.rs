@@ -311,6 +311,7 @@ fn refuse_pseudo_file_system(dir: &Path) -> Result<(), OutputError> {
     if unsafe { libc::statfs(name.as_ptr(), stats.as_mut_ptr()) } != 0 {
         return Ok(()); // may_write names what is wrong with the directory
     }
+    #[allow(clippy::unnecessary_cast)] // u64 to u64 on musl
     // SAFETY: filled by the successful call above.
     // `f_type` is signed in glibc and unsigned in musl; the magic numbers are positive in both.
     let magic = unsafe { stats.assume_init() }.f_type as u64;
