@@ -10,14 +10,12 @@
 //! Nothing here may compile to a call of `memcpy` or `memmove` (it is what they call): every
 //! copy is of a size known when compiling, or inline assembly.
 
-#[cfg(target_arch = "x86_64")]
 use std::ptr::{read_unaligned as load, write_unaligned as store};
 
 /// Copies `n` bytes from `src` to `dest`; the ranges may overlap.
 ///
 /// # Safety
 /// `src` is valid for reads and `dest` for writes of `n` bytes.
-#[cfg(target_arch = "x86_64")]
 #[inline(always)]
 pub unsafe fn copy_bytes(dest: *mut u8, src: *const u8, n: usize) {
     // SAFETY: every access below lies within the first `n` bytes of its range,
@@ -57,14 +55,12 @@ pub unsafe fn copy_bytes(dest: *mut u8, src: *const u8, n: usize) {
 
 // Single 16-byte words, never arrays: LLVM may fold an array's load and store into one `memcpy`
 // or `memmove` of the whole, which is this very function.
-#[cfg(target_arch = "x86_64")]
 #[inline(always)]
 unsafe fn load16(src: *const u8, at: usize) -> u128 {
     // SAFETY: the caller reads within its valid range.
     unsafe { load(src.add(at).cast()) }
 }
 
-#[cfg(target_arch = "x86_64")]
 #[inline(always)]
 unsafe fn store16(dest: *mut u8, at: usize, value: u128) {
     // SAFETY: the caller writes within its valid range.
@@ -72,7 +68,6 @@ unsafe fn store16(dest: *mut u8, at: usize, value: u128) {
 }
 
 /// Up to 16 bytes, as two possibly overlapping words (or three bytes).
-#[cfg(target_arch = "x86_64")]
 #[inline(always)]
 unsafe fn copy_small(dest: *mut u8, src: *const u8, n: usize) {
     // SAFETY: as copy_bytes; every offset is below `n`.
@@ -96,7 +91,6 @@ unsafe fn copy_small(dest: *mut u8, src: *const u8, n: usize) {
 
 /// More than 128 bytes: forwards, unless `dest` starts inside the source (then backwards, so no
 /// byte is overwritten before it is read).
-#[cfg(target_arch = "x86_64")]
 #[inline(never)]
 unsafe fn copy_large(dest: *mut u8, src: *const u8, n: usize) {
     // SAFETY: `rep movsb` copies `rcx` bytes between the ranges the caller guarantees valid; the
@@ -115,7 +109,7 @@ unsafe fn copy_large(dest: *mut u8, src: *const u8, n: usize) {
     }
 }
 
-#[cfg(all(test, target_arch = "x86_64"))]
+#[cfg(test)]
 mod tests {
     use super::copy_bytes;
 
