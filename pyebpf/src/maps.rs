@@ -151,10 +151,17 @@ impl Maps {
         index.checked_sub(1).map(|index| &self.mappings[index]).filter(|mapping| mapping.contains(addr))
     }
 
+    /// Whether `addr` could not be code while this snapshot holds: no user address, or one in the
+    /// stack, the heap or a kernel page (where frame-pointer walks through code built without
+    /// them end).
+    pub fn never_code_at(&self, addr: u64) -> bool {
+        !could_be_code(addr) || self.find(addr).is_some_and(Mapping::never_code)
+    }
+
     /// Whether `addr` is either in an executable mapping or could not be code at all: either way a
     /// re-read would not tell more.
     fn explains(&self, addr: u64) -> bool {
-        !could_be_code(addr) || self.find(addr).is_some_and(|mapping| mapping.is_executable() || mapping.never_code())
+        self.never_code_at(addr) || self.find(addr).is_some_and(Mapping::is_executable)
     }
 }
 

@@ -3,7 +3,8 @@
 //!
 //! A user address outside every known mapping is forgotten by the resolver's periodic upkeep once
 //! older than [`UNMAPPED_RECHECK`], and looked up again at its next sample (a library loaded since
-//! may hold it), like [`MapsCache`] re-reads maps.
+//! may hold it), like [`MapsCache`] re-reads maps; one that could never be code (in the stack, say,
+//! where glibc's start code leaves a frame-pointer walk) is not, as no library can map there.
 
 use std::time::{Duration, Instant};
 
@@ -26,7 +27,7 @@ pub struct IdLevel {
     first: u32,
     len: u32,
     traits: LevelTraits,
-    /// When an unmapped entry was looked up.
+    /// When an unmapped entry that may yet turn out to be code was looked up.
     checked_at: Option<Instant>,
 }
 
@@ -54,6 +55,11 @@ impl LevelTraits {
 impl IdLevel {
     pub fn traits(&self) -> LevelTraits {
         self.traits
+    }
+
+    /// Whether upkeep will look it up again: it lay in no mapping, where code may be mapped since.
+    pub fn awaits_recheck(&self) -> bool {
+        self.checked_at.is_some()
     }
 }
 
@@ -136,10 +142,12 @@ impl NativeIds {
         // before), the batch look-up's set-up is most of the cost.
         let known: Option<Vec<_>> = sites.iter().map(|&site| symbolizer.known_site(maps, pid, site)).collect();
         let resolved = known.unwrap_or_else(|| symbolizer.site_levels(maps, pid, &sites));
+        let snapshot = maps.latest(pid);
         for (site, native) in sites.into_iter().zip(resolved) {
             let traits = LevelTraits::of(&native);
-            let level = IdLevel { first: self.level_ids.len() as u32, len: native.len() as u32, traits, checked_at: (!traits.mapped).then(Instant::now) };
-            if !traits.mapped {
+            let recheck = !traits.mapped && !snapshot.is_some_and(|maps| maps.never_code_at(site));
+            let level = IdLevel { first: self.level_ids.len() as u32, len: native.len() as u32, traits, checked_at: recheck.then(Instant::now) };
+            if recheck {
                 self.with_unmapped.insert(pid);
             }
             self.level_ids.extend(native.into_iter().map(|frame| frames.intern(Frame::Native(frame))));

@@ -8,7 +8,7 @@ use pyebpf_common::{user_status, SampleRecord};
 use crate::bpf::UnwindMode;
 use crate::kernel_maps::KernelMaps;
 use crate::maps::MapsCache;
-use crate::merge::{python_frames, Merged, Merger, NativeLevel, NativeStack};
+use crate::merge::{python_frames, Merged, Merger, NativeStack};
 use crate::native_ids::{IdLevel, LevelTraits, NativeIds};
 use crate::python::PyItem;
 use crate::stack::{Frame, FrameCarry, FrameId, FrameTable};
@@ -35,7 +35,7 @@ pub enum LeafUse {
 }
 
 /// What a sample's stack read of its native levels: what its repeats must match, and whether it
-/// read a level found in no mapping (which its process's upkeep looks up again).
+/// read a level found in no mapping that its process's upkeep looks up again.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct NativeUse {
     pub leaf: LeafUse,
@@ -206,7 +206,7 @@ impl NativeStacks {
             (Some(level), Some(at)) => LeafUse::Shown { at, len: ids.frames(level).len(), traits: level.traits() },
             (Some(level), None) => LeafUse::Hidden(level.traits()),
         };
-        (out, NativeUse { leaf, unmapped: self.levels.iter().any(|level| !level.is_mapped()) })
+        (out, NativeUse { leaf, unmapped: self.levels.iter().any(IdLevel::awaits_recheck) })
     }
 
     /// `--unwind auto`, a sample copied because its process was not known yet: the process needs

@@ -330,7 +330,8 @@ fn repeats_count_as_resolving_each_sample_would() {
 
 /// A stack that read a native level found in no mapping is resolved again once its process's
 /// upkeep looks such levels up again (a library mapped there since names it); the process's other
-/// stacks still repeat.
+/// stacks still repeat, and so does one whose walk went on into the stack (glibc's start code
+/// leaves its frame pointer at `argv`), as no library can be mapped there.
 #[test]
 fn upkeep_has_only_stacks_that_read_an_unmapped_level_resolved_again() {
     let (target, _dir) = blocked_python();
@@ -346,20 +347,25 @@ fn upkeep_has_only_stacks_that_read_an_unmapped_level_resolved_again() {
         sample.user_len = callers.len() as u32 + 1;
         sample
     };
-    // Its caller's caller lies in no mapping (a frame-pointer walk gone astray).
-    let (mapped, unmapped) = (called_from(&[caller]), called_from(&[caller, 0x1000]));
+    let maps = crate::maps::Maps::read(pid).unwrap();
+    let stack = maps.mappings().iter().find(|mapping| mapping.path == procfs::process::MMapPath::Stack).expect("the target has a [stack] mapping");
+    // A page below the lowest mapping: in none, but where a library could be mapped.
+    let nowhere = maps.mappings()[0].start - 0x1000;
+    assert!(nowhere >= 0x10000 && maps.find(nowhere).is_none());
+    // Its caller's caller lies in no mapping, or in the stack (a frame-pointer walk gone astray).
+    let (mapped, unmapped, in_stack) = (called_from(&[caller]), called_from(&[caller, nowhere]), called_from(&[caller, stack.limit - 0x20]));
     let mut repeats_of = |session: &mut Session| {
-        for sample in [&mapped, &unmapped] {
+        for sample in [&mapped, &unmapped, &in_stack] {
             assert!(session.resolve(sample, &mut kernel, &mut stats, &mut profile));
         }
         stats.repeats
     };
     assert_eq!(repeats_of(&mut session), 0);
-    assert_eq!(repeats_of(&mut session), 2);
+    assert_eq!(repeats_of(&mut session), 3);
     std::thread::sleep(crate::native_ids::UNMAPPED_RECHECK + Duration::from_millis(20));
     session.upkeep(&mut FakeKernel::default(), 0);
-    assert_eq!(repeats_of(&mut session), 3, "the mapped stack repeats, the other is resolved again");
-    assert_eq!(repeats_of(&mut session), 5);
+    assert_eq!(repeats_of(&mut session), 5, "the mapped and in-stack stacks repeat, the unmapped one is resolved again");
+    assert_eq!(repeats_of(&mut session), 8);
 }
 
 /// `--unwind auto`, a process not settled yet: a copied sample whose frame-pointer walk ends in
