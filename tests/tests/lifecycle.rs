@@ -206,6 +206,58 @@ fn a_python_mapping_libpython_late_is_attached() {
     assert!(missing.is_empty(), "processes without their function: {missing:?}\n{stderr}");
 }
 
+/// A C program that loads the interpreter with `dlopen` after it ran a while (an application
+/// embedding Python for a plugin), spinning in C for `argv[2]` seconds, then running `argv[3]`.
+const EMBEDDER: &str = r#"
+#include <dlfcn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + t.tv_nsec / 1e9;
+}
+
+int main(int argc, char **argv) {
+    if (argc != 4) return 2;
+    double end = now() + atof(argv[2]);
+    volatile unsigned long spins = 0;
+    while (now() < end) spins++;
+    void *python = dlopen(argv[1], RTLD_NOW | RTLD_GLOBAL);
+    if (!python) { fprintf(stderr, "%s\n", dlerror()); return 1; }
+    void (*initialize)(void) = (void (*)(void))dlsym(python, "Py_Initialize");
+    int (*run)(const char *) = (int (*)(const char *))dlsym(python, "PyRun_SimpleString");
+    if (!initialize || !run) return 1;
+    initialize();
+    return run(argv[3]);
+}
+"#;
+
+/// A process that ran past its loader without Python is not checked on a timer, but whenever its
+/// maps change: one that loads `libpython` 8 s after its start (past the 7 timed rechecks it once
+/// had, which ended within 5 s here as its samples arrived) is attached, and its function shows.
+#[test]
+fn a_program_loading_python_late_with_dlopen_is_attached() {
+    let dir = tempfile::tempdir().unwrap();
+    let embedder = pyebpf_tests::compile_c(dir.path(), "embedder", EMBEDDER, &["-O1"]);
+    let home = pyenv_python("3.13.0").parent().and_then(Path::parent).unwrap().to_path_buf();
+    let out = dir.path().join("profile.folded");
+    let recording = start_recording(&out, &["-a", "-F", &FREQUENCY.to_string()]);
+    let script =
+        "import time\ndef embedded_late_spin():\n    end = time.monotonic() + 4\n    while time.monotonic() < end:\n        pass\nembedded_late_spin()\n";
+    let mut child = Command::new(&embedder).arg(home.join("lib/libpython3.13.so.1.0")).arg("8").arg(script).env("PYTHONHOME", &home).spawn().unwrap();
+    let pid = child.id();
+    assert!(child.wait().unwrap().success(), "the embedding program failed");
+    let (collapsed, stderr) = finish_recording(recording, &out);
+    let stacks = stacks_of(&collapsed, pid);
+    let python: u64 = stacks.iter().filter(|(frames, _)| has_frame(frames, "embedded_late_spin")).map(|(_, count)| count).sum();
+    // 4 s at 199 Hz is about 800 samples: 724 and 729 here (the new code's first addresses have
+    // the maps re-read); 0 when the timed rechecks had ended.
+    assert!(python >= 300, "{python} of {} samples of the embedding program in its Python function\n{stderr}", total(&stacks));
+}
+
 /// `record -- python app.py` ends when the command exits: the samples of its last moments, still
 /// in the ring buffer then (the kernel hands records over only every so often), are all counted.
 /// The command spins in `final_spin` for 0.2 s of its end, and says how much CPU time that took.

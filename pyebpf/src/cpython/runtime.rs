@@ -104,10 +104,14 @@ pub fn find_runtime(pid: u32) -> Result<Runtime, PyError> {
 
 /// Finds `_PyRuntime` in `pid`, in the files its `maps` name.
 pub fn find_runtime_in(pid: u32, maps: &Maps) -> Result<Runtime, PyError> {
+    let mut candidates = mapped_files(maps, is_python_file);
+    // Maps read while the process exited may name nothing: asked once, either way.
     if has_exited(pid) {
         return Err(PyError::NoProcess(pid));
     }
-    let mut candidates = mapped_files(maps, is_python_file);
+    if candidates.is_empty() {
+        return Err(PyError::NotPython(pid));
+    }
     // libpython first: where both are mapped, the executable only links it.
     candidates.sort_by_key(|(path, _)| !path.to_string_lossy().contains("libpython"));
     // An interpreter pyebpf may not open (a directory its user cannot enter) is named as such,
@@ -128,10 +132,6 @@ pub fn find_runtime_in(pid: u32, maps: &Maps) -> Result<Runtime, PyError> {
             }
             Ok(_) | Err(_) => {}
         }
-    }
-    if candidates.is_empty() && has_exited(pid) {
-        // Its maps were read while it exited.
-        return Err(PyError::NoProcess(pid));
     }
     Err(unreadable.or(older.map(PyError::UnsupportedRelease)).unwrap_or(PyError::NotPython(pid)))
 }

@@ -18,6 +18,7 @@ mod tasks;
 mod tests;
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use pyebpf_common::{py_proc_flags, py_status, PyCapture, SampleRecord, WaitingTasks, MAX_PY_FRAMES};
@@ -30,13 +31,13 @@ use tasks::Tasks;
 use crate::cpython::memory::{MemCounters, ProcessMemory};
 use crate::cpython::{CodeCacheCounters, PyError, PyProcess};
 use crate::kernel_maps::KernelMaps;
-use crate::maps::{Maps, MapsCache};
+use crate::maps::{Maps, MapsCache, MapsError};
 use crate::stack::{FrameCarry, FrameTable};
 use crate::stats::{NamedProcesses, Stats};
 
-/// A process found not to be Python is checked again this long after (doubling each time), at most
-/// [`RECHECKS`] times: right after an exec the dynamic loader has not mapped `libpython` yet, and
-/// the runtime is not set up yet.
+/// A process found not to be Python while it may still be in its dynamic loader is checked again
+/// this long after (doubling each time), at most [`RECHECKS`] times: right after an exec the loader
+/// has not mapped `libpython` yet, and the runtime is not set up yet.
 const FIRST_RECHECK: Duration = Duration::from_millis(20);
 const RECHECKS: u32 = 7;
 
@@ -84,17 +85,36 @@ impl PythonStack {
 struct Other {
     checked_at: Instant,
     checks: u32,
-    /// What was found cannot change without an exec (an unsupported version, say).
-    settled: bool,
+    recheck: Recheck,
+}
+
+/// When a process found not to be Python is checked again.
+enum Recheck {
+    /// It may still be in its dynamic loader: at [`FIRST_RECHECK`], doubling, [`RECHECKS`] times.
+    Timed,
     /// It ran code past the dynamic loader with no interpreter mapped: the libraries it needs
-    /// were all mapped, none of them Python. Still checked again (a `dlopen` may map one), but
-    /// its samples need not come soon.
-    loaded: bool,
+    /// were all mapped, none of them Python. Only a `dlopen` can map one, and its code's addresses
+    /// have the maps re-read for the samples ([`MapsCache::covering`]): checked again when they
+    /// differ from these, as often as that happens, and its samples need not come soon.
+    OnNewMaps(Arc<Maps>),
+    /// What was found cannot change without an exec: an unsupported version, or a kernel thread.
+    Never,
 }
 
 impl Other {
-    fn recheck_due(&self) -> bool {
-        !self.settled && self.checks < RECHECKS && self.checked_at.elapsed() >= FIRST_RECHECK * (1 << self.checks)
+    /// The maps to check it against, when a check is due: read now while it may be in its loader.
+    fn recheck_due(&self, maps: &mut MapsCache, pid: u32) -> Option<Result<Arc<Maps>, MapsError>> {
+        match &self.recheck {
+            Recheck::Timed => (self.checks < RECHECKS && self.checked_at.elapsed() >= FIRST_RECHECK * (1 << self.checks))
+                .then(|| maps.newer_than(pid, Duration::ZERO).cloned()),
+            Recheck::OnNewMaps(checked) => maps.latest(pid).filter(|latest| !Arc::ptr_eq(latest, checked)).map(|latest| Ok(latest.clone())),
+            Recheck::Never => None,
+        }
+    }
+
+    /// Whether its samples need not come soon: it will not be checked again before its maps change.
+    fn classified(&self) -> bool {
+        !matches!(self.recheck, Recheck::Timed) || self.checks >= RECHECKS
     }
 }
 
@@ -136,17 +156,23 @@ impl Pythons<ProcessMemory> {
     /// True when `pid` was newly attached. Its maps are read afresh (a library the loader maps
     /// after an exec must show) into the snapshot the symbolizer and unwinder share.
     fn attach(&mut self, pid: u32, ip: Option<u64>, maps: &mut MapsCache, stats: &mut Stats) -> bool {
-        if self.processes.contains_key(&pid) || self.others.get(&pid).is_some_and(|other| !other.recheck_due()) {
+        if self.processes.contains_key(&pid) {
             return false;
         }
-        let checks = self.others.get(&pid).map_or(0, |other| other.checks + 1);
-        let snapshot = match maps.newer_than(pid, Duration::ZERO) {
-            Ok(snapshot) => snapshot.clone(),
+        let (checks, snapshot, was_loaded) = match self.others.get(&pid) {
+            None => (0, maps.newer_than(pid, Duration::ZERO).cloned(), false),
+            Some(other) => match other.recheck_due(maps, pid) {
+                Some(snapshot) => (other.checks.saturating_add(1), snapshot, matches!(other.recheck, Recheck::OnNewMaps(_))),
+                None => return false,
+            },
+        };
+        let snapshot = match snapshot {
+            Ok(snapshot) => snapshot,
             Err(err) => {
                 if checks == 0 {
                     log::debug!("pid {pid}: not profiled as Python: {}", PyError::from(err));
                 }
-                self.not_python(pid, checks, false, false);
+                self.not_python(pid, checks, Recheck::Timed);
                 return false;
             }
         };
@@ -157,7 +183,7 @@ impl Pythons<ProcessMemory> {
             }
             Ok(_) => {
                 log::debug!("pid {pid}: frame fields beyond the eBPF program's window");
-                self.not_python(pid, checks, true, false);
+                self.not_python(pid, checks, Recheck::Never);
                 false
             }
             Err(err) => {
@@ -168,12 +194,24 @@ impl Pythons<ProcessMemory> {
                         stats.unsupported_pythons.add(format!("{python} (pid {pid})"));
                     }
                 }
-                let settled = err.unsupported_python().is_some() || matches!(err, PyError::BadOffsets(_));
-                self.not_python(pid, checks, settled, ran_past_loader(&snapshot, ip));
+                let recheck = if err.unsupported_python().is_some() || matches!(err, PyError::BadOffsets(_)) || is_kernel_thread(&err, &snapshot) {
+                    Recheck::Never
+                } else if was_loaded || ran_past_loader(&snapshot, ip) {
+                    Recheck::OnNewMaps(snapshot)
+                } else {
+                    Recheck::Timed
+                };
+                self.not_python(pid, checks, recheck);
                 false
             }
         }
     }
+}
+
+/// A process that has not exited (so not [`PyError::NoProcess`]) with nothing mapped: a kernel
+/// thread, which never runs a program of its own.
+fn is_kernel_thread(err: &PyError, maps: &Maps) -> bool {
+    matches!(err, PyError::NotPython(_)) && maps.mappings().is_empty()
 }
 
 /// Whether the instruction pointer lies in a file's code other than the dynamic loader's, with no
@@ -211,9 +249,9 @@ impl<M: Memory> Pythons<M> {
     }
 
     /// Whether what `pid` is was settled: a CPython attached to, or a process that will not be
-    /// checked again (until it execs). One still checked must have its samples soon.
+    /// checked again before it execs or its maps change. One still checked must have its samples soon.
     pub fn classified(&self, pid: u32) -> bool {
-        self.processes.contains_key(&pid) || self.others.get(&pid).is_some_and(|other| other.settled || other.loaded || other.checks >= RECHECKS)
+        self.processes.contains_key(&pid) || self.others.get(&pid).is_some_and(Other::classified)
     }
 
     /// Whether `pid` is a free-threaded CPython attached to: it has no GIL to hold.
@@ -246,8 +284,8 @@ impl<M: Memory> Pythons<M> {
         self.processes.insert(pid, Process::new(frames::Resolver::new(py), tasks, self.next_serial));
     }
 
-    fn not_python(&mut self, pid: u32, checks: u32, settled: bool, loaded: bool) {
-        self.others.insert(pid, Other { checked_at: Instant::now(), checks, settled, loaded });
+    fn not_python(&mut self, pid: u32, checks: u32, recheck: Recheck) {
+        self.others.insert(pid, Other { checked_at: Instant::now(), checks, recheck });
     }
 
     pub fn register_all(&mut self, kernel: &mut dyn KernelMaps, maps: &mut MapsCache) {
@@ -269,7 +307,7 @@ impl<M: Memory> Pythons<M> {
         if !process.register(kernel) {
             log::debug!("pid {pid}: PY_PROCS is full; sampled natively");
             self.processes.remove(&pid);
-            self.not_python(pid, RECHECKS, true, false);
+            self.not_python(pid, RECHECKS, Recheck::Never);
         }
     }
 

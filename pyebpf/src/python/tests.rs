@@ -571,3 +571,18 @@ fn a_process_running_past_the_loader_without_python_is_classified_at_once() {
     pythons.discover(pid, Some(libc), &mut kernel, &mut maps, &mut stats);
     assert!(!pythons.is_python(pid) && pythons.classified(pid), "not classified after a sample in the C library");
 }
+
+/// A kernel thread maps nothing and never runs a program of its own: classified at its first
+/// sample, which has no user address, and not read again.
+#[test]
+fn a_kernel_thread_is_classified_at_once() {
+    const PF_KTHREAD: u32 = 0x0020_0000;
+    let kernel_thread = crate::process::all_pids()
+        .into_iter()
+        .find(|&pid| crate::process::stat(pid).is_ok_and(|stat| stat.flags & PF_KTHREAD != 0))
+        .expect("no kernel thread in /proc (a PID namespace of its own hides them)");
+    let (mut kernel, mut stats, mut maps) = (FakeKernel::default(), Stats::default(), MapsCache::default());
+    let mut pythons = Pythons::<ProcessMemory>::new(OPTIONS);
+    pythons.discover(kernel_thread, None, &mut kernel, &mut maps, &mut stats);
+    assert!(!pythons.is_python(kernel_thread) && pythons.classified(kernel_thread), "kernel thread {kernel_thread} not classified at its first sample");
+}
