@@ -194,13 +194,17 @@ impl Pythons<ProcessMemory> {
                         stats.unsupported_pythons.add(format!("{python} (pid {pid})"));
                     }
                 }
+                let python_mapped = crate::cpython::runtime::maps_python_file(&snapshot);
                 let recheck = if err.unsupported_python().is_some() || matches!(err, PyError::BadOffsets(_)) || is_kernel_thread(&err, &snapshot) {
                     Recheck::Never
-                } else if was_loaded || ran_past_loader(&snapshot, ip) {
+                } else if (was_loaded && !python_mapped) || ran_past_loader(&snapshot, ip) {
                     Recheck::OnNewMaps(snapshot)
                 } else {
                     Recheck::Timed
                 };
+                // A libpython a late dlopen mapped, its interpreter not started yet: the maps
+                // will not change again, so it has the loader's timed checks from the start.
+                let checks = if was_loaded && matches!(recheck, Recheck::Timed) { 0 } else { checks };
                 self.not_python(pid, checks, recheck);
                 false
             }

@@ -586,3 +586,53 @@ fn a_kernel_thread_is_classified_at_once() {
     pythons.discover(kernel_thread, None, &mut kernel, &mut maps, &mut stats);
     assert!(!pythons.is_python(kernel_thread) && pythons.classified(kernel_thread), "kernel thread {kernel_thread} not classified at its first sample");
 }
+
+/// A program past its loader that later `dlopen`s libpython is checked when its maps change; if
+/// its interpreter has not started by then, the maps will not change again, so it is checked
+/// again on the loader's timer rather than classified.
+#[test]
+fn a_libpython_loaded_late_and_not_started_yet_is_checked_again() {
+    use std::io::Write;
+    use std::process::{Command, Stdio};
+    let lib = pyebpf_tests::pyenv_python("3.11.7").parent().and_then(|bin| bin.parent()).expect("pyenv's layout").join("lib/libpython3.11.so.1.0");
+    let dir = tempfile::tempdir().unwrap();
+    let source = dir.path().join("loads_late.c");
+    let program = "#include <dlfcn.h>\n#include <unistd.h>\nint main(int argc, char **argv) { char c; if (read(0, &c, 1) != 1 || !dlopen(argv[1], RTLD_NOW | RTLD_GLOBAL)) return 1; pause(); }\n";
+    std::fs::write(&source, program).unwrap();
+    let exe = dir.path().join("loads_late");
+    let status = Command::new("gcc").arg("-o").arg(&exe).arg(&source).arg("-ldl").status();
+    assert!(status.is_ok_and(|status| status.success()), "this test compiles a program with gcc, which failed");
+    let mut child = Command::new(&exe).arg(&lib).stdin(Stdio::piped()).spawn().unwrap();
+    let mut start = child.stdin.take().unwrap();
+    let target = Killed(child);
+    let pid = target.pid();
+    let mut maps = MapsCache::default();
+    let mapped = |maps: &mut MapsCache, name: &str| {
+        let snapshot = maps.newer_than(pid, Duration::ZERO).unwrap();
+        let found =
+            snapshot.executable().find(|mapping| mapping.file().is_some_and(|file| file.to_string_lossy().contains(name))).map(|mapping| mapping.start + 16);
+        found
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    let libc = loop {
+        if let Some(addr) = mapped(&mut maps, "libc.so") {
+            break addr;
+        }
+        assert!(std::time::Instant::now() < deadline, "the program never mapped the C library");
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let (mut kernel, mut stats) = (FakeKernel::default(), Stats::default());
+    let mut pythons = Pythons::<ProcessMemory>::new(OPTIONS);
+    pythons.discover(pid, Some(libc), &mut kernel, &mut maps, &mut stats);
+    assert!(!pythons.is_python(pid) && pythons.classified(pid), "not classified after a sample in the C library");
+
+    start.write_all(b"x").unwrap();
+    // Re-read as a sample in the new library's code has it re-read.
+    while mapped(&mut maps, "libpython3.11").is_none() {
+        assert!(std::time::Instant::now() < deadline + Duration::from_secs(5), "the program did not dlopen libpython3.11");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    pythons.discover(pid, Some(libc), &mut kernel, &mut maps, &mut stats);
+    assert!(!pythons.is_python(pid), "attached to a libpython that runs no interpreter");
+    assert!(!pythons.classified(pid), "a libpython whose interpreter may yet start was classified: it would never be checked again");
+}
