@@ -596,12 +596,8 @@ fn a_libpython_loaded_late_and_not_started_yet_is_checked_again() {
     use std::process::{Command, Stdio};
     let lib = pyebpf_tests::pyenv_python("3.11.7").parent().and_then(|bin| bin.parent()).expect("pyenv's layout").join("lib/libpython3.11.so.1.0");
     let dir = tempfile::tempdir().unwrap();
-    let source = dir.path().join("loads_late.c");
     let program = "#include <dlfcn.h>\n#include <unistd.h>\nint main(int argc, char **argv) { char c; if (read(0, &c, 1) != 1 || !dlopen(argv[1], RTLD_NOW | RTLD_GLOBAL)) return 1; pause(); }\n";
-    std::fs::write(&source, program).unwrap();
-    let exe = dir.path().join("loads_late");
-    let status = Command::new("gcc").arg("-o").arg(&exe).arg(&source).arg("-ldl").status();
-    assert!(status.is_ok_and(|status| status.success()), "this test compiles a program with gcc, which failed");
+    let exe = pyebpf_tests::compile_c(dir.path(), "loads_late", program, &[]);
     let mut child = Command::new(&exe).arg(&lib).stdin(Stdio::piped()).spawn().unwrap();
     let mut start = child.stdin.take().unwrap();
     let target = Killed(child);
@@ -609,9 +605,7 @@ fn a_libpython_loaded_late_and_not_started_yet_is_checked_again() {
     let mut maps = MapsCache::default();
     let mapped = |maps: &mut MapsCache, name: &str| {
         let snapshot = maps.newer_than(pid, Duration::ZERO).unwrap();
-        let found =
-            snapshot.executable().find(|mapping| mapping.file().is_some_and(|file| file.to_string_lossy().contains(name))).map(|mapping| mapping.start + 16);
-        found
+        snapshot.executable().find(|mapping| mapping.file().is_some_and(|file| file.to_string_lossy().contains(name))).map(|mapping| mapping.start + 16)
     };
     let deadline = std::time::Instant::now() + Duration::from_secs(5);
     let libc = loop {
