@@ -216,6 +216,21 @@ impl MapsCache {
         self.processes.get(&pid).map(|entry| &entry.maps)
     }
 
+    /// `pid`'s latest snapshot, re-read first when `pc`, the instruction a sample ran, falls
+    /// outside every executable mapping and they were not read in the last [`REFRESH_INTERVAL`].
+    /// A sampled instruction is never junk, so code mapped since (a `dlopen`) shows within that
+    /// interval, however far junk return addresses have had the samples' re-reads back off.
+    /// None while its maps were never read (this does not read them first).
+    pub fn explaining(&mut self, pid: u32, pc: u64) -> Option<&Arc<Maps>> {
+        let entry = self.processes.get(&pid)?;
+        if !entry.maps.explains(pc) && entry.tried_at.elapsed() >= REFRESH_INTERVAL {
+            if let Err(err) = self.reread(pid) {
+                log::debug!("{err}");
+            }
+        }
+        self.latest(pid)
+    }
+
     /// `pid`'s maps as read at most `age` ago, read now if older: for a reader that waits for a
     /// file to be mapped. Fails if they have to be read and cannot be.
     pub fn newer_than(&mut self, pid: u32, age: Duration) -> Result<&Arc<Maps>, MapsError> {
@@ -345,6 +360,25 @@ mod tests {
         assert_eq!(cache.processes[&pid].refresh_after, 4 * REFRESH_INTERVAL);
         child.kill().unwrap();
         child.wait().unwrap();
+    }
+
+    /// Junk return addresses had the samples' re-reads back off as far as they go; a sampled
+    /// instruction in code mapped since has the maps re-read once the shortest interval has passed.
+    #[test]
+    fn a_sampled_instruction_in_new_code_rereads_whatever_the_back_off() {
+        let pid = std::process::id();
+        let mut cache = MapsCache::default();
+        let first = cache.covering(pid, &[own_code()]).clone();
+        let entry = cache.processes.get_mut(&pid).unwrap();
+        entry.refresh_after = MAX_REFRESH_INTERVAL;
+        entry.tried_at = Instant::now();
+        assert!(Arc::ptr_eq(cache.explaining(pid, own_code()).unwrap(), &first), "a mapped instruction had the maps re-read");
+        let page = map_code_page();
+        assert!(cache.explaining(pid, page).is_some_and(|maps| maps.find(page).is_none()), "re-read within the shortest interval");
+        std::thread::sleep(REFRESH_INTERVAL);
+        assert!(Arc::ptr_eq(cache.covering(pid, &[page]), &first), "the samples' re-reads did not wait out their back-off");
+        assert!(cache.explaining(pid, page).is_some_and(|maps| maps.find(page).is_some_and(Mapping::is_executable)), "new code not found");
+        assert!(cache.explaining(NO_PROCESS, page).is_none(), "read maps never read before");
     }
 
     /// Maps a page of executable memory that stays for the rest of the test process.

@@ -21,6 +21,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use procfs::process::MMapPath;
 use pyebpf_common::{py_proc_flags, py_status, PyCapture, SampleRecord, WaitingTasks, MAX_PY_FRAMES};
 
 pub use frames::{Memory, PyItem};
@@ -92,22 +93,30 @@ struct Other {
 enum Recheck {
     /// It may still be in its dynamic loader: at [`FIRST_RECHECK`], doubling, [`RECHECKS`] times.
     Timed,
-    /// It ran code past the dynamic loader with no interpreter mapped: the libraries it needs
-    /// were all mapped, none of them Python. Only a `dlopen` can map one, and its code's addresses
-    /// have the maps re-read for the samples ([`MapsCache::covering`]): checked again when they
-    /// differ from these, as often as that happens, and its samples need not come soon.
+    /// It ran code past the dynamic loader with no interpreter mapped, or its timed checks are
+    /// over: the libraries it needs were all mapped, none of them Python (or its interpreter did
+    /// not start in their time). Only a `dlopen` can map one, and a sample in its code
+    /// has the maps re-read ([`MapsCache::explaining`]): checked again when they differ from
+    /// these, as often as that happens, and its samples need not come soon.
     OnNewMaps(Arc<Maps>),
     /// What was found cannot change without an exec: an unsupported version, or a kernel thread.
     Never,
 }
 
 impl Other {
-    /// The maps to check it against, when a check is due: read now while it may be in its loader.
-    fn recheck_due(&self, maps: &mut MapsCache, pid: u32) -> Option<Result<Arc<Maps>, MapsError>> {
+    /// The maps to check it against, when a check is due: read now while it may be in its loader,
+    /// or when the sample's instruction `ip` lies outside the maps checked.
+    fn recheck_due(&self, maps: &mut MapsCache, pid: u32, ip: Option<u64>) -> Option<Result<Arc<Maps>, MapsError>> {
         match &self.recheck {
             Recheck::Timed => (self.checks < RECHECKS && self.checked_at.elapsed() >= FIRST_RECHECK * (1 << self.checks))
                 .then(|| maps.newer_than(pid, Duration::ZERO).cloned()),
-            Recheck::OnNewMaps(checked) => maps.latest(pid).filter(|latest| !Arc::ptr_eq(latest, checked)).map(|latest| Ok(latest.clone())),
+            Recheck::OnNewMaps(checked) => {
+                let latest = match ip {
+                    Some(ip) => maps.explaining(pid, ip),
+                    None => maps.latest(pid),
+                };
+                latest.filter(|latest| !Arc::ptr_eq(latest, checked)).map(|latest| Ok(latest.clone()))
+            }
             Recheck::Never => None,
         }
     }
@@ -161,7 +170,7 @@ impl Pythons<ProcessMemory> {
         }
         let (checks, snapshot, was_loaded) = match self.others.get(&pid) {
             None => (0, maps.newer_than(pid, Duration::ZERO).cloned(), false),
-            Some(other) => match other.recheck_due(maps, pid) {
+            Some(other) => match other.recheck_due(maps, pid, ip) {
                 Some(snapshot) => (other.checks.saturating_add(1), snapshot, matches!(other.recheck, Recheck::OnNewMaps(_))),
                 None => return false,
             },
@@ -195,16 +204,19 @@ impl Pythons<ProcessMemory> {
                     }
                 }
                 let python_mapped = crate::cpython::runtime::maps_python_file(&snapshot);
-                let recheck = if err.unsupported_python().is_some() || matches!(err, PyError::BadOffsets(_)) || is_kernel_thread(&err, &snapshot) {
-                    Recheck::Never
-                } else if (was_loaded && !python_mapped) || ran_past_loader(&snapshot, ip) {
-                    Recheck::OnNewMaps(snapshot)
+                let (checks, recheck) = if err.unsupported_python().is_some() || matches!(err, PyError::BadOffsets(_)) || is_kernel_thread(&err, &snapshot) {
+                    (checks, Recheck::Never)
+                } else if was_loaded && python_mapped {
+                    // A libpython a late dlopen mapped, its interpreter not started yet: the maps
+                    // will not change again, so it has the loader's timed checks from the start.
+                    (0, Recheck::Timed)
+                } else if was_loaded || checks >= RECHECKS || ran_past_loader(&snapshot, ip) {
+                    // Past its loader, or its timed checks are over (every one of them sampled
+                    // it in the loader's code, or none told): only a `dlopen` can change it now.
+                    (checks, Recheck::OnNewMaps(snapshot))
                 } else {
-                    Recheck::Timed
+                    (checks, Recheck::Timed)
                 };
-                // A libpython a late dlopen mapped, its interpreter not started yet: the maps
-                // will not change again, so it has the loader's timed checks from the start.
-                let checks = if was_loaded && matches!(recheck, Recheck::Timed) { 0 } else { checks };
                 self.not_python(pid, checks, recheck);
                 false
             }
@@ -218,14 +230,18 @@ fn is_kernel_thread(err: &PyError, maps: &Maps) -> bool {
     matches!(err, PyError::NotPython(_)) && maps.mappings().is_empty()
 }
 
-/// Whether the instruction pointer lies in a file's code other than the dynamic loader's, with no
-/// interpreter mapped: the loader maps every library a program needs before any of them runs.
+/// Whether the instruction pointer lies in a file's code other than the dynamic loader's, or in
+/// the vDSO (which the program's code calls, not the loader), with no interpreter mapped: the
+/// loader maps every library a program needs before any of them runs.
 fn ran_past_loader(maps: &Maps, ip: Option<u64>) -> bool {
-    let Some(file) = ip.and_then(|ip| maps.find(ip)).filter(|mapping| mapping.is_executable()).and_then(|mapping| mapping.file()) else {
+    let Some(mapping) = ip.and_then(|ip| maps.find(ip)).filter(|mapping| mapping.is_executable()) else {
         return false;
     };
-    let loader = file.file_name().and_then(|name| name.to_str()).is_some_and(|name| name.starts_with("ld-") || name.starts_with("ld64"));
-    !loader && !crate::cpython::runtime::maps_python_file(maps)
+    let past_loader = match mapping.file() {
+        Some(file) => !file.file_name().and_then(|name| name.to_str()).is_some_and(|name| name.starts_with("ld-") || name.starts_with("ld64")),
+        None => mapping.path == MMapPath::Vdso,
+    };
+    past_loader && !crate::cpython::runtime::maps_python_file(maps)
 }
 
 impl<M: Memory> Pythons<M> {

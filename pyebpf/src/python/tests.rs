@@ -567,9 +567,14 @@ fn a_process_running_past_the_loader_without_python_is_classified_at_once() {
         pythons.discover(pid, ip, &mut kernel, &mut maps, &mut stats);
         assert!(!pythons.is_python(pid) && !pythons.classified(pid), "classified after a sample at {ip:x?}");
     }
-    let mut pythons = Pythons::<ProcessMemory>::new(OPTIONS);
-    pythons.discover(pid, Some(libc), &mut kernel, &mut maps, &mut stats);
-    assert!(!pythons.is_python(pid) && pythons.classified(pid), "not classified after a sample in the C library");
+    // The vDSO's code runs only when the program calls it (a loop on `clock_gettime` spends its
+    // time there).
+    let vdso = maps.latest(pid).unwrap().mappings().iter().find(|mapping| mapping.path == procfs::process::MMapPath::Vdso).expect("a vDSO").start;
+    for (ip, place) in [(libc, "the C library"), (vdso, "the vDSO")] {
+        let mut pythons = Pythons::<ProcessMemory>::new(OPTIONS);
+        pythons.discover(pid, Some(ip), &mut kernel, &mut maps, &mut stats);
+        assert!(!pythons.is_python(pid) && pythons.classified(pid), "not classified after a sample in {place}");
+    }
 }
 
 /// A kernel thread maps nothing and never runs a program of its own: classified at its first
@@ -587,11 +592,25 @@ fn a_kernel_thread_is_classified_at_once() {
     assert!(!pythons.is_python(kernel_thread) && pythons.classified(kernel_thread), "kernel thread {kernel_thread} not classified at its first sample");
 }
 
-/// A program past its loader that later `dlopen`s libpython is checked when its maps change; if
-/// its interpreter has not started by then, the maps will not change again, so it is checked
-/// again on the loader's timer rather than classified.
+/// A program past its loader that later `dlopen`s libpython is checked again at its first sample
+/// in the library's code, which has its maps re-read; if its interpreter has not started by then,
+/// the maps will not change again, so it is checked again on the loader's timer rather than
+/// classified.
 #[test]
 fn a_libpython_loaded_late_and_not_started_yet_is_checked_again() {
+    check_late_libpython("libc.so");
+}
+
+/// So is one whose every timed check sampled it in the dynamic loader's code (or the vDSO before
+/// its samples there told): classified once they are over, and checked again on new maps.
+#[test]
+fn a_libpython_loaded_after_the_timed_checks_is_checked_again() {
+    check_late_libpython("/ld-");
+}
+
+/// A program that `dlopen`s libpython 3.11 on a byte on stdin, never starting it, sampled first
+/// in the code of the file whose path has `first_samples_in` until it is classified.
+fn check_late_libpython(first_samples_in: &str) {
     use std::io::Write;
     use std::process::{Command, Stdio};
     let lib = pyebpf_tests::pyenv_python("3.11.7").parent().and_then(|bin| bin.parent()).expect("pyenv's layout").join("lib/libpython3.11.so.1.0");
@@ -602,31 +621,44 @@ fn a_libpython_loaded_late_and_not_started_yet_is_checked_again() {
     let mut start = child.stdin.take().unwrap();
     let target = Killed(child);
     let pid = target.pid();
-    let mut maps = MapsCache::default();
-    let mapped = |maps: &mut MapsCache, name: &str| {
-        let snapshot = maps.newer_than(pid, Duration::ZERO).unwrap();
+    // The test watches the program's maps in a cache of its own; the one pyebpf reads is read
+    // only as samples have it read.
+    let mut watched = MapsCache::default();
+    let mut mapped = |name: &str| {
+        let snapshot = watched.newer_than(pid, Duration::ZERO).unwrap();
         snapshot.executable().find(|mapping| mapping.file().is_some_and(|file| file.to_string_lossy().contains(name))).map(|mapping| mapping.start + 16)
     };
     let deadline = std::time::Instant::now() + Duration::from_secs(5);
-    let libc = loop {
-        if let Some(addr) = mapped(&mut maps, "libc.so") {
+    let first = loop {
+        if let Some(addr) = mapped("libc.so").and(mapped(first_samples_in)) {
             break addr;
         }
         assert!(std::time::Instant::now() < deadline, "the program never mapped the C library");
         std::thread::sleep(Duration::from_millis(10));
     };
+    let mut maps = MapsCache::default();
     let (mut kernel, mut stats) = (FakeKernel::default(), Stats::default());
     let mut pythons = Pythons::<ProcessMemory>::new(OPTIONS);
-    pythons.discover(pid, Some(libc), &mut kernel, &mut maps, &mut stats);
-    assert!(!pythons.is_python(pid) && pythons.classified(pid), "not classified after a sample in the C library");
+    pythons.discover(pid, Some(first), &mut kernel, &mut maps, &mut stats);
+    // The timed checks come 20 ms to 1.3 s apart, 2.5 s in all.
+    while !pythons.classified(pid) {
+        assert!(std::time::Instant::now() < deadline + Duration::from_secs(5), "still checked on a timer after 5 s");
+        std::thread::sleep(FIRST_RECHECK);
+        pythons.discover(pid, Some(first), &mut kernel, &mut maps, &mut stats);
+    }
+    assert!(!pythons.is_python(pid));
 
     start.write_all(b"x").unwrap();
-    // Re-read as a sample in the new library's code has it re-read.
-    while mapped(&mut maps, "libpython3.11").is_none() {
-        assert!(std::time::Instant::now() < deadline + Duration::from_secs(5), "the program did not dlopen libpython3.11");
+    let libpython = loop {
+        if let Some(addr) = mapped("libpython3.11") {
+            break addr;
+        }
+        assert!(std::time::Instant::now() < deadline + Duration::from_secs(10), "the program did not dlopen libpython3.11");
         std::thread::sleep(Duration::from_millis(10));
-    }
-    pythons.discover(pid, Some(libc), &mut kernel, &mut maps, &mut stats);
+    };
+    std::thread::sleep(crate::maps::REFRESH_INTERVAL);
+    pythons.discover(pid, Some(libpython), &mut kernel, &mut maps, &mut stats);
+    assert!(maps.latest(pid).is_some_and(|latest| latest.find(libpython).is_some()), "a sample in libpython did not have the maps re-read");
     assert!(!pythons.is_python(pid), "attached to a libpython that runs no interpreter");
     assert!(!pythons.classified(pid), "a libpython whose interpreter may yet start was classified: it would never be checked again");
 }
