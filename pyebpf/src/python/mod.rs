@@ -210,7 +210,7 @@ impl Pythons<ProcessMemory> {
                     // A libpython a late dlopen mapped, its interpreter not started yet: the maps
                     // will not change again, so it has the loader's timed checks from the start.
                     (0, Recheck::Timed)
-                } else if was_loaded || checks >= RECHECKS || ran_past_loader(&snapshot, ip) {
+                } else if was_loaded || checks >= RECHECKS || (!python_mapped && ran_past_loader(&snapshot, ip)) {
                     // Past its loader, or its timed checks are over (every one of them sampled
                     // it in the loader's code, or none told): only a `dlopen` can change it now.
                     (checks, Recheck::OnNewMaps(snapshot))
@@ -231,17 +231,17 @@ fn is_kernel_thread(err: &PyError, maps: &Maps) -> bool {
 }
 
 /// Whether the instruction pointer lies in a file's code other than the dynamic loader's, or in
-/// the vDSO (which the program's code calls, not the loader), with no interpreter mapped: the
-/// loader maps every library a program needs before any of them runs.
+/// the vDSO (which the program's code calls, not the loader): the loader maps every library a
+/// program needs before any of them runs, so with no interpreter mapped by then, none will be
+/// but by a `dlopen`.
 fn ran_past_loader(maps: &Maps, ip: Option<u64>) -> bool {
     let Some(mapping) = ip.and_then(|ip| maps.find(ip)).filter(|mapping| mapping.is_executable()) else {
         return false;
     };
-    let past_loader = match mapping.file() {
+    match mapping.file() {
         Some(file) => !file.file_name().and_then(|name| name.to_str()).is_some_and(|name| name.starts_with("ld-") || name.starts_with("ld64")),
         None => mapping.path == MMapPath::Vdso,
-    };
-    past_loader && !crate::cpython::runtime::maps_python_file(maps)
+    }
 }
 
 impl<M: Memory> Pythons<M> {
