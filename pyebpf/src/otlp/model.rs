@@ -15,10 +15,12 @@
 //! `thread.name` is the thread's own, where known.
 
 use std::collections::hash_map::RandomState;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::hash::BuildHasher;
 use std::path::Path;
 use std::sync::Arc;
+
+use hashbrown::HashMap;
 
 use crate::mode::Mode;
 use crate::output::task_name;
