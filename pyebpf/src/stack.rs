@@ -399,6 +399,11 @@ impl<'a> Frames<'a> {
         self.ids.iter().map(move |&id| table.frame(id))
     }
 
+    /// The frames' ids in their profile's [`FrameTable`], innermost first.
+    pub fn ids(&self) -> &'a [FrameId] {
+        self.ids
+    }
+
     pub fn len(&self) -> usize {
         self.ids.len()
     }

@@ -24,7 +24,7 @@ use hashbrown::HashMap;
 
 use crate::mode::Mode;
 use crate::output::task_name;
-use crate::stack::{Event, Frame, KernelFrame, Module, NativeFrame, ProcessDetails, Profile, PythonFrame, Stack, Timeline, Weight};
+use crate::stack::{Event, Frame, FrameId, FrameTable, KernelFrame, Module, NativeFrame, ProcessDetails, Profile, PythonFrame, Stack, Timeline, Weight};
 
 use super::proto::common::{any_value, AnyValue, InstrumentationScope, KeyValue};
 use super::proto::profiles as otlp;
@@ -56,6 +56,7 @@ pub(super) fn request(pieces: &[Arc<Profile>], context: &Context<'_>, only: Opti
     let names = thread_names(pieces);
     let timed = !untimed(pieces);
     for piece in pieces {
+        dictionary.start_piece(&piece.frames);
         let values = Values::of_mode(piece.mode);
         let mut stacks: Vec<_> = piece.timed_stacks().collect();
         // A stable order makes the same request of the same profile (the dictionary's order too).
@@ -343,8 +344,20 @@ struct Dictionary {
     attribute_index: HashMap<(i32, AttributeValue), i32>,
     stacks: Vec<otlp::Stack>,
     stack_index: HashMap<Vec<i32>, i32>,
+    /// The location of each frame of the piece's table met so far, by frame id (0: not yet): a
+    /// frame is looked up once, not once per stack it is in.
+    frame_locations: Vec<i32>,
+    /// `profile.frame.type`'s attribute for Python, native and kernel frames.
+    frame_types: FrameTypes,
     /// A scratch list of a stack's locations.
     scratch: Vec<i32>,
+}
+
+#[derive(Clone, Copy, Default)]
+struct FrameTypes {
+    cpython: i32,
+    native: i32,
+    kernel: i32,
 }
 
 /// An index into a table of at most `i32::MAX` entries; past that, the zero value (an absurd
@@ -368,11 +381,21 @@ impl Dictionary {
             attribute_index: HashMap::new(),
             stacks: vec![otlp::Stack::default()],
             stack_index: HashMap::new(),
+            frame_locations: Vec::new(),
+            frame_types: FrameTypes::default(),
             scratch: Vec::new(),
         };
         dictionary.string("");
         dictionary.stack_index.insert(Vec::new(), 0);
+        dictionary.frame_types =
+            FrameTypes { cpython: dictionary.frame_type("cpython"), native: dictionary.frame_type("native"), kernel: dictionary.frame_type("kernel") };
         dictionary
+    }
+
+    /// The stacks that follow are of a profile with this frame table.
+    fn start_piece(&mut self, frames: &FrameTable) {
+        self.frame_locations.clear();
+        self.frame_locations.resize(frames.len(), 0);
     }
 
     fn finish(self) -> otlp::ProfilesDictionary {
@@ -421,7 +444,7 @@ impl Dictionary {
     fn sample_key(&mut self, stack: &Stack<'_>, thread_name: &str, with_state: bool) -> SampleKey {
         let mut locations = std::mem::take(&mut self.scratch);
         locations.clear();
-        locations.extend(stack.frames.iter().map(|frame| self.location(frame)));
+        locations.extend(stack.frames.ids().iter().zip(stack.frames.iter()).map(|(&id, frame)| self.frame_location(id, frame)));
         let stack_index = match self.stack_index.get(&locations) {
             Some(&index) => index,
             None => {
@@ -444,11 +467,24 @@ impl Dictionary {
         SampleKey { stack: stack_index, attributes }
     }
 
+    /// The location of frame `id` of the piece's table.
+    fn frame_location(&mut self, id: FrameId, frame: &Frame) -> i32 {
+        match self.frame_locations.get(id as usize) {
+            Some(&known) if known != 0 => known,
+            Some(_) => {
+                let index = self.location(frame);
+                self.frame_locations[id as usize] = index;
+                index
+            }
+            None => self.location(frame),
+        }
+    }
+
     fn location(&mut self, frame: &Frame) -> i32 {
         let key = match frame {
             Frame::Python(python) => self.python_location(python),
             Frame::Task(name) => {
-                LocationKey { mapping: 0, address: 0, function: self.function(&task_name(name), "", 0), line: 0, frame_type: self.frame_type("cpython") }
+                LocationKey { mapping: 0, address: 0, function: self.function(&task_name(name), "", 0), line: 0, frame_type: self.frame_types.cpython }
             }
             Frame::Native(native) => self.native_location(native),
             Frame::Kernel(kernel) => self.kernel_location(kernel),
@@ -475,7 +511,7 @@ impl Dictionary {
             address: 0,
             function: self.function(&frame.qualname, &frame.filename, frame.first_line.into()),
             line: frame.line.into(),
-            frame_type: self.frame_type("cpython"),
+            frame_type: self.frame_types.cpython,
         }
     }
 
@@ -487,12 +523,12 @@ impl Dictionary {
             Some(symbol) => self.function(symbol, frame.file.as_deref().unwrap_or(""), 0),
             None => 0,
         };
-        LocationKey { mapping, address: frame.addr, function, line: frame.line.map_or(0, i64::from), frame_type: self.frame_type("native") }
+        LocationKey { mapping, address: frame.addr, function, line: frame.line.map_or(0, i64::from), frame_type: self.frame_types.native }
     }
 
     fn kernel_location(&mut self, frame: &KernelFrame) -> LocationKey {
         let function = frame.symbol.as_deref().map_or(0, |symbol| self.function(symbol, "", 0));
-        LocationKey { mapping: self.mapping(MappingKey::Kernel), address: frame.addr, function, line: 0, frame_type: self.frame_type("kernel") }
+        LocationKey { mapping: self.mapping(MappingKey::Kernel), address: frame.addr, function, line: 0, frame_type: self.frame_types.kernel }
     }
 
     fn function(&mut self, name: &str, filename: &str, start_line: i64) -> i32 {
