@@ -13,7 +13,7 @@ use super::proto::common::{any_value, KeyValue};
 use super::proto::profiles as otlp;
 use super::queue::{Backoff, Encoded, Shared};
 use super::tls::TlsMaterial;
-use super::transport::{http_outcome, Outcome, Transport};
+use super::transport::{compressed_frame, http_outcome, Outcome, Transport};
 use super::*;
 use crate::mode::Mode;
 use crate::output::test_profile::{key, python, sample_profile};
@@ -599,4 +599,26 @@ fn past_the_bound_the_whole_period_goes_without_timestamps_and_the_next_has_them
 fn untimed_periods_are_said_after_the_totals() {
     let totals = OtlpTotals { endpoint: "http://c:4318".into(), untimed: 2, ..OtlpTotals::default() };
     assert!(totals.to_string().ends_with(", 0 refused, 2 periods without timestamps (over 2000000 events)"), "{totals}");
+}
+
+#[test]
+fn a_grpc_message_is_framed_again_gzip_compressed_and_anything_else_is_left_alone() {
+    let message: Vec<u8> = (0..5000u32).flat_map(|i| (i % 97).to_le_bytes()).collect();
+    let mut framed = vec![0];
+    framed.extend_from_slice(&(message.len() as u32).to_be_bytes());
+    framed.extend_from_slice(&message);
+    let frame = compressed_frame(&framed).expect("one uncompressed message");
+    assert_eq!(frame[0], 1, "the compressed flag");
+    let length = u32::from_be_bytes(frame[1..5].try_into().unwrap()) as usize;
+    assert_eq!(length, frame.len() - 5);
+    assert!(length < message.len() / 4, "{length} bytes compressed of {}", message.len());
+    let mut unpacked = Vec::new();
+    flate2::read::GzDecoder::new(&frame[5..]).read_to_end(&mut unpacked).unwrap();
+    assert_eq!(unpacked, message);
+
+    let mut compressed_already = framed.clone();
+    compressed_already[0] = 1;
+    assert_eq!(compressed_frame(&compressed_already), None);
+    assert_eq!(compressed_frame(&framed[..framed.len() - 1]), None, "a length that is not the message's");
+    assert_eq!(compressed_frame(&framed[..3]), None);
 }
