@@ -257,6 +257,9 @@ fn a_program_loading_python_late_with_dlopen_is_attached() {
 /// A program that maps `libpython` but starts its interpreter only 12 s later, long past the
 /// timed checks the new library gets, is attached all the same. Here pyenv's 3.11 (built-in
 /// offsets, not debug offsets); 747-795 samples of about 800 by hand with its 3.10 to 3.13.
+/// When a sample had its maps re-read between the `dlopen` and the start, the library's timed
+/// checks ended seconds before the start, and it got 0 (once in CI): its first sample in the
+/// library's code has it checked again.
 #[test]
 fn a_program_starting_a_loaded_libpython_late_is_attached() {
     let (python, total, stderr) = embedded_late_spin("3.11.7", "3.11", &["1", "12"]);

@@ -65,6 +65,12 @@ pub fn maps_python_file(maps: &Maps) -> bool {
     !mapped_files(maps, is_python_file).is_empty()
 }
 
+/// Whether `addr` lies in the code of a file `maps` map that is named as an interpreter or
+/// `libpython`.
+pub fn is_python_code(maps: &Maps, addr: u64) -> bool {
+    maps.find(addr).filter(|mapping| mapping.is_executable()).and_then(|mapping| mapping.file()).is_some_and(is_python_file)
+}
+
 /// The `MAJOR.MINOR` in an interpreter's file name (`python3.8`, `libpython2.7.so.1.0`,
 /// `python3.12d`), for versions without `Py_Version` (before 3.11).
 fn version_in_name(path: &Path) -> Option<String> {

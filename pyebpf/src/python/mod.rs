@@ -41,6 +41,9 @@ use crate::stats::{NamedProcesses, Stats};
 /// has not mapped `libpython` yet, and the runtime is not set up yet.
 const FIRST_RECHECK: Duration = Duration::from_millis(20);
 const RECHECKS: u32 = 7;
+/// How often a sample in the code of an interpreter that had not started has it checked again
+/// (an embedding program may call into the library long before it starts the interpreter).
+const PYTHON_CODE_RECHECK: Duration = Duration::from_secs(1);
 
 /// How Python frames are found.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -97,7 +100,9 @@ enum Recheck {
     /// over: the libraries it needs were all mapped, none of them Python (or its interpreter did
     /// not start in their time). Only a `dlopen` can map one, and a sample in its code
     /// has the maps re-read ([`MapsCache::explaining`]): checked again when they differ from
-    /// these, as often as that happens, and its samples need not come soon.
+    /// these, as often as that happens, and its samples need not come soon. An interpreter
+    /// mapped and not started can start only by running its own code, which maps nothing new: a
+    /// sample there has it checked again too, at most every [`PYTHON_CODE_RECHECK`].
     OnNewMaps(Arc<Maps>),
     /// What was found cannot change without an exec: an unsupported version, or a kernel thread.
     Never,
@@ -115,7 +120,11 @@ impl Other {
                     Some(ip) => maps.explaining(pid, ip),
                     None => maps.latest(pid),
                 };
-                latest.filter(|latest| !Arc::ptr_eq(latest, checked)).map(|latest| Ok(latest.clone()))
+                if let Some(latest) = latest.filter(|latest| !Arc::ptr_eq(latest, checked)) {
+                    return Some(Ok(latest.clone()));
+                }
+                let in_interpreter = ip.is_some_and(|ip| crate::cpython::runtime::is_python_code(checked, ip));
+                (in_interpreter && self.checked_at.elapsed() >= PYTHON_CODE_RECHECK).then(|| maps.newer_than(pid, Duration::ZERO).cloned())
             }
             Recheck::Never => None,
         }

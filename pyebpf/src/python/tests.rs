@@ -608,16 +608,26 @@ fn a_libpython_loaded_after_the_timed_checks_is_checked_again() {
     check_late_libpython("/ld-");
 }
 
-/// A program that `dlopen`s libpython 3.11 on a byte on stdin, never starting it, sampled first
-/// in the code of the file whose path has `first_samples_in` until it is classified.
+/// A program that `dlopen`s libpython 3.11 on a byte on stdin and starts its interpreter on a
+/// second, sampled first in the code of the file whose path has `first_samples_in` until it is
+/// classified. Once the library's timed checks are over too, a sample in its code has it checked
+/// again (not sooner than a second after the last check): starting the interpreter maps nothing
+/// new, so the maps alone would never have it checked again.
 fn check_late_libpython(first_samples_in: &str) {
     use std::io::Write;
     use std::process::{Command, Stdio};
-    let lib = pyebpf_tests::pyenv_python("3.11.7").parent().and_then(|bin| bin.parent()).expect("pyenv's layout").join("lib/libpython3.11.so.1.0");
+    let home = pyebpf_tests::pyenv_python("3.11.7").parent().and_then(|bin| bin.parent()).expect("pyenv's layout").to_path_buf();
+    let lib = home.join("lib/libpython3.11.so.1.0");
     let dir = tempfile::tempdir().unwrap();
-    let program = "#include <dlfcn.h>\n#include <unistd.h>\nint main(int argc, char **argv) { char c; if (read(0, &c, 1) != 1 || !dlopen(argv[1], RTLD_NOW | RTLD_GLOBAL)) return 1; pause(); }\n";
+    let program = "#include <dlfcn.h>\n#include <unistd.h>\nint main(int argc, char **argv) {\n\
+                   char c; void *python;\n\
+                   if (read(0, &c, 1) != 1 || !(python = dlopen(argv[1], RTLD_NOW | RTLD_GLOBAL))) return 1;\n\
+                   void (*initialize)(void) = (void (*)(void))dlsym(python, \"Py_Initialize\");\n\
+                   if (!initialize || read(0, &c, 1) != 1) return 1;\n\
+                   initialize();\n\
+                   pause();\n}\n";
     let exe = pyebpf_tests::compile_c(dir.path(), "loads_late", program, &[]);
-    let mut child = Command::new(&exe).arg(&lib).stdin(Stdio::piped()).spawn().unwrap();
+    let mut child = Command::new(&exe).arg(&lib).env("PYTHONHOME", &home).stdin(Stdio::piped()).spawn().unwrap();
     let mut start = child.stdin.take().unwrap();
     let target = Killed(child);
     let pid = target.pid();
@@ -636,17 +646,10 @@ fn check_late_libpython(first_samples_in: &str) {
         assert!(std::time::Instant::now() < deadline, "the program never mapped the C library");
         std::thread::sleep(Duration::from_millis(10));
     };
-    let mut maps = MapsCache::default();
-    let (mut kernel, mut stats) = (FakeKernel::default(), Stats::default());
-    let mut pythons = Pythons::<ProcessMemory>::new(OPTIONS);
-    pythons.discover(pid, Some(first), &mut kernel, &mut maps, &mut stats);
+    let mut checks = LateChecks { pid, pythons: Pythons::new(OPTIONS), kernel: FakeKernel::default(), maps: MapsCache::default(), stats: Stats::default() };
     // The timed checks come 20 ms to 1.3 s apart, 2.5 s in all.
-    while !pythons.classified(pid) {
-        assert!(std::time::Instant::now() < deadline + Duration::from_secs(5), "still checked on a timer after 5 s");
-        std::thread::sleep(FIRST_RECHECK);
-        pythons.discover(pid, Some(first), &mut kernel, &mut maps, &mut stats);
-    }
-    assert!(!pythons.is_python(pid));
+    checks.sample_until(first, |pythons| pythons.classified(pid), "still checked on a timer after 5 s");
+    assert!(!checks.pythons.is_python(pid));
 
     start.write_all(b"x").unwrap();
     let libpython = loop {
@@ -657,8 +660,41 @@ fn check_late_libpython(first_samples_in: &str) {
         std::thread::sleep(Duration::from_millis(10));
     };
     std::thread::sleep(crate::maps::REFRESH_INTERVAL);
-    pythons.discover(pid, Some(libpython), &mut kernel, &mut maps, &mut stats);
-    assert!(maps.latest(pid).is_some_and(|latest| latest.find(libpython).is_some()), "a sample in libpython did not have the maps re-read");
-    assert!(!pythons.is_python(pid), "attached to a libpython that runs no interpreter");
-    assert!(!pythons.classified(pid), "a libpython whose interpreter may yet start was classified: it would never be checked again");
+    checks.sample(libpython);
+    assert!(checks.maps.latest(pid).is_some_and(|latest| latest.find(libpython).is_some()), "a sample in libpython did not have the maps re-read");
+    assert!(!checks.pythons.is_python(pid), "attached to a libpython that runs no interpreter");
+    assert!(!checks.pythons.classified(pid), "a libpython whose interpreter may yet start was classified: it would never be checked again");
+
+    checks.sample_until(first, |pythons| pythons.classified(pid), "libpython still checked on a timer after 5 s");
+    checks.sample(libpython);
+    assert!(checks.pythons.classified(pid), "a sample in libpython had it checked again within a second of the last check");
+    start.write_all(b"x").unwrap();
+    checks.sample_until(libpython, |pythons| pythons.is_python(pid), "the interpreter it started not attached from samples in libpython's code after 5 s");
+}
+
+/// What [`check_late_libpython`] checks a process with.
+struct LateChecks {
+    pid: u32,
+    pythons: Pythons<ProcessMemory>,
+    kernel: FakeKernel,
+    maps: MapsCache,
+    stats: Stats,
+}
+
+impl LateChecks {
+    /// A sample of the process at `ip`.
+    fn sample(&mut self, ip: u64) {
+        self.pythons.discover(self.pid, Some(ip), &mut self.kernel, &mut self.maps, &mut self.stats);
+    }
+
+    /// Samples at `ip` every [`FIRST_RECHECK`] until `done`; `failure` after 5 s.
+    fn sample_until(&mut self, ip: u64, done: impl Fn(&Pythons<ProcessMemory>) -> bool, failure: &str) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        self.sample(ip);
+        while !done(&self.pythons) {
+            assert!(std::time::Instant::now() < deadline, "{failure}");
+            std::thread::sleep(FIRST_RECHECK);
+            self.sample(ip);
+        }
+    }
 }
