@@ -10,8 +10,10 @@ use hashbrown::HashMap;
 
 use crate::mode::Mode;
 
+mod per_frame;
 mod timeline;
 
+pub use per_frame::PerFrame;
 pub use timeline::{Event, Timeline, MAX_EVENTS};
 
 /// A loaded file in a process's address space (one executable mapping of `/proc/PID/maps`).

@@ -24,7 +24,9 @@ use hashbrown::HashMap;
 
 use crate::mode::Mode;
 use crate::output::task_name;
-use crate::stack::{Event, Frame, FrameId, FrameTable, KernelFrame, Module, NativeFrame, ProcessDetails, Profile, PythonFrame, Stack, Timeline, Weight};
+use crate::stack::{
+    Event, Frame, FrameId, FrameTable, KernelFrame, Module, NativeFrame, PerFrame, ProcessDetails, Profile, PythonFrame, Stack, Timeline, Weight,
+};
 
 use super::proto::common::{any_value, AnyValue, InstrumentationScope, KeyValue};
 use super::proto::profiles as otlp;
@@ -344,9 +346,8 @@ struct Dictionary {
     attribute_index: HashMap<(i32, AttributeValue), i32>,
     stacks: Vec<otlp::Stack>,
     stack_index: HashMap<Vec<i32>, i32>,
-    /// The location of each frame of the piece's table met so far, by frame id (0: not yet): a
-    /// frame is looked up once, not once per stack it is in.
-    frame_locations: Vec<i32>,
+    /// The location of each frame of the piece's table met so far.
+    frame_locations: PerFrame<i32>,
     /// `profile.frame.type`'s attribute for Python, native and kernel frames.
     frame_types: FrameTypes,
     /// A scratch list of a stack's locations.
@@ -381,7 +382,7 @@ impl Dictionary {
             attribute_index: HashMap::new(),
             stacks: vec![otlp::Stack::default()],
             stack_index: HashMap::new(),
-            frame_locations: Vec::new(),
+            frame_locations: PerFrame::default(),
             frame_types: FrameTypes::default(),
             scratch: Vec::new(),
         };
@@ -394,8 +395,7 @@ impl Dictionary {
 
     /// The stacks that follow are of a profile with this frame table.
     fn start_piece(&mut self, frames: &FrameTable) {
-        self.frame_locations.clear();
-        self.frame_locations.resize(frames.len(), 0);
+        self.frame_locations = PerFrame::for_table(frames);
     }
 
     fn finish(self) -> otlp::ProfilesDictionary {
@@ -469,15 +469,12 @@ impl Dictionary {
 
     /// The location of frame `id` of the piece's table.
     fn frame_location(&mut self, id: FrameId, frame: &Frame) -> i32 {
-        match self.frame_locations.get(id as usize) {
-            Some(&known) if known != 0 => known,
-            Some(_) => {
-                let index = self.location(frame);
-                self.frame_locations[id as usize] = index;
-                index
-            }
-            None => self.location(frame),
+        if let Some(known) = self.frame_locations.get(id) {
+            return known;
         }
+        let index = self.location(frame);
+        self.frame_locations.remember(id, index);
+        index
     }
 
     fn location(&mut self, frame: &Frame) -> i32 {

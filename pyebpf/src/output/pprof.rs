@@ -16,7 +16,7 @@ use flate2::Compression;
 use prost::Message;
 
 use crate::mode::Mode;
-use crate::stack::{Frame, KernelFrame, Module, NativeFrame, Profile, PythonFrame, Stack, Weight};
+use crate::stack::{Frame, FrameId, KernelFrame, Module, NativeFrame, PerFrame, Profile, PythonFrame, Stack, Weight};
 
 use super::{kernel_name, native_name, task_name};
 
@@ -38,7 +38,7 @@ pub(super) fn write(profile: &Profile, out: &mut impl Write) -> io::Result<()> {
 }
 
 fn build(profile: &Profile) -> proto::Profile {
-    let mut builder = Builder::default();
+    let mut builder = Builder { frame_locations: PerFrame::for_table(&profile.frames), ..Builder::default() };
     // Index 0 of the string table must be the empty string.
     builder.string("");
     let values = Values::of(profile.mode);
@@ -141,6 +141,8 @@ struct Builder {
     function_ids: HashMap<FunctionKey, u64>,
     locations: Vec<proto::Location>,
     location_ids: HashMap<LocationKey, u64>,
+    /// The location of each frame of the profile's table met so far.
+    frame_locations: PerFrame<u64>,
 }
 
 impl Builder {
@@ -168,7 +170,7 @@ impl Builder {
     }
 
     fn sample(&mut self, key: &Stack<'_>, value: Vec<i64>, state_label: bool) -> proto::Sample {
-        let location_id = key.frames.iter().map(|frame| self.location(frame)).collect();
+        let location_id = key.frames.ids().iter().zip(key.frames.iter()).map(|(&id, frame)| self.frame_location(id, frame)).collect();
         let mut label = vec![self.number_label("pid", key.pid.into()), self.number_label("tid", key.tid.into()), self.string_label("comm", key.comm)];
         if let Some(labels) = key.labels {
             if let Some(ns_pid) = labels.ns_pid {
@@ -194,6 +196,16 @@ impl Builder {
 
     fn string_label(&mut self, name: &str, value: &str) -> proto::Label {
         proto::Label { key: self.string(name), str: self.string(value), ..Default::default() }
+    }
+
+    /// The location of frame `id` of the profile's table.
+    fn frame_location(&mut self, id: FrameId, frame: &Frame) -> u64 {
+        if let Some(known) = self.frame_locations.get(id) {
+            return known;
+        }
+        let location = self.location(frame);
+        self.frame_locations.remember(id, location);
+        location
     }
 
     fn location(&mut self, frame: &Frame) -> u64 {
