@@ -293,11 +293,6 @@ impl Symbolizer {
         Some(NativeFrame { addr, module: Some(mapping.module.clone()), symbol: name, file: None, line: None })
     }
 
-    /// Whether `addr` of `pid` lies in an eval loop found before.
-    pub fn in_eval_loop(&self, pid: u32, addr: u64) -> bool {
-        self.eval_loop_mapping(pid, addr).is_some()
-    }
-
     fn eval_loop_mapping(&self, pid: u32, addr: u64) -> Option<&Mapping> {
         let mapping = self.processes.get(&pid)?.find(addr)?;
         let Backing::File { id, .. } = &mapping.backing else { return None };

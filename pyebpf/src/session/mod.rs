@@ -233,9 +233,9 @@ impl Session {
             self.repeats.clear();
             self.native_resets = self.native.resets();
         }
-        self.native.know_leaf(record, self.processes.maps(), &mut profile.frames);
+        let known = self.native.know_leaf(record, self.processes.maps(), &mut profile.frames);
         let native = &self.native;
-        let leaf_level = |leaf| native.leaf_level(record.tgid, leaf);
+        let leaf_level = |leaf| known.filter(|&(at, _)| at == leaf).map(|(_, known)| native.leaf_level(known));
         let resolved = match self.repeats.look_up(record, native.unwound(), self.python.state(record.tgid), leaf_level) {
             Ok(resolved) => resolved,
             Err(slot) => return Some(slot),

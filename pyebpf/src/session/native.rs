@@ -42,6 +42,14 @@ pub struct NativeUse {
     pub unmapped: bool,
 }
 
+/// A process's level at an innermost user address, as [`NativeStacks::know_leaf`] found it.
+#[derive(Clone, Copy)]
+pub enum KnownLeaf {
+    Level(IdLevel),
+    /// In an eval loop found before: its traits, with no frames of its own.
+    EvalLoop(LevelTraits),
+}
+
 /// What is known of a process's level at an innermost user address, without a look-up.
 #[derive(Clone, Copy)]
 pub struct LeafLevel<'a> {
@@ -115,26 +123,33 @@ impl NativeStacks {
         self.unwound.as_ref()
     }
 
-    /// Resolves the sample's innermost user address where it is new to the process, so that a
-    /// sample like one resolved before but for that address (a new instruction of a hot C
-    /// function) repeats it. After [`Self::unwind_ahead`] for the sample.
-    pub fn know_leaf(&mut self, record: &SampleRecord, maps: &mut MapsCache, table: &mut FrameTable) {
+    /// The sample's innermost user address and the process's level there, the level resolved
+    /// first where the address is new to the process, so that a sample like one resolved before
+    /// but for that address (a new instruction of a hot C function) repeats it. After
+    /// [`Self::unwind_ahead`] for the sample.
+    pub fn know_leaf(&mut self, record: &SampleRecord, maps: &mut MapsCache, table: &mut FrameTable) -> Option<(u64, KnownLeaf)> {
         let leaf = match &self.unwound {
             Some(unwound) => unwound.addrs.first().copied(),
             None => (record.user_len > 0).then_some(record.user_stack[0]),
         };
-        let Some(leaf) = leaf.filter(|_| !self.no_native) else { return };
-        if self.ids.known_level(record.tgid, leaf).is_none() && !self.symbolizer.in_eval_loop(record.tgid, leaf) {
-            self.ids.user_levels(&mut self.symbolizer, maps, table, record.tgid, &[leaf], &mut self.levels);
+        let leaf = leaf.filter(|_| !self.no_native)?;
+        let pid = record.tgid;
+        if let Some(level) = self.ids.known_level(pid, leaf) {
+            return Some((leaf, KnownLeaf::Level(level)));
         }
+        // An address in an eval loop found before is known without a look-up.
+        if let Some(frame) = self.symbolizer.eval_loop_frame(pid, leaf) {
+            return Some((leaf, KnownLeaf::EvalLoop(LevelTraits::of(&[frame]))));
+        }
+        self.ids.user_levels(&mut self.symbolizer, maps, table, pid, &[leaf], &mut self.levels);
+        self.ids.known_level(pid, leaf).map(|level| (leaf, KnownLeaf::Level(level)))
     }
 
-    /// `pid`'s level at the innermost user address `leaf`, if resolved before or known without a
-    /// look-up (an address in an eval loop found before).
-    pub fn leaf_level(&self, pid: u32, leaf: u64) -> Option<LeafLevel<'_>> {
-        match self.ids.known_level(pid, leaf) {
-            Some(level) => Some(LeafLevel { traits: level.traits(), frames: Some(self.ids.frames(&level)) }),
-            None => self.symbolizer.eval_loop_frame(pid, leaf).map(|frame| LeafLevel { traits: LevelTraits::of(&[frame]), frames: None }),
+    /// The level [`Self::know_leaf`] found.
+    pub fn leaf_level(&self, known: KnownLeaf) -> LeafLevel<'_> {
+        match known {
+            KnownLeaf::Level(level) => LeafLevel { traits: level.traits(), frames: Some(self.ids.frames(&level)) },
+            KnownLeaf::EvalLoop(traits) => LeafLevel { traits, frames: None },
         }
     }
 
