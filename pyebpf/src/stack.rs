@@ -590,7 +590,8 @@ impl Profile {
 mod tests {
     use super::*;
 
-    fn python(line: u32) -> Frame {
+    /// A Python frame of `work` at `line`, for this module's tests and its children's.
+    pub(super) fn python(line: u32) -> Frame {
         Frame::Python(PythonFrame { qualname: "work".into(), filename: "/w.py".into(), first_line: 3, line })
     }
 

@@ -29,11 +29,7 @@ impl<T: Copy> PerFrame<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::stack::{Frame, PythonFrame};
-
-    fn python(line: u32) -> Frame {
-        Frame::Python(PythonFrame { qualname: "work".into(), filename: "/w.py".into(), first_line: 3, line })
-    }
+    use crate::stack::tests::python;
 
     #[test]
     fn per_frame_remembers_what_was_made_of_each_frame_of_its_table_only() {
